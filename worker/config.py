@@ -1,0 +1,134 @@
+"""Settings for every layer, from environment variables and CLI flags (pydantic-settings).
+
+Each class has its own environment prefix so a deployment can set `KAFKA_BOOTSTRAP_SERVERS`,
+`ENGINE_POLICY`, `WORKER_MAX_WAITING` and so on. Every field carries a docstring: the README's
+configuration table is generated from them (`llm-worker config --markdown`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_HOME = Path.home() / ".cache" / "kafka-llm-worker"
+
+
+class KafkaSettings(BaseSettings):
+    """Where the broker is and how the topics are laid out."""
+
+    model_config = SettingsConfigDict(env_prefix="KAFKA_", extra="ignore")
+
+    bootstrap_servers: str = "127.0.0.1:9092"
+    """Comma-separated host:port list of the Kafka cluster."""
+    request_topic: str = "llm.requests"
+    """Topic the workers consume generation requests from."""
+    result_topic: str = "llm.results"
+    """Default topic for stream chunks and final records."""
+    dead_letter_topic: str = "llm.dead-letter"
+    """Topic for records that cannot be decoded or that poison the worker."""
+    status_topic: str = "llm.status"
+    """Topic on which each worker publishes its load status every second."""
+    num_priorities: int = Field(3, ge=1, le=16)
+    """Number of priority levels; priority 0 is the most urgent."""
+    partitions_per_priority: int = Field(2, ge=1, le=256)
+    """Request-topic partitions per priority; bounds the number of useful workers."""
+    replication_factor: int = Field(1, ge=1)
+    """Replication factor used when the topics command creates topics."""
+    result_retention_ms: int = 24 * 3600 * 1000
+    """retention.ms of the result topic."""
+    group_id: str = "llm-workers"
+    """Consumer group shared by all workers."""
+    allowed_reply_topics: list[str] = []
+    """Topics, besides the result topic, that a request may name as its reply topic."""
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    """Passed through to aiokafka."""
+    sasl_mechanism: str | None = None
+    """SASL mechanism (PLAIN, SCRAM-SHA-256, SCRAM-SHA-512), passed through to aiokafka."""
+    sasl_username: str | None = None
+    """SASL user name."""
+    sasl_password: SecretStr | None = None
+    """SASL password (masked in logs)."""
+    ssl_cafile: str | None = None
+    """CA bundle for SSL connections."""
+
+    @property
+    def num_request_partitions(self) -> int:
+        return self.num_priorities * self.partitions_per_priority
+
+    def client_kwargs(self) -> dict:
+        """Connection keyword arguments shared by aiokafka producers, consumers and admin clients."""
+        kwargs: dict = {"bootstrap_servers": self.bootstrap_servers, "security_protocol": self.security_protocol}
+        if self.sasl_mechanism:
+            kwargs["sasl_mechanism"] = self.sasl_mechanism
+            kwargs["sasl_plain_username"] = self.sasl_username
+            kwargs["sasl_plain_password"] = self.sasl_password.get_secret_value() if self.sasl_password else None
+        if self.ssl_cafile:
+            from aiokafka.helpers import create_ssl_context
+
+            kwargs["ssl_context"] = create_ssl_context(cafile=self.ssl_cafile)
+        return kwargs
+
+
+class EngineSettings(BaseSettings):
+    """The model, the KV cache and the batching policy."""
+
+    model_config = SettingsConfigDict(env_prefix="ENGINE_", extra="ignore")
+
+    model: str = "smollm2-135m-instruct"
+    """A Hugging Face Llama-family folder, or the name of a model provisioned by `llm-worker model pull`."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights and KV-cache dtype; auto is float32 on the CPU and bfloat16 on CUDA."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the model runs; auto picks CUDA when available."""
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    """auto: Triton on CUDA, torch on the CPU."""
+    block_size: int = Field(16, ge=1, le=256)
+    """Tokens per KV-cache block."""
+    kv_cache_bytes: int = Field(256 * 1024**2, ge=1)
+    """KV-cache size on the CPU, in bytes."""
+    kv_cache_gpu_fraction: float = Field(0.8, gt=0, le=1)
+    """Fraction of free GPU memory (after loading weights) given to the KV cache on CUDA."""
+    num_kv_blocks: int | None = None
+    """Exact number of KV blocks; overrides the byte and fraction budgets (tests use it)."""
+    max_num_batched_tokens: int = Field(512, ge=1)
+    """Token budget of one engine step (prefill chunks plus decode tokens)."""
+    max_num_seqs: int = Field(64, ge=1)
+    """Maximum number of requests running at once."""
+    max_model_len: int | None = None
+    """Longest prompt plus output; defaults to the model's max_position_embeddings."""
+    enable_prefix_caching: bool = True
+    """Reuse full KV blocks across requests that share a prompt prefix."""
+    policy: Literal["continuous", "dynamic", "static"] = "continuous"
+    """continuous: iteration-level batching; dynamic: windowed batches run to completion; static: fixed batches."""
+    max_batch_size: int = Field(16, ge=1)
+    """Batch size of the dynamic and static policies."""
+    batch_window_ms: float = Field(50.0, ge=0)
+    """dynamic policy: the longest the oldest waiting request waits before a partial batch starts."""
+    seed: int = 0
+    """Seed for requests that sample without a seed of their own."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "EngineSettings":
+        if self.policy != "continuous" and self.max_batch_size > self.max_num_seqs:
+            raise ValueError("max_batch_size must not exceed max_num_seqs")
+        return self
+
+
+class PathSettings(BaseSettings):
+    """Where the project keeps downloaded jars, models and broker data."""
+
+    model_config = SettingsConfigDict(env_prefix="LLM_WORKER_", extra="ignore")
+
+    home: Path = DEFAULT_HOME
+    """Cache folder for Kafka jars, provisioned models and the local broker's data."""
+
+    @property
+    def models_dir(self) -> Path:
+        return self.home / "models"
+
+    @property
+    def kafka_dir(self) -> Path:
+        return self.home / "kafka"

@@ -1,0 +1,90 @@
+"""The engine's internal request: what the scheduler and block pool track per request.
+
+Not the wire object (schemas/ has that): the transport converts a decoded wire request into this.
+Times are `time.monotonic()` seconds.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 means no top-k cut."""
+    seed: int | None = None
+    """Per-request seed: the same seed gives the same tokens whatever else is in the batch."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Besides the model's EOS token ids; the stop token is not part of the output text."""
+    stop: tuple[str, ...] = ()
+    """Stop strings; generation ends before them and they are not emitted."""
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    """EOS, a stop token id or a stop string."""
+    FINISHED_LENGTH = "length"
+    """max_new_tokens or max_model_len reached."""
+    FINISHED_ABORTED = "abort"
+    FINISHED_DEADLINE = "deadline"
+    """Dropped while waiting because its deadline had passed."""
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort", "deadline")
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0
+    """Lower is more urgent."""
+    arrival_time: float = field(default_factory=time.monotonic)
+    deadline: float | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    """Tokens of prompt + output whose K/V are in the cache."""
+    block_ids: list[int] = field(default_factory=list)
+    """The block table: block_ids[i] holds positions [i*block_size, (i+1)*block_size)."""
+    num_cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache at the last admission."""
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished

@@ -1,0 +1,29 @@
+"""Attention backends: given this step's q/k/v and the paged KV cache, write the new K/V into the cache
+and attend over each request's whole context. Implementations: `TorchAttention` (here, the reference
+and the CPU default) and `TritonAttention` (worker/model/triton_attention.py, the CUDA default)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from worker.model.input import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        """Write k/v at meta.slot_mapping, then causal attention of each request's new tokens over its
+        cached context plus themselves (token i of request b sits at position seq_lens[b] - q_len_b + i)."""
