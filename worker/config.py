@@ -19,7 +19,7 @@ DEFAULT_HOME = Path.home() / ".cache" / "kafka-llm-worker"
 class KafkaSettings(BaseSettings):
     """Where the broker is and how the topics are laid out."""
 
-    model_config = SettingsConfigDict(env_prefix="KAFKA_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="KAFKA_", extra="ignore", use_attribute_docstrings=True)
 
     bootstrap_servers: str = "127.0.0.1:9092"
     """Comma-separated host:port list of the Kafka cluster."""
@@ -75,7 +75,7 @@ class KafkaSettings(BaseSettings):
 class EngineSettings(BaseSettings):
     """The model, the KV cache and the batching policy."""
 
-    model_config = SettingsConfigDict(env_prefix="ENGINE_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="ENGINE_", extra="ignore", use_attribute_docstrings=True)
 
     model: str = "smollm2-135m-instruct"
     """A Hugging Face Llama-family folder, or the name of a model provisioned by `llm-worker model pull`."""
@@ -120,7 +120,7 @@ class EngineSettings(BaseSettings):
 class PathSettings(BaseSettings):
     """Where the project keeps downloaded jars, models and broker data."""
 
-    model_config = SettingsConfigDict(env_prefix="LLM_WORKER_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="LLM_WORKER_", extra="ignore", use_attribute_docstrings=True)
 
     home: Path = DEFAULT_HOME
     """Cache folder for Kafka jars, provisioned models and the local broker's data."""
@@ -132,3 +132,58 @@ class PathSettings(BaseSettings):
     @property
     def kafka_dir(self) -> Path:
         return self.home / "kafka"
+
+
+def _default_worker_id() -> str:
+    import os
+    import socket
+
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class WorkerSettings(BaseSettings):
+    """Admission, shedding, backpressure, streaming and shutdown of `llm-worker serve`."""
+
+    model_config = SettingsConfigDict(env_prefix="WORKER_", extra="ignore", use_attribute_docstrings=True)
+
+    worker_id: str = Field(default_factory=_default_worker_id)
+    """Name in status records, final records and logs; hostname-pid by default."""
+    max_waiting: int = Field(256, ge=1)
+    """Local waiting-queue high watermark: above it, partitions pause (lowest priority first)."""
+    resume_waiting: int = Field(128, ge=0)
+    """Local waiting-queue low watermark: below it, paused partitions resume."""
+    kv_pause_threshold: float = Field(0.95, gt=0, le=1)
+    """KV-cache usage above which partitions pause."""
+    kv_resume_threshold: float = Field(0.85, ge=0, le=1)
+    """KV-cache usage below which paused partitions may resume."""
+    max_queue_time_s: list[float] = [10.0, 30.0, 60.0]
+    """Per priority: the longest estimated wait (lag / completion rate) before that priority's backlog is shed.
+    The most urgent priority is never shed for lag alone. The last value covers priorities past the list."""
+    itl_target_ms: list[float] = [0.0, 0.0, 0.0]
+    """Per priority: inter-token latency target; 0 disables latency-target admission for that priority."""
+    status_interval_s: float = Field(1.0, gt=0)
+    """How often the worker publishes a status record."""
+    chunk_interval_ms: float = Field(0.0, ge=0)
+    """Coalesce stream chunks for this long; 0 sends one chunk per engine step."""
+    drain_timeout_s: float = Field(30.0, ge=0)
+    """On SIGTERM/SIGINT: how long in-flight requests may run before the worker stops without them."""
+    commit_interval_s: float = Field(0.5, gt=0)
+    """How often safe offsets are committed."""
+    max_poll_records: int = Field(500, ge=1)
+    """Records fetched per poll."""
+    metrics_port: int = Field(9400, ge=0, le=65535)
+    """Prometheus metrics HTTP port; 0 disables the endpoint."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "WorkerSettings":
+        if self.resume_waiting > self.max_waiting:
+            raise ValueError("resume_waiting must not exceed max_waiting")
+        if self.kv_resume_threshold > self.kv_pause_threshold:
+            raise ValueError("kv_resume_threshold must not exceed kv_pause_threshold")
+        return self
+
+    def max_queue_time_for(self, priority: int) -> float:
+        return self.max_queue_time_s[min(priority, len(self.max_queue_time_s) - 1)]
+
+    def itl_target_for(self, priority: int) -> float:
+        return self.itl_target_ms[min(priority, len(self.itl_target_ms) - 1)]
