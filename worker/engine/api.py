@@ -1,0 +1,84 @@
+"""The boundary between the transport (asyncio, Kafka) and the engine (its own thread, torch inside).
+
+Only plain Python objects cross it, so the Kafka loop never touches a tensor. The transport builds an
+`EngineRequest` from a decoded wire request; the engine answers with `RequestOutput`s from `step()`.
+Prompt text and chat messages are tokenized on the engine side (it owns the tokenizer and its chat
+template), which is also where "prompt too long" is decided.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from worker.engine.request import SamplingParams
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    request_id: str
+    """Unique inside one engine; the transport uses "<wire id>#<attempt>@<partition>:<offset>"."""
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    """Chat messages [{"role": ..., "content": ...}], rendered with the model's chat template."""
+    prompt_token_ids: list[int] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0
+    deadline: float | None = None
+    """time.monotonic() seconds; a request still waiting past it is dropped with reason "deadline"."""
+    arrival_time: float | None = None
+    """time.monotonic() seconds; defaults to when the engine receives it."""
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool = False
+    finish_reason: str | None = None
+    """stop | length | abort | deadline | error (with error_code)."""
+    error_code: str | None = None
+    """prompt_too_long | invalid_request | internal, when finish_reason is "error"."""
+    error_message: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_waiting: int = 0
+    num_running: int = 0
+    kv_usage: float = 0.0
+    """Fraction of KV blocks referenced by requests (0..1)."""
+    prefix_cache_hit_rate: float = 0.0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    last_step_num_tokens: int = 0
+    last_step_num_seqs: int = 0
+    step_time_base_s: float = 0.0
+    """Online linear model of step time: base + per_token * num_batched_tokens."""
+    step_time_per_token_s: float = 0.0
+
+
+class Engine(Protocol):
+    """What the transport's engine thread drives: the real LLMEngine, or a model-free engine for benchmarks."""
+
+    def add_request(self, request: EngineRequest) -> list[RequestOutput]:
+        """Queue a request; returns an immediate final output when it is rejected (e.g. prompt too long)."""
+
+    def abort(self, request_ids: list[str]) -> list[RequestOutput]: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def predict_step_time(self, num_tokens: int) -> float:
+        """Seconds one step of num_tokens batched tokens is expected to take (online estimate)."""
