@@ -1,0 +1,62 @@
+"""Wire records shared by the worker and by producers and consumers in other processes.
+
+Imports only msgspec and the standard library (never torch, aiokafka or worker.*), so a producer can use
+it without the worker's dependencies. JSON Schemas of the records are in schemas/json/, example requests in
+schemas/examples/.
+"""
+
+from schemas.dead_letter import DeadLetterRecord
+from schemas.decode import (
+    RequestError,
+    check_limits,
+    decode_dead_letter,
+    decode_request,
+    decode_result,
+    decode_status,
+    encode,
+)
+from schemas.limits import DEFAULT_LIMITS, SCHEMA_VERSION, Limits
+from schemas.priority import partition_for, partitions_for_priority, priority_of_partition
+from schemas.request import ChatMessage, GenerationRequest, SamplingSpec
+from schemas.result import (
+    ERROR_REASONS,
+    FINISH_REASONS,
+    REJECT_REASONS,
+    FinalRecord,
+    ResultRecord,
+    StreamChunk,
+    Timings,
+    Usage,
+)
+from schemas.status import PriorityStatus, Throughput, WorkerStatus
+
+__all__ = [
+    "ChatMessage",
+    "DEFAULT_LIMITS",
+    "DeadLetterRecord",
+    "ERROR_REASONS",
+    "FINISH_REASONS",
+    "FinalRecord",
+    "GenerationRequest",
+    "Limits",
+    "PriorityStatus",
+    "REJECT_REASONS",
+    "RequestError",
+    "ResultRecord",
+    "SCHEMA_VERSION",
+    "SamplingSpec",
+    "StreamChunk",
+    "Throughput",
+    "Timings",
+    "Usage",
+    "WorkerStatus",
+    "check_limits",
+    "decode_dead_letter",
+    "decode_request",
+    "decode_result",
+    "decode_status",
+    "encode",
+    "partition_for",
+    "partitions_for_priority",
+    "priority_of_partition",
+]

@@ -1,0 +1,164 @@
+"""Bytes in, records out. `decode_request` is the worker's one entry point for untrusted input: any bytes at
+all give a GenerationRequest or a RequestError, never an exception, so a poison record cannot stop a
+partition. The result and status decoders serve clients and raise msgspec.DecodeError instead.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+import msgspec
+
+from schemas.dead_letter import DeadLetterRecord
+from schemas.limits import DEFAULT_LIMITS, MAX_ID_CHARS, SCHEMA_VERSION, Limits
+from schemas.request import ID_PATTERN, GenerationRequest
+from schemas.result import FinalRecord, StreamChunk
+from schemas.status import WorkerStatus
+
+RequestErrorCode = Literal["decode_error", "invalid_request", "too_large"]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestError:
+    """Why a request record was refused; the worker turns it into an `error` final record when request_id is
+    known, and into a dead-letter record otherwise."""
+
+    code: RequestErrorCode
+    """decode_error: not JSON (or no value); invalid_request: JSON that breaks the schema or a limit;
+    too_large: the record or its prompt exceeds a size limit."""
+    message: str
+    request_id: str | None = None
+    """The record's id when one could be read and is itself valid, so an answer can be keyed by it."""
+
+
+class _IdProbe(msgspec.Struct):
+    # Reads only `id`, skipping every other field whatever its type, to answer requests that are
+    # otherwise broken.
+    id: str
+
+
+_ENCODER = msgspec.json.Encoder()
+_REQUEST_DECODER = msgspec.json.Decoder(GenerationRequest)
+_ID_DECODER = msgspec.json.Decoder(_IdProbe)
+_RESULT_DECODER = msgspec.json.Decoder(StreamChunk | FinalRecord)
+_STATUS_DECODER = msgspec.json.Decoder(WorkerStatus)
+_DEAD_LETTER_DECODER = msgspec.json.Decoder(DeadLetterRecord)
+_ID_RE = re.compile(ID_PATTERN)
+
+
+def encode(record: msgspec.Struct) -> bytes:
+    """JSON bytes of any wire record."""
+    return _ENCODER.encode(record)
+
+
+def decode_request(data: bytes | None, limits: Limits = DEFAULT_LIMITS) -> GenerationRequest | RequestError:
+    """Decode and check a request record's value. Never raises."""
+    if data is None:
+        return RequestError("decode_error", "the record has no value (a tombstone)")
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        return RequestError("decode_error", f"expected bytes, got {type(data).__name__}")
+    num_bytes = data.nbytes if isinstance(data, memoryview) else len(data)
+    if num_bytes > limits.max_record_bytes:
+        return RequestError(
+            "too_large",
+            f"the record has {num_bytes} bytes, the limit is {limits.max_record_bytes}",
+            _find_request_id(data, limits),
+        )
+    try:
+        # JSON is UTF-8 (RFC 8259); msgspec checks only the strings it keeps, so invalid bytes inside an
+        # ignored field would pass. Decoding first holds the whole record to it, in C, in one pass.
+        text = bytes(data).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return RequestError("decode_error", f"not UTF-8: {exc}")
+    try:
+        request = _REQUEST_DECODER.decode(text)
+    except msgspec.ValidationError as exc:  # before DecodeError: it is a subclass
+        return RequestError("invalid_request", str(exc), _find_request_id(text, limits))
+    except msgspec.DecodeError as exc:
+        # Malformed JSON: no parser would find an id in it either.
+        return RequestError("decode_error", f"not valid JSON: {exc}")
+    except RecursionError:
+        # msgspec guards its recursion with Python's limit; deep nesting under an ignored field reaches it.
+        return RequestError("decode_error", "JSON nested too deeply")
+    return check_limits(request, limits) or request
+
+
+def check_limits(request: GenerationRequest, limits: Limits = DEFAULT_LIMITS) -> RequestError | None:
+    """The deployment's size limits and version support; None when the request is within them."""
+
+    def refuse(code: RequestErrorCode, message: str) -> RequestError:
+        return RequestError(code, message, request.id if _valid_id(request.id, limits) else None)
+
+    if request.schema_version > SCHEMA_VERSION:
+        return refuse("invalid_request", f"schema_version {request.schema_version} is newer than {SCHEMA_VERSION}")
+    if len(request.id) > limits.max_id_chars:
+        return refuse("invalid_request", f"id has {len(request.id)} chars, the limit is {limits.max_id_chars}")
+    if request.num_prompt_chars > limits.max_prompt_chars:
+        return refuse(
+            "too_large", f"the prompt has {request.num_prompt_chars} chars, the limit is {limits.max_prompt_chars}"
+        )
+    if request.messages is not None and len(request.messages) > limits.max_messages:
+        return refuse("too_large", f"{len(request.messages)} messages, the limit is {limits.max_messages}")
+    if request.prompt_token_ids is not None and len(request.prompt_token_ids) > limits.max_prompt_token_ids:
+        return refuse(
+            "too_large",
+            f"{len(request.prompt_token_ids)} prompt token ids, the limit is {limits.max_prompt_token_ids}",
+        )
+    if request.max_new_tokens > limits.max_new_tokens:
+        return refuse("invalid_request", f"max_new_tokens {request.max_new_tokens} exceeds {limits.max_new_tokens}")
+    sampling = request.sampling
+    if len(sampling.stop) > limits.max_stop_strings:
+        return refuse("invalid_request", f"{len(sampling.stop)} stop strings, the limit is {limits.max_stop_strings}")
+    if any(len(s) > limits.max_stop_chars for s in sampling.stop):
+        return refuse("invalid_request", f"a stop string exceeds {limits.max_stop_chars} chars")
+    if len(sampling.stop_token_ids) > limits.max_stop_token_ids:
+        return refuse(
+            "invalid_request",
+            f"{len(sampling.stop_token_ids)} stop token ids, the limit is {limits.max_stop_token_ids}",
+        )
+    metadata = request.metadata or {}
+    if len(metadata) > limits.max_metadata_entries:
+        return refuse(
+            "invalid_request", f"{len(metadata)} metadata entries, the limit is {limits.max_metadata_entries}"
+        )
+    if any(len(k) > limits.max_metadata_chars or len(v) > limits.max_metadata_chars for k, v in metadata.items()):
+        return refuse("invalid_request", f"a metadata key or value exceeds {limits.max_metadata_chars} chars")
+    return None
+
+
+def decode_result(data: bytes) -> StreamChunk | FinalRecord:
+    """Decode a record of the reply topic. Raises msgspec.DecodeError (ValidationError is one) on bad input."""
+    return _decode(_RESULT_DECODER, data)
+
+
+def decode_status(data: bytes) -> WorkerStatus:
+    """Decode a status-topic record. Raises msgspec.DecodeError on bad input."""
+    return _decode(_STATUS_DECODER, data)
+
+
+def decode_dead_letter(data: bytes) -> DeadLetterRecord:
+    """Decode a dead-letter record. Raises msgspec.DecodeError on bad input."""
+    return _decode(_DEAD_LETTER_DECODER, data)
+
+
+def _decode(decoder: msgspec.json.Decoder, data: bytes):
+    try:
+        return decoder.decode(data)
+    except RecursionError as exc:
+        raise msgspec.DecodeError("JSON nested too deeply") from exc
+
+
+def _find_request_id(data: str | bytes | bytearray | memoryview, limits: Limits) -> str | None:
+    # Best effort, for a record that failed as a whole: an id that is present and valid lets the worker
+    # send the sender an error final record instead of leaving it waiting.
+    try:
+        request_id = _ID_DECODER.decode(data).id
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    return request_id if _valid_id(request_id, limits) else None
+
+
+def _valid_id(request_id: str, limits: Limits) -> bool:
+    return 1 <= len(request_id) <= min(limits.max_id_chars, MAX_ID_CHARS) and _ID_RE.match(request_id) is not None

@@ -1,0 +1,211 @@
+"""The generation request as it travels on the requests topic (JSON, key = request id).
+
+Policy for unknown fields: ignored (msgspec's default, `forbid_unknown_fields=False`). A newer producer may
+add optional fields and an older worker still serves it; the cost is that a misspelt optional field
+(`temprature`) is silently dropped, so producers should validate against the exported JSON Schema.
+
+Constraints written here are protocol bounds, checked on every decode and stated in the JSON Schema.
+Size limits that a deployment may change (prompt length, max_new_tokens cap, ...) live in limits.py and are
+checked by decode.decode_request.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from schemas.limits import DEFAULT_LIMITS as _L
+from schemas.limits import MAX_ID_CHARS, MAX_INT32, MAX_SAFE_INT, MAX_SEED, SCHEMA_VERSION
+
+# Visible ASCII only: an id becomes a Kafka key, a log field and a metric label, where spaces, control
+# characters and look-alike Unicode cause more trouble than they are worth.
+ID_PATTERN = "^[!-~]+$"
+# Kafka's legal topic-name characters and length.
+TOPIC_PATTERN = "^[a-zA-Z0-9._-]{1,249}$"
+
+RequestId = Annotated[
+    str,
+    Meta(min_length=1, max_length=MAX_ID_CHARS, pattern=ID_PATTERN, description="Visible ASCII, 1 to 128 chars."),
+]
+SchemaVersion = Annotated[int, Meta(ge=1, le=MAX_INT32, description="Wire schema version; absent means 1.")]
+TokenId = Annotated[int, Meta(ge=0, le=MAX_INT32)]
+
+PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
+"""The three ways to give a prompt; a request names exactly one."""
+
+
+class WireRecord(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=False):
+    """Base of every top-level record on the wire: map-encoded JSON, frozen, a schema version.
+
+    frozen and forbid_unknown_fields pass to subclasses; kw_only does not, so each subclass repeats it.
+    """
+
+    schema_version: SchemaVersion = SCHEMA_VERSION
+
+
+class ChatMessage(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=False):
+    """One turn of a chat; the worker renders the list with the model's chat template."""
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class SamplingSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=False):
+    """How to pick each next token.
+
+    The default is greedy: with at-least-once delivery a redelivered request then reproduces the stream
+    it had, and so does a sampled one that carries a seed.
+    """
+
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0, description="0 means greedy.")] = 0.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0, description="Nucleus mass; 1 keeps every token.")] = 1.0
+    top_k: Annotated[int, Meta(ge=0, le=MAX_INT32, description="0 means no top-k cut.")] = 0
+    seed: (
+        Annotated[
+            int,
+            Meta(
+                ge=0,
+                le=MAX_SEED,
+                description="Same seed, same tokens, whatever else shares the batch. JavaScript producers: "
+                "keep it below 2**53.",
+            ),
+        ]
+        | None
+    ) = None
+    stop: Annotated[
+        list[Annotated[str, Meta(min_length=1)]],
+        Meta(
+            description=f"Stop strings: generation ends before them and they are not emitted. Worker default "
+            f"limits: {_L.max_stop_strings} strings of at most {_L.max_stop_chars} chars."
+        ),
+    ] = []
+    stop_token_ids: Annotated[
+        list[TokenId],
+        Meta(
+            description=f"Stop tokens besides the model's EOS; not emitted. Worker default limit: "
+            f"{_L.max_stop_token_ids}."
+        ),
+    ] = []
+    ignore_eos: Annotated[bool, Meta(description="Keep going past EOS (benchmarks of fixed length).")] = False
+
+
+class GenerationRequest(WireRecord, kw_only=True):
+    """A request for one completion. Exactly one of prompt, messages and prompt_token_ids is given.
+
+    Every request gets exactly one final record on the reply topic (completed, rejected or error), preceded
+    by stream chunks when `stream` is true.
+    """
+
+    id: RequestId
+    prompt: (
+        Annotated[
+            str,
+            Meta(min_length=1, description=f"Raw text prompt. Worker default limit: {_L.max_prompt_chars} chars."),
+        ]
+        | None
+    ) = None
+    messages: (
+        Annotated[
+            list[ChatMessage],
+            Meta(
+                min_length=1,
+                description=f"Chat turns. Worker default limits: {_L.max_messages} messages, "
+                f"{_L.max_prompt_chars} chars of content in all.",
+            ),
+        ]
+        | None
+    ) = None
+    prompt_token_ids: (
+        Annotated[
+            list[TokenId],
+            Meta(
+                min_length=1,
+                description=f"Already tokenized prompt. Worker default limit: {_L.max_prompt_token_ids} ids.",
+            ),
+        ]
+        | None
+    ) = None
+    max_new_tokens: Annotated[
+        int,
+        Meta(
+            ge=1,
+            le=MAX_INT32,
+            description=f"Worker default cap: {_L.max_new_tokens}; above it the request is rejected.",
+        ),
+    ] = 256
+    sampling: SamplingSpec = msgspec.field(default_factory=SamplingSpec)
+    deadline_ms: (
+        Annotated[int, Meta(ge=0, le=MAX_SAFE_INT, description="Absolute deadline, unix epoch milliseconds.")] | None
+    ) = None
+    timeout_ms: (
+        Annotated[
+            int,
+            Meta(
+                ge=1,
+                le=MAX_SAFE_INT,
+                description="Deadline relative to the record's Kafka timestamp. With deadline_ms too, the "
+                "earlier of the two holds.",
+            ),
+        ]
+        | None
+    ) = None
+    reply_topic: (
+        Annotated[
+            str,
+            Meta(
+                pattern=TOPIC_PATTERN,
+                description="Where to send the results; must be the result topic or one the worker allows.",
+            ),
+        ]
+        | None
+    ) = None
+    metadata: (
+        Annotated[
+            dict[str, str],
+            Meta(
+                description=f"Echoed back in the final record. Worker default limits: {_L.max_metadata_entries} "
+                f"entries, keys and values of at most {_L.max_metadata_chars} chars."
+            ),
+        ]
+        | None
+    ) = None
+    priority: (
+        Annotated[
+            int,
+            Meta(
+                ge=0,
+                le=255,
+                description="Informational only: the partition a record is written to decides its priority "
+                "(schemas.priority.partition_for).",
+            ),
+        ]
+        | None
+    ) = None
+    stream: Annotated[
+        bool, Meta(description="Send stream chunks; when false, only the final record, which then holds the text.")
+    ] = True
+
+    def __post_init__(self) -> None:
+        # Checked here rather than in decode.py so that a request built in Python is held to it too.
+        given = [name for name in PROMPT_FIELDS if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"exactly one of {', '.join(PROMPT_FIELDS)} must be given, got {given or 'none'}")
+
+    def deadline_at_ms(self, record_timestamp_ms: int) -> int | None:
+        """The absolute deadline in epoch ms: the earlier of deadline_ms and timestamp + timeout_ms."""
+        candidates = [self.deadline_ms] if self.deadline_ms is not None else []
+        if self.timeout_ms is not None:
+            candidates.append(record_timestamp_ms + self.timeout_ms)
+        return min(candidates) if candidates else None
+
+    @property
+    def num_prompt_chars(self) -> int:
+        """Characters of text prompt or of all message contents; 0 for a token-id prompt."""
+        if self.prompt is not None:
+            return len(self.prompt)
+        if self.messages is not None:
+            return sum(len(m.content) for m in self.messages)
+        return 0
+

@@ -1,0 +1,108 @@
+"""What a worker writes to the reply topic for each request: stream chunks, then exactly one final record.
+
+Both carry `kind` as a msgspec tag, so a consumer decodes `StreamChunk | FinalRecord` in one call
+(decode.decode_result). Records are keyed by request id, so one request's records share a partition and
+arrive in order. A redelivered request is served again under a higher `attempt`: a client that sees a higher
+attempt than the stream it is assembling drops what it had and starts over.
+
+`reason` and `finish_reason` are open sets of codes: a client should treat a code it does not know like
+"internal". The codes in use are listed below.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from schemas.limits import MAX_INT32, MAX_SAFE_INT
+from schemas.request import RequestId, TokenId, WireRecord
+
+FinishReason = Literal["stop", "length", "abort"]
+"""stop: EOS, a stop token or a stop string; length: max_new_tokens or the context end; abort: cancelled."""
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+
+REJECT_REASONS: tuple[str, ...] = ("deadline", "shed", "overloaded", "queue_full")
+"""rejected: the request was valid but not served. deadline: it expired before it could start; shed: its
+priority is being shed under load; overloaded: the worker cannot take more now; queue_full: the waiting
+queue is at its bound."""
+
+ERROR_REASONS: tuple[str, ...] = (
+    "invalid_request",
+    "too_large",
+    "prompt_too_long",
+    "reply_topic_not_allowed",
+    "decode_error",
+    "internal",
+)
+"""error: the request cannot be served as sent (all but internal) or the worker failed (internal)."""
+
+Attempt = Annotated[int, Meta(ge=0, le=MAX_INT32, description="0 on the first try; higher supersedes lower.")]
+Count = Annotated[int, Meta(ge=0, le=MAX_SAFE_INT)]
+
+
+class StreamChunk(WireRecord, kw_only=True, tag_field="kind", tag="chunk"):
+    """New tokens of one request since its previous chunk."""
+
+    id: RequestId
+    attempt: Attempt = 0
+    seq: Annotated[int, Meta(ge=0, le=MAX_SAFE_INT, description="0, 1, 2, ... within one attempt.")]
+    token_ids: list[TokenId] = []
+    text: Annotated[str, Meta(description="Text delta; may be empty while a multi-byte character is pending.")] = ""
+
+
+class Usage(msgspec.Struct, kw_only=True, frozen=True):
+    prompt_tokens: Count = 0
+    completion_tokens: Count = 0
+    cached_tokens: Annotated[
+        int, Meta(ge=0, le=MAX_SAFE_INT, description="Prompt tokens found in the prefix cache.")
+    ] = 0
+
+
+class Timings(msgspec.Struct, kw_only=True, frozen=True):
+    """Milliseconds; null where the request never reached that point (a rejected one has only e2e_ms)."""
+
+    queue_ms: Annotated[float, Meta(ge=0.0, description="Record timestamp to first scheduled.")] | None = None
+    ttft_ms: Annotated[float, Meta(ge=0.0, description="Record timestamp to first output token.")] | None = None
+    e2e_ms: Annotated[float, Meta(ge=0.0, description="Record timestamp to final record.")] | None = None
+    tokens_per_s: Annotated[float, Meta(ge=0.0, description="Output tokens per second after the first.")] | None = None
+
+
+class FinalRecord(WireRecord, kw_only=True, tag_field="kind", tag="final"):
+    """The last record of a request: how it ended, usage and timings."""
+
+    id: RequestId
+    attempt: Attempt = 0
+    status: Literal["completed", "rejected", "error"]
+    reason: Annotated[
+        str,
+        Meta(
+            min_length=1,
+            description="completed: the finish reason. rejected: deadline, shed, overloaded, queue_full. "
+            "error: invalid_request, too_large, prompt_too_long, reply_topic_not_allowed, decode_error, "
+            "internal. Treat an unknown code like internal.",
+        ),
+    ]
+    message: Annotated[str, Meta(description="Human-readable detail.")] = ""
+    finish_reason: FinishReason | None = None
+    usage: Usage = msgspec.field(default_factory=Usage)
+    timings: Timings = msgspec.field(default_factory=Timings)
+    text: Annotated[str, Meta(description="The whole output text; always set when stream is false.")] | None = None
+    token_ids: Annotated[list[TokenId], Meta(description="The whole output; set with text.")] | None = None
+    num_chunks: Annotated[
+        int, Meta(ge=0, le=MAX_SAFE_INT, description="Chunks sent in this attempt, so a client can tell it saw all.")
+    ] = 0
+    metadata: dict[str, str] | None = None
+    worker_id: str = ""
+
+    def __post_init__(self) -> None:
+        # A final record that contradicts itself is a worker bug; refuse it at both ends.
+        if self.status == "completed":
+            if self.finish_reason is None or self.reason != self.finish_reason:
+                raise ValueError("a completed record needs finish_reason, and reason equal to it")
+        elif self.finish_reason is not None:
+            raise ValueError(f"a {self.status} record has no finish_reason")
+
+
+ResultRecord = StreamChunk | FinalRecord

@@ -1,0 +1,61 @@
+"""A worker's load report, published on the status topic about once a second (key = worker id).
+
+Producers read it to throttle before the worker has to reject: when a priority is shed or its estimated
+wait exceeds their deadline, they should slow down or route elsewhere. Partitions are request-topic
+partition numbers; schemas.priority maps them to priorities.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+from schemas.limits import MAX_INT32, MAX_SAFE_INT
+from schemas.request import WireRecord
+
+Count = Annotated[int, Meta(ge=0, le=MAX_SAFE_INT)]
+Partition = Annotated[int, Meta(ge=0, le=MAX_INT32)]
+
+
+class PriorityStatus(msgspec.Struct, kw_only=True, frozen=True):
+    """The load of one priority level within this worker."""
+
+    priority: Annotated[int, Meta(ge=0, le=255, description="0 is the most urgent.")]
+    lag: Annotated[
+        int,
+        Meta(ge=0, le=MAX_SAFE_INT, description="Records not yet fetched (high watermark minus position) plus "
+             "fetched ones not yet admitted, over this worker's partitions of the priority."),
+    ] = 0
+    num_waiting: Annotated[int, Meta(ge=0, le=MAX_SAFE_INT, description="Admitted, not yet running.")] = 0
+    paused_partitions: list[Partition] = []
+    shed: Annotated[bool, Meta(description="New requests of this priority are being rejected with 'shed'.")] = False
+    est_wait_s: Annotated[
+        float, Meta(ge=0.0, description="Estimated wait before a new request of this priority starts.")
+    ] | None = None
+
+
+class Throughput(msgspec.Struct, kw_only=True, frozen=True):
+    """Rates over the last few seconds."""
+
+    tokens_per_s: Annotated[float, Meta(ge=0.0, description="Generated tokens per second.")] = 0.0
+    prompt_tokens_per_s: Annotated[float, Meta(ge=0.0, description="Prefilled prompt tokens per second.")] = 0.0
+    requests_per_s: Annotated[float, Meta(ge=0.0, description="Final records per second.")] = 0.0
+
+
+class WorkerStatus(WireRecord, kw_only=True):
+    """One worker's load at one moment."""
+
+    worker_id: Annotated[str, Meta(min_length=1)]
+    ts_ms: Annotated[int, Meta(ge=0, le=MAX_SAFE_INT, description="When measured, unix epoch milliseconds.")]
+    num_waiting: Annotated[int, Meta(ge=0, le=MAX_SAFE_INT, description="Requests admitted, not yet running.")] = 0
+    num_running: Annotated[int, Meta(ge=0, le=MAX_SAFE_INT, description="Requests in the running batch.")] = 0
+    kv_usage: Annotated[float, Meta(ge=0.0, le=1.0, description="Fraction of KV-cache blocks in use.")] = 0.0
+    priorities: Annotated[list[PriorityStatus], Meta(description="One entry per priority level.")] = []
+    throughput: Throughput = msgspec.field(default_factory=Throughput)
+    shedding: Annotated[bool, Meta(description="True while any priority is being shed.")] = False
+    paused_partitions: Annotated[
+        list[Partition], Meta(description="Request-topic partitions paused for backpressure.")
+    ] = []
+    assigned_partitions: Annotated[list[Partition], Meta(description="Request-topic partitions this worker owns.")] = []
