@@ -27,6 +27,16 @@ class SamplingParams:
     """Stop strings; generation ends before them and they are not emitted."""
     ignore_eos: bool = False
 
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0 or self.top_k == 1
@@ -67,8 +77,14 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     """The block table: block_ids[i] holds positions [i*block_size, (i+1)*block_size)."""
     num_cached_tokens: int = 0
-    """Prompt tokens found in the prefix cache at the last admission."""
+    """Prompt tokens found in the prefix cache at the first admission (resumes after preemption not counted)."""
+    block_hashes: list[bytes] = field(default_factory=list)
+    """Prefix-cache keys of this request's full blocks, chained over the tokens (block_pool.hash_block).
+
+    Filled lazily by the block pool; tokens never change once appended, so the list only grows."""
     num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    """The EOS or stop token id, or the stop string, that finished the request (None for other endings)."""
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -82,8 +98,22 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without concatenating the whole prompt and output."""
+        assert 0 <= start <= end <= self.num_tokens, (start, end, self.num_tokens)
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
     @property
     def is_finished(self) -> bool:

@@ -1,0 +1,197 @@
+"""A model-free stand-in for the model runner, used by the scheduler tests.
+
+It keeps a paged "KV cache" of (position, token id) per slot, writes each step's tokens through the slot
+mapping the scheduler's output implies, reads every scheduled request's whole context back through its block
+table, and asserts the context is exactly the request's tokens. So a block shared wrongly, evicted while in
+use, or handed to two requests shows up as a wrong context. The next token is a function of the context read
+from the cache (as a greedy model's would be), so preemption and prefix caching must not change outputs.
+"""
+
+from __future__ import annotations
+
+from worker.config import EngineSettings
+from worker.engine.outputs import RequestUpdate, SchedulerOutput
+from worker.engine.request import Request, RequestStatus, SamplingParams
+from worker.engine.scheduler import Scheduler
+
+VOCAB_SIZE = 101
+EOS = 0
+
+
+def next_token(context: list[int]) -> int:
+    """Deterministic "greedy model" over the context; yields EOS (0) for about one context in VOCAB_SIZE."""
+    return (sum(context[-4:]) * 31 + len(context) * 7) % VOCAB_SIZE
+
+
+class FakeRunner:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.kv: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)
+        self.num_steps = 0
+
+    def step(self, output: SchedulerOutput) -> dict[str, int]:
+        bs = self.block_size
+        for entry in output.scheduled:
+            token_ids = entry.token_ids()
+            assert len(token_ids) == entry.num_new_tokens
+            for pos, token_id, slot in zip(entry.positions(), token_ids, entry.slot_mapping(bs), strict=True):
+                self.kv[slot] = (pos, token_id)
+        sampled = {}
+        for entry in output.scheduled:
+            block_ids = entry.request.block_ids
+            context = [self.kv[block_ids[pos // bs] * bs + pos % bs] for pos in range(entry.seq_len)]
+            expected = list(enumerate(entry.request.token_slice(0, entry.seq_len)))
+            assert context == expected, f"{entry.request_id}: KV cache holds the wrong context"
+            if entry.samples:
+                sampled[entry.request_id] = next_token([token_id for _, token_id in context])
+        self.num_steps += 1
+        return sampled
+
+
+def make_scheduler(num_blocks: int = 64, max_model_len: int = 4096, **settings) -> Scheduler:
+    # Every field the scheduler reads is passed explicitly, so ENGINE_* variables cannot change a test.
+    defaults = dict(block_size=4, max_num_batched_tokens=512, max_num_seqs=64, enable_prefix_caching=True)
+    defaults |= dict(policy="continuous", max_batch_size=settings.get("max_num_seqs", 16), batch_window_ms=50.0)
+    settings = defaults | settings
+    return Scheduler(EngineSettings(**settings), num_blocks=num_blocks, max_model_len=max_model_len)
+
+
+def make_request(
+    request_id: str,
+    num_prompt_tokens: int = 8,
+    max_new_tokens: int = 4,
+    arrival_time: float = 0.0,
+    priority: int = 0,
+    prompt_token_ids: list[int] | None = None,
+    **kwargs,
+) -> Request:
+    if prompt_token_ids is None:
+        seed = sum(map(ord, request_id))
+        prompt_token_ids = [1 + (seed * 13 + i * 17) % (VOCAB_SIZE - 1) for i in range(num_prompt_tokens)]
+    sampling = kwargs.pop("sampling", SamplingParams(max_new_tokens=max_new_tokens))
+    return Request(
+        request_id,
+        prompt_token_ids,
+        sampling=sampling,
+        priority=priority,
+        arrival_time=arrival_time,
+        eos_token_ids=kwargs.pop("eos_token_ids", ()),
+        **kwargs,
+    )
+
+
+def step(scheduler: Scheduler, runner: FakeRunner, now: float = 0.0) -> tuple[SchedulerOutput, list[RequestUpdate]]:
+    """One engine step: schedule, fake forward pass, update; checks the budget and the invariants."""
+    output = scheduler.schedule(now)
+    assert output.num_batched_tokens <= scheduler.max_num_batched_tokens
+    assert len(output.scheduled) <= scheduler.max_num_seqs
+    scheduler.check_invariants()
+    updates = scheduler.update(output, runner.step(output), now)
+    scheduler.check_invariants()
+    return output, updates
+
+
+def run_to_completion(
+    scheduler: Scheduler, runner: FakeRunner, max_steps: int = 10_000, now: float = 0.0, dt: float = 0.0
+) -> list[SchedulerOutput]:
+    outputs = []
+    while scheduler.has_unfinished():
+        assert len(outputs) < max_steps, "requests did not finish"
+        output, _ = step(scheduler, runner, now)
+        outputs.append(output)
+        now += dt
+    return outputs
+
+
+class Simulation:
+    """Operations on a scheduler driven by a FakeRunner, each followed by the checks that must hold; shared by
+    the seeded random sequences and the Hypothesis state machine."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.runner = FakeRunner(scheduler.pool.num_blocks, scheduler.block_size)
+        self.now = 0.0
+        self.added: list[Request] = []
+        self.finished_by_caller: set[str] = set()
+        self.shared_prefix = [1 + (i * 7) % (VOCAB_SIZE - 1) for i in range(32)]
+
+    def add(
+        self,
+        num_shared: int,
+        num_own: int,
+        max_new_tokens: int,
+        priority: int,
+        deadline: float | None,
+        stop_at_eos: bool,
+    ) -> None:
+        n = len(self.added)
+        own = [1 + (n * 13 + i) % (VOCAB_SIZE - 1) for i in range(num_own)]
+        request = make_request(
+            f"r{n}",
+            prompt_token_ids=(self.shared_prefix[:num_shared] + own) or [1 + n % (VOCAB_SIZE - 1)],
+            max_new_tokens=max_new_tokens,
+            priority=priority,
+            arrival_time=self.now,
+            deadline=None if deadline is None else self.now + deadline,
+            eos_token_ids=(EOS,) if stop_at_eos else (),
+        )
+        if request.num_prompt_tokens >= self.scheduler.max_model_len:
+            try:
+                self.scheduler.add_request(request)
+            except ValueError:
+                return
+            raise AssertionError("a prompt that cannot fit was accepted")
+        self.scheduler.add_request(request)
+        self.added.append(request)
+
+    def step(self) -> None:
+        output, updates = step(self.scheduler, self.runner, self.now)
+        for request in output.deadline_dropped:
+            assert request.status is RequestStatus.FINISHED_DEADLINE and request.first_scheduled_time is None
+            assert request.deadline is not None and request.deadline <= self.now
+        for update in updates:
+            assert update.request.output_token_ids[-1:] == update.new_token_ids
+
+    def advance_clock(self, dt: float) -> None:
+        self.now += dt
+
+    def finish(self, index: int, abort: bool) -> None:
+        request = self.added[index % len(self.added)]
+        was_finished = request.is_finished
+        status = RequestStatus.FINISHED_ABORTED if abort else RequestStatus.FINISHED_STOPPED
+        finished = self.scheduler.finish_requests([request.request_id], status, self.now)
+        assert finished == ([] if was_finished else [request])
+        if finished:
+            self.finished_by_caller.add(request.request_id)
+            assert request.status is status and request.block_ids == []
+
+    def flush(self) -> None:
+        self.scheduler.flush()
+
+    def drain(self) -> None:
+        """Drive to completion; every request finishes, with the fake greedy model's own continuation."""
+        self.scheduler.flush()
+        for _ in range(5000):
+            if not self.scheduler.has_unfinished():
+                break
+            step(self.scheduler, self.runner, self.now)
+            self.now += 0.05  # past any dynamic window
+        assert not self.scheduler.has_unfinished(), "requests did not finish"
+        assert self.scheduler.pool.num_used_blocks == 0
+        for request in self.added:
+            assert request.is_finished, request.request_id
+            context = list(request.prompt_token_ids)
+            for token_id in request.output_token_ids:
+                assert token_id == next_token(context), request.request_id
+                context.append(token_id)
+            if request.request_id in self.finished_by_caller:
+                continue
+            if request.status is RequestStatus.FINISHED_STOPPED:
+                assert request.output_token_ids[-1] == EOS == request.stop_reason
+            elif request.status is RequestStatus.FINISHED_LENGTH:
+                assert (
+                    request.num_output_tokens == request.sampling.max_new_tokens
+                    or request.num_tokens == self.scheduler.max_model_len
+                )
+            else:
+                assert request.status is RequestStatus.FINISHED_DEADLINE and not request.output_token_ids

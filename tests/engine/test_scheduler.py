@@ -1,0 +1,305 @@
+import pytest
+
+from tests.engine.fake_runner import FakeRunner, make_request, make_scheduler, next_token, run_to_completion, step
+from worker.engine.request import RequestStatus, SamplingParams
+
+
+def solo_output(prompt_token_ids: list[int], num_tokens: int) -> list[int]:
+    """What the fake greedy model generates for a prompt alone."""
+    context = list(prompt_token_ids)
+    for _ in range(num_tokens):
+        context.append(next_token(context))
+    return context[len(prompt_token_ids) :]
+
+
+def test_budget_and_max_num_seqs_hold_every_step():
+    scheduler = make_scheduler(num_blocks=40, max_num_batched_tokens=32, max_num_seqs=5)
+    runner = FakeRunner(40, 4)
+    requests = [make_request(f"r{i}", 3 + (i * 7) % 30, 1 + i % 6, arrival_time=i) for i in range(20)]
+    for request in requests:
+        scheduler.add_request(request)
+    outputs = run_to_completion(scheduler, runner)  # `step` asserts the budget and max_num_seqs
+    assert max(output.num_batched_tokens for output in outputs) == 32
+    assert max(len(output.scheduled) for output in outputs) == 5
+    for request in requests:
+        assert request.status is RequestStatus.FINISHED_LENGTH
+        assert request.output_token_ids == solo_output(request.prompt_token_ids, request.sampling.max_new_tokens)
+
+
+def test_chunked_prefill_does_not_stall_decoding():
+    scheduler = make_scheduler(num_blocks=100, block_size=16, max_num_batched_tokens=64)
+    runner = FakeRunner(100, 16)
+    decoder = make_request("decoder", 8, max_new_tokens=100)
+    scheduler.add_request(decoder)
+    step(scheduler, runner)  # decoder's prefill
+    long = make_request("long", 1000, max_new_tokens=2, arrival_time=1.0)
+    scheduler.add_request(long)
+    num_steps = 0
+    while not long.output_token_ids:
+        output, updates = step(scheduler, runner)
+        num_steps += 1
+        chunks = {entry.request_id: entry for entry in output.scheduled}
+        assert chunks["decoder"].num_new_tokens == 1 and chunks["decoder"].samples
+        assert [update.request_id for update in updates][0] == "decoder"
+        assert chunks["long"].num_new_tokens == min(63, 1000 - chunks["long"].num_computed_before)
+        assert chunks["long"].samples == (chunks["long"].seq_len == 1000)
+    assert num_steps == 16  # ceil(1000 / 63)
+
+
+def test_a_later_request_starts_with_the_leftover_of_the_last_prefill_chunk():
+    # Admission comes after the running requests' chunks, so a newcomer does not overtake a prefill in
+    # flight (FCFS); it starts in the step that finishes that prefill, with the budget left over.
+    scheduler = make_scheduler(num_blocks=100, block_size=16, max_num_batched_tokens=64)
+    runner = FakeRunner(100, 16)
+    long = make_request("long", 300, max_new_tokens=20)
+    short = make_request("short", 8, max_new_tokens=20, arrival_time=1.0)
+    scheduler.add_request(long)
+    scheduler.add_request(short)
+    chunks = [[(e.request_id, e.num_new_tokens) for e in step(scheduler, runner)[0].scheduled] for _ in range(6)]
+    assert chunks[:4] == [[("long", 64)]] * 4
+    assert chunks[4] == [("long", 44), ("short", 8)]
+    assert chunks[5] == [("long", 1), ("short", 1)]
+
+
+def test_admission_in_priority_order_then_arrival():
+    scheduler = make_scheduler(max_num_seqs=1)
+    runner = FakeRunner(64, 4)
+    specs = [("a", 2, 0.0), ("b", 0, 1.0), ("c", 1, 2.0), ("d", 0, 0.5), ("e", 1, 2.0)]
+    for request_id, priority, arrival in specs:
+        scheduler.add_request(make_request(request_id, 5, 2, arrival_time=arrival, priority=priority))
+    first_seen = []
+    for output in run_to_completion(scheduler, runner):
+        for entry in output.scheduled:
+            if entry.request_id not in first_seen:
+                first_seen.append(entry.request_id)
+    assert first_seen == ["d", "b", "c", "e", "a"]  # c and e: same priority and arrival -> added order
+
+
+def test_fcfs_by_arrival_time_within_a_priority():
+    scheduler = make_scheduler(max_num_seqs=1)
+    for request_id, arrival in [("x", 3.0), ("y", 1.0), ("z", 2.0)]:
+        scheduler.add_request(make_request(request_id, 4, 1, arrival_time=arrival))
+    assert [request.request_id for request in scheduler.waiting] == ["y", "z", "x"]
+    order = [output.scheduled[0].request_id for output in run_to_completion(scheduler, FakeRunner(64, 4))]
+    assert order == ["y", "z", "x"]
+
+
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+def test_preemption_by_recompute_resumes_with_identical_outputs(enable_prefix_caching):
+    # 6 blocks of 4: each request grows to 20 tokens (5 blocks), so both cannot run to the end together.
+    scheduler = make_scheduler(num_blocks=6, enable_prefix_caching=enable_prefix_caching)
+    runner = FakeRunner(6, 4)
+    urgent = make_request("urgent", 8, 12, arrival_time=1.0, priority=0)
+    late = make_request("late", 8, 12, arrival_time=0.0, priority=1)
+    scheduler.add_request(late)
+    scheduler.add_request(urgent)
+    outputs = run_to_completion(scheduler, runner)
+    preempted = [request_id for output in outputs for request_id in output.preempted_request_ids]
+    assert preempted and set(preempted) == {"late"}
+    assert scheduler.num_preemptions == len(preempted) == late.num_preemptions and urgent.num_preemptions == 0
+    for request in (urgent, late):
+        assert request.status is RequestStatus.FINISHED_LENGTH
+        assert request.output_token_ids == solo_output(request.prompt_token_ids, 12)
+    # Token accounting: each step continues exactly where the last left off; after a preemption the request
+    # restarts at its prefix-cache hit (a whole number of blocks; 0 without caching) and samples only at the end.
+    num_computed, resume_starts, resumed = 0, [], False
+    for output in outputs:
+        for entry in output.scheduled:
+            if entry.request_id == "late":
+                if resumed:
+                    resume_starts.append(entry.num_computed_before)
+                    assert entry.num_computed_before % 4 == 0
+                else:
+                    assert entry.num_computed_before == num_computed
+                num_computed, resumed = entry.seq_len, False
+        resumed = resumed or "late" in output.preempted_request_ids
+    assert num_computed == late.num_tokens - 1
+    assert len(resume_starts) == len(preempted)
+    assert any(resume_starts) == enable_prefix_caching
+    assert scheduler.pool.num_used_blocks == 0
+
+
+def test_victim_is_the_request_itself_when_it_is_least_urgent():
+    scheduler = make_scheduler(num_blocks=4)
+    runner = FakeRunner(4, 4)
+    urgent = make_request("urgent", 4, 10, priority=0)
+    low = make_request("low", 8, 10, priority=1)
+    scheduler.add_request(urgent)
+    scheduler.add_request(low)
+    step(scheduler, runner)  # urgent: 1 block (+1 at its first decode), low: 2 blocks
+    output, _ = step(scheduler, runner)  # urgent takes the last block; low (position 8) needs one more
+    assert output.preempted_request_ids == ["low"]
+    assert [entry.request_id for entry in output.scheduled] == ["urgent"]
+    assert low.status is RequestStatus.PREEMPTED and low.block_ids == [] and low.num_computed_tokens == 0
+    assert low.output_token_ids  # kept: recompute covers prompt + output
+    assert scheduler.num_waiting == 1 and scheduler.num_running == 1
+
+
+def test_victim_scheduled_earlier_in_the_step_is_unscheduled_and_its_budget_refunded():
+    scheduler = make_scheduler(num_blocks=4)
+    runner = FakeRunner(4, 4)
+    low = make_request("low", 6, 10, priority=1)
+    scheduler.add_request(low)
+    step(scheduler, runner)  # low alone: 6 tokens, 2 blocks
+    urgent = make_request("urgent", 8, 10, priority=0, arrival_time=1.0)
+    scheduler.add_request(urgent)
+    step(scheduler, runner)  # low decodes at position 6, urgent is admitted: 2 blocks, pool full
+    newcomer = make_request("newcomer", 3, 1, priority=0, arrival_time=2.0)
+    scheduler.add_request(newcomer)
+    output, _ = step(scheduler, runner)  # low (scheduled first) fits; urgent at position 8 needs a block
+    assert output.preempted_request_ids == ["low"]
+    # Nobody is admitted in a step that had to preempt, though a block is free now: blocks are short, and
+    # a newcomer would only be preempted in turn.
+    assert [(entry.request_id, entry.num_new_tokens) for entry in output.scheduled] == [("urgent", 1)]
+    assert output.num_batched_tokens == 1
+    run_to_completion(scheduler, runner)
+    assert low.output_token_ids == solo_output(low.prompt_token_ids, 10)
+
+
+def test_a_waiting_request_that_does_not_fit_blocks_those_behind_it():
+    scheduler = make_scheduler(num_blocks=6)
+    runner = FakeRunner(6, 4)
+    scheduler.add_request(make_request("running", 14, 10))
+    step(scheduler, runner)  # 4 blocks held, 2 free
+    big = make_request("big", 12, 1, priority=0, arrival_time=1.0)  # needs 3 blocks
+    small = make_request("small", 4, 1, priority=1, arrival_time=1.0)  # would fit in 1
+    scheduler.add_request(big)
+    scheduler.add_request(small)
+    output, _ = step(scheduler, runner)
+    assert [entry.request_id for entry in output.scheduled] == ["running"]  # small may not overtake big
+    run_to_completion(scheduler, runner)
+    assert big.first_scheduled_time is not None and small.is_finished
+
+
+def test_abort_frees_blocks_of_running_and_waiting_requests():
+    scheduler = make_scheduler(num_blocks=16, max_num_seqs=1)
+    runner = FakeRunner(16, 4)
+    running, waiting = make_request("running", 10, 5), make_request("waiting", 10, 5, arrival_time=1.0)
+    scheduler.add_request(running)
+    scheduler.add_request(waiting)
+    output = scheduler.schedule(0.0)
+    sampled = runner.step(output)
+    assert scheduler.pool.num_used_blocks == 3
+    aborted = scheduler.abort(["running", "waiting", "unknown"], now=0.5)
+    assert aborted == [running, waiting]
+    assert all(r.status is RequestStatus.FINISHED_ABORTED and r.finish_time == 0.5 for r in aborted)
+    assert scheduler.pool.num_used_blocks == 0 and not scheduler.has_unfinished()
+    # The step that was in flight comes back: its aborted requests are skipped.
+    assert scheduler.update(output, sampled, 1.0) == []
+    assert scheduler.schedule(1.0).finished_request_ids == ["running", "waiting"]
+    scheduler.check_invariants()
+
+
+def test_deadline_drops_waiting_requests_only():
+    scheduler = make_scheduler(max_num_seqs=1)
+    runner = FakeRunner(64, 4)
+    running = make_request("running", 4, 10, deadline=1.0)
+    late = make_request("late", 4, 10, arrival_time=0.1, deadline=5.0)
+    on_time = make_request("on_time", 4, 1, arrival_time=0.2, deadline=50.0)
+    for request in (running, late, on_time):
+        scheduler.add_request(request)
+    step(scheduler, runner, now=0.5)
+    assert scheduler.wake_time() == 5.0
+    output, _ = step(scheduler, runner, now=4.9)
+    assert output.deadline_dropped == []
+    output, _ = step(scheduler, runner, now=5.0)  # deadline <= now: dropped
+    assert output.deadline_dropped == [late] and late.status is RequestStatus.FINISHED_DEADLINE
+    assert output.finished_request_ids == ["late"] and scheduler.num_deadline_drops == 1
+    assert running.status is RequestStatus.RUNNING  # past its deadline, but it already costs compute
+    run_to_completion(scheduler, runner, now=6.0)
+    assert on_time.status is RequestStatus.FINISHED_LENGTH and running.status is RequestStatus.FINISHED_LENGTH
+
+
+def test_shared_prefix_hits_reuse_blocks():
+    scheduler = make_scheduler(num_blocks=32)
+    runner = FakeRunner(32, 4)
+    base = list(range(1, 17))
+    first = make_request("first", prompt_token_ids=base + [20, 21, 22], max_new_tokens=30)
+    scheduler.add_request(first)
+    step(scheduler, runner)
+    second = make_request("second", prompt_token_ids=base + [30], max_new_tokens=3, arrival_time=1.0)
+    scheduler.add_request(second)
+    output, _ = step(scheduler, runner)
+    entry = output.scheduled[-1]
+    assert entry.request_id == "second" and entry.num_computed_before == 16 and entry.num_new_tokens == 1
+    assert second.num_cached_tokens == 16 and second.block_ids[:4] == first.block_ids[:4]
+    assert [scheduler.pool.ref_count(block_id) for block_id in first.block_ids[:4]] == [2, 2, 2, 2]
+    assert (scheduler.pool.num_queried_tokens, scheduler.pool.num_hit_tokens) == (19 + 17, 16)
+    run_to_completion(scheduler, runner)
+    assert second.output_token_ids == solo_output(second.prompt_token_ids, 3)
+    # The same prompt again: everything but its last block comes from the cache.
+    again = make_request("again", prompt_token_ids=base + [20, 21, 22], max_new_tokens=2, arrival_time=2.0)
+    scheduler.add_request(again)
+    run_to_completion(scheduler, runner)
+    assert again.num_cached_tokens == 16 and again.output_token_ids == first.output_token_ids[:2]
+
+
+def test_stop_conditions():
+    scheduler = make_scheduler(max_model_len=12)
+    prompt = [5, 6, 7, 8]
+    first = next_token(prompt)
+    eos = make_request("eos", prompt_token_ids=prompt, max_new_tokens=5, eos_token_ids=(first,))
+    ignore = make_request(
+        "ignore",
+        prompt_token_ids=prompt,
+        eos_token_ids=(first,),
+        sampling=SamplingParams(max_new_tokens=5, ignore_eos=True),
+    )
+    stop_id = make_request("stop_id", prompt_token_ids=prompt, sampling=SamplingParams(stop_token_ids=(first,)))
+    too_long = make_request("too_long", prompt_token_ids=prompt + [9, 9, 9, 9], max_new_tokens=100)
+    for request in (eos, ignore, stop_id, too_long):
+        scheduler.add_request(request)
+    run_to_completion(scheduler, FakeRunner(64, 4))
+    assert eos.status is RequestStatus.FINISHED_STOPPED and eos.output_token_ids == [first]
+    assert eos.stop_reason == first
+    assert ignore.status is RequestStatus.FINISHED_LENGTH and len(ignore.output_token_ids) == 5
+    assert stop_id.status is RequestStatus.FINISHED_STOPPED and stop_id.output_token_ids == [first]
+    assert too_long.status is RequestStatus.FINISHED_LENGTH and too_long.num_tokens == 12
+
+
+def test_updates_report_tokens_and_finish_status():
+    scheduler = make_scheduler()
+    runner = FakeRunner(64, 4)
+    request = make_request("r", 4, 2)
+    scheduler.add_request(request)
+    _, updates = step(scheduler, runner)
+    assert [(u.request_id, u.new_token_ids, u.finish_status) for u in updates] == [
+        ("r", request.output_token_ids[:1], None)
+    ]
+    _, updates = step(scheduler, runner)
+    assert updates[0].finished and updates[0].finish_status is RequestStatus.FINISHED_LENGTH
+    assert not scheduler.has_unfinished() and scheduler.pool.num_used_blocks == 0
+
+
+def test_finish_requests_for_stop_strings():
+    scheduler = make_scheduler()
+    runner = FakeRunner(64, 4)
+    request = make_request("r", 9, 50)
+    scheduler.add_request(request)
+    step(scheduler, runner)
+    assert scheduler.finish_requests(["r"], RequestStatus.FINISHED_STOPPED, now=3.0) == [request]
+    assert request.status is RequestStatus.FINISHED_STOPPED and scheduler.pool.num_used_blocks == 0
+    assert scheduler.finish_requests(["r"], RequestStatus.FINISHED_STOPPED) == []
+
+
+def test_length_is_capped_by_the_pool_so_a_lone_request_always_fits():
+    scheduler = make_scheduler(num_blocks=3, max_model_len=4096)
+    assert scheduler.max_model_len == 12
+    request = make_request("r", 10, 100)
+    scheduler.add_request(request)
+    run_to_completion(scheduler, FakeRunner(3, 4))
+    assert request.status is RequestStatus.FINISHED_LENGTH and request.num_tokens == 12
+    assert scheduler.num_preemptions == 0
+
+
+def test_add_request_rejects_bad_requests():
+    scheduler = make_scheduler(max_model_len=16)
+    scheduler.add_request(make_request("a", 15, 1))
+    with pytest.raises(ValueError, match="already"):
+        scheduler.add_request(make_request("a", 4, 1))
+    with pytest.raises(ValueError, match="prompt"):
+        scheduler.add_request(make_request("b", 16, 1))
+    with pytest.raises(ValueError, match="prompt"):
+        scheduler.add_request(make_request("c", prompt_token_ids=[]))
+    with pytest.raises(ValueError):
+        SamplingParams(max_new_tokens=0)

@@ -1,0 +1,233 @@
+"""KV-cache blocks as plain ints: a free list, reference counts and a prefix cache with LRU eviction.
+
+Every block is in exactly one state:
+    free        ref 0, no hash; in `_free_block_ids`.
+    evictable   ref 0, hashed (holds a full block of known tokens); in `_evictable`, oldest first.
+    referenced  ref > 0, hashed or not; held by exactly `ref` request block tables.
+Blocks have one size and any block serves any position, so there is no fragmentation: a request holding
+`n` tokens needs exactly ceil(n / block_size) blocks, wherever they are.
+
+Prefix caching: the key of a full block is sha256(parent block's key + the block's token ids), so one key
+names the whole prefix up to the block's end. A 256-bit hash makes collisions negligible, so the tokens are
+not stored. Keys cover output tokens too, so a preempted request finds its own blocks again on resume.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import Counter, OrderedDict, deque
+from collections.abc import Iterable, Sequence
+
+from worker.engine.request import Request
+
+
+def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+    """Prefix-cache key of a full block: chained over the parent's key (b"" for the first block)."""
+    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        assert num_blocks >= 1 and block_size >= 1, (num_blocks, block_size)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self._ref_counts = [0] * num_blocks
+        self._block_hashes: list[bytes | None] = [None] * num_blocks
+        self._hash_to_block_id: dict[bytes, int] = {}
+        self._free_block_ids: deque[int] = deque(range(num_blocks))
+        # Insertion order is LRU order: the first key is evicted first.
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        # Per request: how many leading blocks of its table were already offered to the cache.
+        self._num_hashed_blocks: dict[str, int] = {}
+        self.num_queried_tokens = 0
+        """Tokens looked up in the prefix cache at admissions, resumes after preemption included."""
+        self.num_hit_tokens = 0
+        """Tokens of those lookups found in the cache."""
+        self.num_evictions = 0
+
+    # ---- counters -----------------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now: free ones plus evictable cached ones."""
+        return len(self._free_block_ids) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks with a prefix-cache key, referenced or evictable."""
+        return len(self._hash_to_block_id)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return len(self._evictable)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by requests (evictable cached blocks count as free)."""
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def evictable_block_ids(self) -> list[int]:
+        """Evictable blocks, the next one to be evicted first."""
+        return list(self._evictable)
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- the request-facing API ---------------------------------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> list[int]:
+        """Cached blocks holding a prefix of the request's tokens, in order. Changes nothing.
+
+        At most num_tokens - 1 tokens are matched: the step must compute at least the last token so that the
+        model produces logits for the next one. Only full blocks are ever cached.
+        """
+        assert not request.block_ids and request.num_computed_tokens == 0, request.request_id
+        if not self.enable_caching:
+            return []
+        max_num_blocks = (request.num_tokens - 1) // self.block_size
+        block_ids: list[int] = []
+        for i in range(max_num_blocks):
+            block_id = self._hash_to_block_id.get(self._block_hash(request, i))
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        return block_ids
+
+    def allocate_for(self, request: Request, num_new_tokens: int, computed_block_ids: Sequence[int] = ()) -> bool:
+        """Grow request.block_ids to hold num_computed_tokens + num_new_tokens tokens.
+
+        `computed_block_ids` (from get_computed_blocks, only while the request holds no blocks) go first and
+        their tokens count as computed (this sets num_computed_tokens). Returns False, touching nothing, when
+        too few blocks are free.
+        """
+        assert num_new_tokens >= 1, num_new_tokens
+        admitting = not request.block_ids
+        if computed_block_ids:
+            assert admitting and request.num_computed_tokens == 0, request.request_id
+        num_cached_tokens = len(computed_block_ids) * self.block_size
+        num_total_tokens = request.num_computed_tokens + num_cached_tokens + num_new_tokens
+        assert num_total_tokens <= request.num_tokens, (request.request_id, num_total_tokens, request.num_tokens)
+        num_held = len(request.block_ids) + len(computed_block_ids)
+        num_new_blocks = max(0, self.num_blocks_for(num_total_tokens) - num_held)
+        # Reviving an evictable hit takes it out of the free count just like a fresh block does.
+        num_revived = sum(1 for block_id in computed_block_ids if self._ref_counts[block_id] == 0)
+        if num_new_blocks + num_revived > self.num_free_blocks:
+            return False
+
+        if admitting and self.enable_caching:
+            self.num_queried_tokens += request.num_tokens
+            self.num_hit_tokens += num_cached_tokens
+        for block_id in computed_block_ids:
+            self._touch(block_id)
+        if computed_block_ids:
+            request.block_ids.extend(computed_block_ids)
+            request.num_computed_tokens = num_cached_tokens
+            self._num_hashed_blocks[request.request_id] = len(computed_block_ids)
+        for _ in range(num_new_blocks):
+            request.block_ids.append(self._take_free_block())
+        return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Give a key to each full block whose tokens are all computed, so later requests can share it."""
+        if not self.enable_caching:
+            return
+        num_full_blocks = request.num_computed_tokens // self.block_size
+        assert num_full_blocks <= len(request.block_ids), request.request_id
+        start = self._num_hashed_blocks.get(request.request_id, 0)
+        for i in range(start, num_full_blocks):
+            block_id = request.block_ids[i]
+            assert self._block_hashes[block_id] is None, (request.request_id, i, block_id)
+            block_hash = self._block_hash(request, i)
+            if block_hash in self._hash_to_block_id:
+                # Another request computed the same prefix in the same steps; keep the first copy. This one
+                # stays unkeyed and returns to the free list when released.
+                continue
+            self._block_hashes[block_id] = block_hash
+            self._hash_to_block_id[block_hash] = block_id
+        self._num_hashed_blocks[request.request_id] = max(start, num_full_blocks)
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks. Keyed ones become evictable, tail first so they are evicted first
+        (a prompt's head is the part most likely shared)."""
+        for block_id in reversed(request.block_ids):
+            self._ref_counts[block_id] -= 1
+            assert self._ref_counts[block_id] >= 0, block_id
+            if self._ref_counts[block_id] == 0:
+                if self._block_hashes[block_id] is None:
+                    self._free_block_ids.append(block_id)
+                else:
+                    self._evictable[block_id] = None
+        request.block_ids.clear()
+        self._num_hashed_blocks.pop(request.request_id, None)
+
+    def check_invariants(self, requests: Iterable[Request]) -> None:
+        """`requests`: every request holding blocks. Raises AssertionError on any broken invariant."""
+        requests = list(requests)
+        holders = Counter(block_id for request in requests for block_id in request.block_ids)
+        free_block_ids = set(self._free_block_ids)
+        assert len(free_block_ids) == len(self._free_block_ids), "a block is on the free list twice"
+        assert not free_block_ids & set(self._evictable), "a block is both free and evictable"
+        assert all(0 <= block_id < self.num_blocks for block_id in holders), "a block id out of range"
+        num_hashed = 0
+        for block_id in range(self.num_blocks):
+            ref = self._ref_counts[block_id]
+            block_hash = self._block_hashes[block_id]
+            assert ref == holders.get(block_id, 0), (block_id, ref, holders.get(block_id, 0))
+            is_free = block_id in free_block_ids
+            is_evictable = block_id in self._evictable
+            assert is_free + is_evictable + (ref > 0) == 1, (block_id, is_free, is_evictable, ref)
+            assert not is_free or block_hash is None, block_id
+            assert not is_evictable or block_hash is not None, block_id
+            if block_hash is not None:
+                num_hashed += 1
+                assert self._hash_to_block_id.get(block_hash) == block_id, block_id
+        assert num_hashed == len(self._hash_to_block_id)
+        assert self.enable_caching or num_hashed == 0
+        for request in requests:
+            assert len(set(request.block_ids)) == len(request.block_ids), request.request_id
+            assert len(request.block_ids) >= self.num_blocks_for(request.num_computed_tokens), request.request_id
+            assert len(request.block_ids) <= self.num_blocks_for(request.num_tokens), request.request_id
+
+    # ---- internals ----------------------------------------------------------------------------------
+
+    def _block_hash(self, request: Request, index: int) -> bytes:
+        """Key of the request's block `index` (must be full); extends request.block_hashes as needed."""
+        hashes = request.block_hashes
+        while len(hashes) <= index:
+            i = len(hashes)
+            token_ids = request.token_slice(i * self.block_size, (i + 1) * self.block_size)
+            assert len(token_ids) == self.block_size, (request.request_id, i)
+            hashes.append(hash_block(hashes[-1] if hashes else b"", token_ids))
+        return hashes[index]
+
+    def _touch(self, block_id: int) -> None:
+        if self._ref_counts[block_id] == 0:
+            del self._evictable[block_id]
+        self._ref_counts[block_id] += 1
+
+    def _take_free_block(self) -> int:
+        if self._free_block_ids:
+            block_id = self._free_block_ids.popleft()
+        else:
+            block_id, _ = self._evictable.popitem(last=False)
+            block_hash = self._block_hashes[block_id]
+            assert block_hash is not None
+            del self._hash_to_block_id[block_hash]
+            self._block_hashes[block_id] = None
+            self.num_evictions += 1
+        assert self._ref_counts[block_id] == 0, block_id
+        self._ref_counts[block_id] = 1
+        return block_id

@@ -1,0 +1,147 @@
+"""Which waiting requests may start now: the batching policy, and the waiting queue it orders.
+
+The scheduler runs one token-budget loop for every policy; a policy only orders the waiting queue (and the
+choice of preemption victim) and names the requests that may be admitted at a step.
+
+continuous  Iteration-level batching: every waiting request is a candidate at every step, in priority order
+            (lower number first), first come first served by arrival time within a priority.
+dynamic     When no batch is in flight, a batch forms from the first max_batch_size waiting requests in
+            priority order as soon as max_batch_size requests wait, or the oldest waiting request (by
+            arrival_time) has waited batch_window_ms (now - arrival_time >= window). Nobody else is admitted
+            until every member has finished.
+static      Fixed batches in arrival order, priority ignored: when no batch is in flight, a batch forms from the
+            first max_batch_size waiting requests by arrival once max_batch_size requests wait or, after
+            flush() (no more requests expected, e.g. the end of a trace), from whatever waits. Runs to
+            completion like dynamic.
+Members of a batch are admitted under the same token budget, block and max_num_seqs limits as any request
+(chunked prefill), so a batch may need several steps to be fully running; a preempted member stays a member
+and is readmitted; members that finish while waiting (deadline, abort) leave the batch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+from worker.engine.request import Request, RequestStatus
+
+PolicyName = Literal["continuous", "dynamic", "static"]
+
+
+class WaitingQueue:
+    """Waiting requests sorted by (policy key, add order), with lookup by id and a heap of deadlines."""
+
+    __slots__ = ("_order_key", "_entries", "_entry_by_id", "_deadlines")
+
+    def __init__(self, order_key: Callable[[Request], tuple]) -> None:
+        self._order_key = order_key
+        self._entries: list[tuple[tuple, int, Request]] = []
+        self._entry_by_id: dict[str, tuple[tuple, int, Request]] = {}
+        # (deadline, add order, request); entries of requests that left the queue are skipped when popped.
+        self._deadlines: list[tuple[float, int, Request]] = []
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (entry[2] for entry in self._entries)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._entry_by_id
+
+    def push(self, request: Request, add_order: int) -> None:
+        """`add_order` breaks ties between equal keys and must be unique per request."""
+        assert request.request_id not in self._entry_by_id, request.request_id
+        entry = (self._order_key(request), add_order, request)
+        bisect.insort(self._entries, entry)
+        self._entry_by_id[request.request_id] = entry
+        # Only requests that never ran can be dropped for their deadline (see Scheduler.schedule).
+        if request.deadline is not None and request.status is RequestStatus.WAITING:
+            heapq.heappush(self._deadlines, (request.deadline, add_order, request))
+
+    def remove(self, request: Request) -> None:
+        entry = self._entry_by_id.pop(request.request_id)
+        index = bisect.bisect_left(self._entries, entry[:2])
+        assert self._entries[index][2] is request, request.request_id
+        del self._entries[index]
+
+    def first(self, num: int) -> list[Request]:
+        return [entry[2] for entry in self._entries[:num]]
+
+    def oldest_arrival_time(self) -> float | None:
+        return min((entry[2].arrival_time for entry in self._entries), default=None)
+
+    def earliest_deadline(self) -> float | None:
+        """Earliest deadline among the waiting requests that may be dropped for it."""
+        while self._deadlines and not self._droppable(self._deadlines[0][2]):
+            heapq.heappop(self._deadlines)  # stale for good: a request never returns to WAITING
+        return self._deadlines[0][0] if self._deadlines else None
+
+    def pop_expired(self, now: float) -> list[Request]:
+        """Remove and return the never-run waiting requests whose deadline is <= now."""
+        expired = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, request = heapq.heappop(self._deadlines)
+            if self._droppable(request):
+                self.remove(request)
+                expired.append(request)
+        return expired
+
+    def _droppable(self, request: Request) -> bool:
+        entry = self._entry_by_id.get(request.request_id)
+        return entry is not None and entry[2] is request and request.status is RequestStatus.WAITING
+
+
+@dataclass(slots=True)
+class AdmissionPolicy:
+    name: PolicyName
+    max_batch_size: int
+    batch_window_s: float
+    drain: bool = False
+    """static: set by Scheduler.flush(); partial batches may start."""
+    batch: list[Request] = field(default_factory=list)
+    """dynamic, static: members of the batch in flight, in queue order at formation (finished ones are pruned
+    at the next candidates() call)."""
+
+    def __post_init__(self) -> None:
+        assert self.name in ("continuous", "dynamic", "static"), self.name
+        assert self.max_batch_size >= 1 and self.batch_window_s >= 0
+
+    def order_key(self, request: Request) -> tuple:
+        """Waiting-queue order; the preemption victim is the running request with the largest key."""
+        if self.name == "static":
+            return (request.arrival_time,)
+        return (request.priority, request.arrival_time)
+
+    def candidates(self, waiting: WaitingQueue, now: float) -> Iterable[Request]:
+        """Waiting requests that may be admitted now, in the order to try them. Forms a batch when due."""
+        if self.name == "continuous":
+            return iter(waiting)
+        self.batch = [request for request in self.batch if not request.is_finished]
+        if not self.batch and self._batch_due(waiting, now):
+            self.batch = waiting.first(self.max_batch_size)
+        return [request for request in self.batch if request.request_id in waiting]
+
+    def batch_due_time(self, waiting: WaitingQueue) -> float | None:
+        """dynamic: when the window of the oldest waiting request closes, if a batch is still to form."""
+        if self.name != "dynamic" or any(not request.is_finished for request in self.batch):
+            return None
+        oldest = waiting.oldest_arrival_time()
+        return None if oldest is None else oldest + self.batch_window_s
+
+    def in_batch(self, request: Request) -> bool:
+        return any(member is request for member in self.batch)
+
+    def _batch_due(self, waiting: WaitingQueue, now: float) -> bool:
+        if not waiting:
+            return False
+        if len(waiting) >= self.max_batch_size:
+            return True
+        if self.name == "dynamic":
+            oldest = waiting.oldest_arrival_time()
+            assert oldest is not None
+            return now - oldest >= self.batch_window_s
+        return self.drain

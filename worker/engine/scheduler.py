@@ -1,0 +1,253 @@
+"""The scheduler: which tokens of which requests run at each step, within a token budget (vLLM v1 style).
+
+There are no prefill and decode phases: each request has num_computed_tokens (K/V in the cache) and
+num_tokens (prompt + output), and a step computes some of the difference. One loop per step:
+  1. waiting requests that never ran and whose deadline has passed are dropped (FINISHED_DEADLINE);
+  2. running requests, in admission order, get min(remaining, budget left) tokens: 1 when decoding, a chunk
+     when still prefilling. A request is admitted only with budget left over, so the ones still prefilling
+     are always last in that order and a long prompt never stalls the others' decoding. When blocks run
+     out, the running request with the largest policy key (lowest priority, latest arrival) is preempted
+     by recompute, possibly the request itself;
+  3. unless something was preempted, waiting requests the policy names (policies.py) are admitted in order,
+     reusing prefix-cached blocks, until the budget, max_num_seqs or the blocks run out (the first one that
+     does not fit blocks the ones behind it, so priorities hold).
+`update()` then appends the sampled tokens, advances num_computed_tokens and applies stop conditions.
+Times are time.monotonic() seconds; every method takes `now` so tests are deterministic.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from worker.config import EngineSettings
+from worker.engine.block_pool import BlockPool
+from worker.engine.outputs import RequestUpdate, ScheduledRequest, SchedulerOutput
+from worker.engine.policies import AdmissionPolicy, WaitingQueue
+from worker.engine.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, settings: EngineSettings, num_blocks: int, max_model_len: int) -> None:
+        self.block_size = settings.block_size
+        self.max_num_batched_tokens = settings.max_num_batched_tokens
+        self.max_num_seqs = settings.max_num_seqs
+        # A request alone must always fit the pool, or preempting it would never help: cap its length there.
+        self.max_model_len = min(max_model_len, num_blocks * settings.block_size)
+        self.pool = BlockPool(num_blocks, settings.block_size, settings.enable_prefix_caching)
+        self.policy = AdmissionPolicy(settings.policy, settings.max_batch_size, settings.batch_window_ms / 1000)
+        self.waiting = WaitingQueue(self.policy.order_key)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        """Every unfinished request, waiting or running."""
+        self._add_order: dict[str, int] = {}
+        self._num_added = 0
+        self._finished_ids: list[str] = []
+        self.num_preemptions = 0
+        self.num_deadline_drops = 0
+
+    # ---- queries ------------------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.pool.usage
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def wake_time(self) -> float | None:
+        """When schedule() may next have something to do without new requests while it has nothing now: a
+        dynamic window closing or a waiting request's deadline passing. None if neither is pending."""
+        times = (self.policy.batch_due_time(self.waiting), self.waiting.earliest_deadline())
+        return min((t for t in times if t is not None), default=None)
+
+    # ---- requests in and out ------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request {request.request_id!r} is already scheduled")
+        if not 0 < request.num_prompt_tokens < self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt of {request.num_prompt_tokens} tokens; "
+                f"between 1 and {self.max_model_len - 1} fit"
+            )
+        assert request.status is RequestStatus.WAITING and not request.block_ids, request.request_id
+        assert request.num_computed_tokens == 0 and not request.output_token_ids, request.request_id
+        self.requests[request.request_id] = request
+        self._add_order[request.request_id] = self._num_added
+        self.waiting.push(request, self._num_added)
+        self._num_added += 1
+
+    def abort(self, request_ids: Iterable[str], now: float | None = None) -> list[Request]:
+        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED, now)
+
+    def finish_requests(
+        self, request_ids: Iterable[str], status: RequestStatus, now: float | None = None
+    ) -> list[Request]:
+        """Finish unfinished requests (waiting or running) with `status`, freeing their blocks; unknown or
+        already finished ids are skipped. Returns the requests finished."""
+        assert status.finished, status
+        now = time.monotonic() if now is None else now
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._finish(request, status, now)
+                finished.append(request)
+        return finished
+
+    def flush(self, drain: bool = True) -> None:
+        """static policy: no more requests are expected, so a partial batch may start (until flush(False))."""
+        self.policy.drain = drain
+
+    # ---- one step -----------------------------------------------------------------------------------
+
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        now = time.monotonic() if now is None else now
+        output = SchedulerOutput(block_size=self.block_size)
+        for request in self.waiting.pop_expired(now):
+            self.num_deadline_drops += 1
+            self._finish(request, RequestStatus.FINISHED_DEADLINE, now, in_queue=False)
+            output.deadline_dropped.append(request)
+        output.finished_request_ids, self._finished_ids = self._finished_ids, []
+
+        budget = self.max_num_batched_tokens
+        scheduled: dict[str, ScheduledRequest] = {}
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            assert num_new_tokens > 0, request.request_id
+            while not self.pool.allocate_for(request, num_new_tokens):
+                victim = max(self.running, key=self._victim_key)
+                self._preempt(victim)
+                output.preempted_request_ids.append(victim.request_id)
+                unscheduled = scheduled.pop(victim.request_id, None)
+                if unscheduled is not None:
+                    budget += unscheduled.num_new_tokens
+                if victim is request:
+                    break
+            else:
+                scheduled[request.request_id] = self._entry(request, num_new_tokens, request.num_computed_tokens)
+                budget -= num_new_tokens
+
+        if not output.preempted_request_ids:
+            admitted = []
+            for request in self.policy.candidates(self.waiting, now):
+                if budget == 0 or len(self.running) >= self.max_num_seqs:
+                    break
+                computed_block_ids = self.pool.get_computed_blocks(request)
+                num_cached_tokens = len(computed_block_ids) * self.block_size
+                num_new_tokens = min(request.num_tokens - num_cached_tokens, budget)
+                if not self.pool.allocate_for(request, num_new_tokens, computed_block_ids):
+                    break
+                admitted.append(request)
+                self.running.append(request)
+                request.status = RequestStatus.RUNNING
+                if request.first_scheduled_time is None:
+                    request.first_scheduled_time = now
+                    request.num_cached_tokens = num_cached_tokens
+                scheduled[request.request_id] = self._entry(request, num_new_tokens, num_cached_tokens)
+                budget -= num_new_tokens
+            for request in admitted:
+                self.waiting.remove(request)
+
+        output.scheduled = list(scheduled.values())
+        output.num_batched_tokens = self.max_num_batched_tokens - budget
+        assert output.num_batched_tokens == sum(entry.num_new_tokens for entry in output.scheduled)
+        assert len(output.scheduled) <= self.max_num_seqs
+        return output
+
+    def update(
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, int], now: float | None = None
+    ) -> list[RequestUpdate]:
+        """Apply a finished step: advance num_computed_tokens, append one sampled token per sampling request,
+        check stop conditions, free finished requests. Requests finished since schedule() are skipped."""
+        now = time.monotonic() if now is None else now
+        sampling_ids = {entry.request_id for entry in output.scheduled if entry.samples}
+        assert sampled_token_ids.keys() <= sampling_ids, set(sampled_token_ids) - sampling_ids
+        updates = []
+        for entry in output.scheduled:
+            request = entry.request
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            assert request.num_computed_tokens == entry.num_computed_before, request.request_id
+            request.num_computed_tokens += entry.num_new_tokens
+            self.pool.cache_full_blocks(request)
+            if not entry.samples:
+                continue
+            token_id = sampled_token_ids[request.request_id]
+            request.output_token_ids.append(token_id)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            finish_status = self._stop_status(request, token_id)
+            if finish_status is not None:
+                self._finish(request, finish_status, now)
+            updates.append(RequestUpdate(request, [token_id], finish_status))
+        return updates
+
+    def check_invariants(self) -> None:
+        assert len(self.running) <= self.max_num_seqs
+        running_ids = {request.request_id for request in self.running}
+        waiting_ids = {request.request_id for request in self.waiting}
+        assert len(running_ids) == len(self.running) and len(waiting_ids) == len(self.waiting)
+        assert not running_ids & waiting_ids and running_ids | waiting_ids == self.requests.keys()
+        for request in self.running:
+            assert request.status is RequestStatus.RUNNING and request.block_ids, request.request_id
+            assert request.num_computed_tokens < request.num_tokens <= self.max_model_len, request.request_id
+            assert self.policy.name == "continuous" or self.policy.in_batch(request), request.request_id
+        for request in self.waiting:
+            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), request.request_id
+            assert not request.block_ids and request.num_computed_tokens == 0, request.request_id
+        self.pool.check_invariants(self.running)
+
+    # ---- internals ----------------------------------------------------------------------------------
+
+    def _entry(self, request: Request, num_new_tokens: int, num_computed_before: int) -> ScheduledRequest:
+        samples = num_computed_before + num_new_tokens == request.num_tokens
+        return ScheduledRequest(request, num_new_tokens, num_computed_before, samples)
+
+    def _victim_key(self, request: Request) -> tuple:
+        return (self.policy.order_key(request), self._add_order[request.request_id])
+
+    def _preempt(self, request: Request) -> None:
+        """Preempt by recompute: drop the K/V, keep the output tokens; on resume prompt + output is recomputed
+        (its full blocks usually still sit in the prefix cache)."""
+        self.pool.free(request)
+        self.running.remove(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push(request, self._add_order[request.request_id])
+
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        sampling = request.sampling
+        if token_id in sampling.stop_token_ids or (not sampling.ignore_eos and token_id in request.eos_token_ids):
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= sampling.max_new_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus, now: float, in_queue: bool = True) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.pool.free(request)
+            self.running.remove(request)
+        elif in_queue:
+            self.waiting.remove(request)
+        request.status = status
+        request.finish_time = now
+        del self.requests[request.request_id]
+        del self._add_order[request.request_id]
+        self._finished_ids.append(request.request_id)
