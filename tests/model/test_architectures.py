@@ -1,0 +1,138 @@
+"""Config parsing and the architecture variants: each tiny random model, built and saved by transformers,
+gives the same logits through our loader and forward; what we do not implement fails clearly."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from tests.model.batch import BLOCK, Chunk, assert_logits_close, hf_logits, make_input, random_tokens, tiny_settings
+from worker.model.config import UnsupportedModelError, parse_config, rope_inv_freq
+from worker.model.runner import ModelRunner
+from worker.model.tiny import build_tiny_model
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+# Features are combined so that each extra model (about a second to build and load) tests several.
+VARIANTS = {
+    "mha-untied-biases": ("LlamaForCausalLM", dict(num_key_value_heads=4, tie_word_embeddings=False,
+                                                   attention_bias=True, mlp_bias=True)),
+    "mqa-llama3-rope": ("LlamaForCausalLM", dict(num_key_value_heads=1, rope_parameters=LLAMA3_ROPE)),
+    "linear-rope": ("LlamaForCausalLM", dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
+                                                             "factor": 4.0})),
+    "qwen2": ("Qwen2ForCausalLM", dict(num_key_value_heads=2)),
+    "mistral": ("MistralForCausalLM", dict(sliding_window=None)),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_variant_logits_match_transformers(variant, smollm2_path, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    arch, overrides = VARIANTS[variant]
+    path = build_tiny_model(tmp_path / variant, smollm2_path, arch, seed=3, num_hidden_layers=2, **overrides)
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    runner = ModelRunner(path, tiny_settings(num_kv_blocks=32))
+    assert runner.config.architecture == arch
+    if "untied" in variant:
+        assert runner.model.lm_head is not runner.model.embed and runner.config.o_bias
+
+    # Long enough (40 > original_max_position_embeddings 16) that llama3 scaling changes the result.
+    prompt = random_tokens(40, seed=5)
+    table = [3, 1, 4, 15, 9, 2, 6, 5, 8, 7, 10, 11]
+    first = runner.execute(make_input([Chunk(prompt[:30], 0, table)], BLOCK, all_logits=True))
+    rest = runner.execute(make_input([Chunk(prompt[30:], 30, table)], BLOCK, all_logits=True))
+    assert_logits_close(torch.cat([first, rest]), hf_logits(hf_model, prompt))
+
+
+def test_llama31_rope_frequencies_equal_transformers():
+    # Llama 3.1's real parameters: some frequencies are kept, some divided by 8, some interpolated.
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    hf_config = LlamaConfig(hidden_size=4096, num_attention_heads=32, head_dim=128, rope_parameters=rope,
+                            max_position_embeddings=131072)
+    ref, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
+    raw = hf_config.to_dict() | {"architectures": ["LlamaForCausalLM"]}
+    ours = rope_inv_freq(parse_config(raw))
+    assert torch.equal(ours, ref)
+    plain = rope_inv_freq(parse_config(raw | {"rope_parameters": {"rope_theta": 500000.0}}))
+    ratio = plain / ours
+    assert ratio[0] == 1.0 and ratio[-1] == 8.0 and ((ratio > 1.0) & (ratio < 8.0)).any()
+
+
+def _raw_config(**changes) -> dict:
+    raw = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "max_position_embeddings": 256}
+    raw.update(changes)
+    return raw
+
+
+def test_legacy_rope_layout_and_defaults_parse():
+    config = parse_config(_raw_config(rope_theta=5e5, rope_scaling={"type": "linear", "factor": 2.0}))
+    assert config.rope_theta == 5e5 and config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert config.head_dim == 16 and not config.tie_word_embeddings and config.sliding_window is None
+
+
+@pytest.mark.parametrize("arch", ["GPT2LMHeadModel", "Qwen3ForCausalLM", None])
+def test_unsupported_architecture_names_the_supported_ones(arch):
+    raw = _raw_config(architectures=[arch] if arch else [])
+    with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
+        parse_config(raw)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks"),
+    ({"hidden_act": "gelu"}, "gelu"),
+])
+def test_unsupported_features_are_refused(changes, message):
+    with pytest.raises(UnsupportedModelError, match=message):
+        parse_config(_raw_config(**changes))
+
+
+def test_sliding_window_only_within_the_window():
+    config = parse_config(_raw_config(architectures=["MistralForCausalLM"], sliding_window=128))
+    config.check_max_model_len(128)
+    with pytest.raises(UnsupportedModelError, match="sliding-window"):
+        config.check_max_model_len(129)
+    qwen = parse_config(_raw_config(architectures=["Qwen2ForCausalLM"], sliding_window=64, use_sliding_window=False))
+    assert qwen.sliding_window is None and qwen.qkv_bias and not qwen.o_bias
+
+
+def test_runner_rejects_sliding_window_model_beyond_its_window(tiny_model_path, tmp_path):
+    path = tmp_path / "windowed"
+    shutil.copytree(tiny_model_path, path)
+    raw = json.loads((path / "config.json").read_text())
+    raw.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=64)
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(UnsupportedModelError, match="ENGINE_MAX_MODEL_LEN <= 64"):
+        ModelRunner(path, tiny_settings(max_model_len=128))
+    assert ModelRunner(path, tiny_settings(max_model_len=64)).max_model_len == 64
+
+
+def test_missing_tensor_fails_loading(tiny_model_path, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "broken"
+    shutil.copytree(tiny_model_path, path)
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
+        ModelRunner(path, tiny_settings())
+
+
+def test_unknown_model_name_is_a_clear_error(tmp_path):
+    from worker.config import PathSettings
+    from worker.model.pull import resolve_model
+
+    with pytest.raises(FileNotFoundError, match="llm-worker model pull"):
+        resolve_model("no-such-model", PathSettings(home=tmp_path))

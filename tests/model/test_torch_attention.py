@@ -1,0 +1,74 @@
+"""TorchAttention against a naive float64 attention over each request's dense context (no model involved)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.model.batch import Chunk, make_input
+from worker.model.torch_attention import TorchAttention
+
+BLOCK, NUM_BLOCKS, HQ, HKV, D = 4, 40, 6, 2, 16
+
+
+def naive_attention(q_b, k_ctx, v_ctx, scale):  # [n, Hq, D], [L, Hkv, D], [L, Hkv, D] -> [n, Hq, D]
+    n, L = q_b.shape[0], k_ctx.shape[0]
+    group = q_b.shape[1] // k_ctx.shape[1]
+    k = k_ctx.double().repeat_interleave(group, dim=1)  # [L, Hq, D]
+    v = v_ctx.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q_b.double(), k) * scale  # [Hq, n, L]
+    query_pos = torch.arange(L - n, L)[:, None]
+    scores = scores.masked_fill(torch.arange(L)[None, :] > query_pos, -math.inf)
+    return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v).float()
+
+
+def run_case(history: list[list[Chunk]], seed: int) -> None:
+    """Every step of `history` runs through TorchAttention; a dense copy of each request's K/V checks it."""
+    gen = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(NUM_BLOCKS, BLOCK, HKV, D, generator=gen)  # garbage where nothing was written
+    v_cache = torch.randn(NUM_BLOCKS, BLOCK, HKV, D, generator=gen)
+    dense: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # first block id -> all K, V so far
+    backend, scale = TorchAttention(), D**-0.5
+    for step in history:
+        model_input = make_input(step, BLOCK)
+        num_tokens = model_input.input_ids.shape[0]
+        q = torch.randn(num_tokens, HQ, D, generator=gen)
+        k = torch.randn(num_tokens, HKV, D, generator=gen)
+        v = torch.randn(num_tokens, HKV, D, generator=gen)
+        out = backend.forward(q, k, v, k_cache, v_cache, model_input.attn, scale)
+        start = 0
+        for chunk in step:
+            n = len(chunk.new_token_ids)
+            key = chunk.block_ids[0]
+            old_k, old_v = dense.get(key, (torch.empty(0, HKV, D), torch.empty(0, HKV, D)))
+            assert old_k.shape[0] == chunk.num_computed
+            dense[key] = (torch.cat([old_k, k[start : start + n]]), torch.cat([old_v, v[start : start + n]]))
+            ref = naive_attention(q[start : start + n], *dense[key], scale)
+            torch.testing.assert_close(out[start : start + n], ref, atol=1e-5, rtol=1e-5)
+            start += n
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_prefill_then_mixed_then_decode_only(seed):
+    a, b, c = [1, 7, 3, 9], [20, 2, 31], [15, 16, 17, 18, 19]
+    run_case([
+        [Chunk([0] * 5, 0, a), Chunk([0] * 3, 0, b)],  # two fresh prefills
+        [Chunk([0], 5, a), Chunk([0] * 6, 3, b), Chunk([0] * 9, 0, c)],  # decode + chunk + fresh prefill
+        [Chunk([0], 6, a), Chunk([0], 9, b), Chunk([0], 9, c)],  # decode only, ragged lengths
+        [Chunk([0], 7, a), Chunk([0], 10, b), Chunk([0], 10, c)],
+    ], seed)
+
+
+def test_single_token_prompts_take_the_decode_path():
+    # A one-token prompt is a "decode" row with an empty history: it must attend only to itself.
+    run_case([[Chunk([0], 0, [5]), Chunk([0], 0, [6])], [Chunk([0], 1, [5]), Chunk([0] * 4, 1, [6, 8])]], seed=2)
+
+
+def test_plan_is_rebuilt_for_each_new_metadata():
+    backend = TorchAttention()
+    first = make_input([Chunk([0] * 3, 0, [1])], BLOCK).attn
+    second = make_input([Chunk([0], 3, [1])], BLOCK).attn
+    assert backend._plan(first, 3, BLOCK) is backend._plan(first, 3, BLOCK)
+    assert backend._plan(second, 1, BLOCK).meta is second

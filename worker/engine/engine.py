@@ -1,0 +1,239 @@
+"""`LLMEngine`: the scheduler, the model runner, the sampler and the detokenizer in one synchronous loop.
+
+`step()` is schedule → run → postprocess. It runs in its own thread (worker/transport/engine_thread.py) and
+speaks only the plain objects of worker/engine/api.py to the outside.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+from worker.config import EngineSettings
+from worker.engine.api import EngineRequest, EngineStats, RequestOutput
+from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.model_input import build_model_input
+from worker.engine.outputs import RequestUpdate
+from worker.engine.request import Request, RequestStatus
+from worker.engine.scheduler import Scheduler
+from worker.engine.step_time import StepTimeModel
+from worker.model.runner import ModelRunner
+from worker.model.sampler import Sampler
+
+log = logging.getLogger(__name__)
+
+
+class InvalidRequest(ValueError):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(slots=True)
+class _Live:
+    """Per-request state the scheduler does not keep: sampling RNG and the text stream."""
+
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+
+
+@dataclass(slots=True)
+class Completion:
+    """A whole request's result, for `generate()` callers (tests, benchmarks)."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    last: RequestOutput | None = None
+
+
+class LLMEngine:
+    def __init__(self, settings: EngineSettings | None = None, runner: ModelRunner | None = None) -> None:
+        self.settings = settings or EngineSettings()
+        self.runner = runner or ModelRunner(self.settings.model, self.settings)
+        self.tokenizer = self.runner.tokenizer
+        self.scheduler = Scheduler(self.settings, self.runner.num_blocks, self.runner.max_model_len)
+        self.sampler = Sampler()
+        self.step_time = StepTimeModel()
+        self.num_steps = 0
+        self._last_step = (0, 0)
+        self._live: dict[str, _Live] = {}
+        log.info("engine: policy=%s max_num_batched_tokens=%d max_num_seqs=%d block_size=%d prefix_caching=%s",
+                 self.settings.policy, self.settings.max_num_batched_tokens, self.settings.max_num_seqs,
+                 self.settings.block_size, self.settings.enable_prefix_caching)
+
+    # ---- requests in and out ------------------------------------------------------------------------
+
+    def tokenize(self, request: EngineRequest) -> list[int]:
+        given = [x is not None for x in (request.prompt, request.messages, request.prompt_token_ids)]
+        if sum(given) != 1:
+            raise InvalidRequest("invalid_request", "exactly one of prompt, messages, prompt_token_ids is required")
+        if request.prompt_token_ids is not None:
+            token_ids = list(request.prompt_token_ids)
+            if any(not 0 <= t < self.runner.vocab_size for t in token_ids):
+                raise InvalidRequest("invalid_request", f"token ids must lie in [0, {self.runner.vocab_size})")
+        elif request.messages is not None:
+            text = self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False)
+            token_ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        else:
+            token_ids = self.tokenizer(request.prompt).input_ids
+        if not token_ids:
+            raise InvalidRequest("invalid_request", "the prompt is empty")
+        limit = self.scheduler.max_model_len
+        if len(token_ids) + request.sampling.max_new_tokens > limit:
+            raise InvalidRequest(
+                "prompt_too_long",
+                f"prompt of {len(token_ids)} tokens + max_new_tokens {request.sampling.max_new_tokens} "
+                f"exceeds the {limit} tokens this worker allows",
+            )
+        return token_ids
+
+    def add_request(self, request: EngineRequest) -> list[RequestOutput]:
+        now = time.monotonic()
+        arrival = request.arrival_time if request.arrival_time is not None else now
+        try:
+            token_ids = self.tokenize(request)
+        except InvalidRequest as exc:
+            return [RequestOutput(request.request_id, [], "", True, "error", exc.code, str(exc), arrival_time=arrival,
+                                  finish_time=now)]
+        sampling = request.sampling
+        req = Request(
+            request_id=request.request_id,
+            prompt_token_ids=token_ids,
+            sampling=sampling,
+            priority=request.priority,
+            arrival_time=arrival,
+            deadline=request.deadline,
+            eos_token_ids=() if sampling.ignore_eos else tuple(self.runner.eos_token_ids),
+        )
+        self.scheduler.add_request(req)
+        self._live[req.request_id] = _Live(
+            IncrementalDetokenizer(self.tokenizer, token_ids, stop=sampling.stop),
+            self._generator(req),
+        )
+        return []
+
+    def _generator(self, request: Request) -> torch.Generator | None:
+        if request.sampling.greedy:
+            return None
+        seed = request.sampling.seed
+        if seed is None:
+            seed = self.settings.seed ^ zlib.crc32(request.request_id.encode())
+        return torch.Generator(device=self.runner.device).manual_seed(seed)
+
+    def abort(self, request_ids: list[str]) -> list[RequestOutput]:
+        return [self._final(request) for request in self.scheduler.abort(request_ids)]
+
+    def flush(self) -> None:
+        """No more requests are coming (end of a trace): lets the static policy start a partial batch."""
+        self.scheduler.flush()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def wake_time(self) -> float | None:
+        """When a step may have work again without new requests (a batch window closing, a deadline passing)
+        while the scheduler has nothing runnable now; the engine thread sleeps until then."""
+        return self.scheduler.wake_time()
+
+    # ---- one step -----------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule(time.monotonic())
+        outputs = [self._final(request) for request in sched.deadline_dropped]
+        if sched.is_empty:
+            return outputs
+        start = time.perf_counter()
+        model_input = build_model_input(sched.scheduled, sched.block_size, self.runner.device)
+        logits = self.runner.execute(model_input)  # [S, V]
+        sampling = [entry.request for entry in sched.scheduled if entry.samples]
+        token_ids = self.sampler.sample(
+            logits, [r.sampling for r in sampling], [self._live[r.request_id].generator for r in sampling]
+        )
+        self.step_time.observe(sched.num_batched_tokens, time.perf_counter() - start)
+        self.num_steps += 1
+        self._last_step = (sched.num_batched_tokens, len(sched.scheduled))
+        updates = self.scheduler.update(sched, {r.request_id: t for r, t in zip(sampling, token_ids)}, time.monotonic())
+        outputs += [self._postprocess(update) for update in updates]
+        return outputs
+
+    def _postprocess(self, update: RequestUpdate) -> RequestOutput:
+        request = update.request
+        live = self._live[request.request_id]
+        text_ids = update.new_token_ids
+        if update.finish_status is RequestStatus.FINISHED_STOPPED:
+            text_ids = text_ids[:-1]  # the EOS or stop token: counted, never shown
+        text = live.detokenizer.push(text_ids) if text_ids else ""
+        if live.detokenizer.stopped and not request.is_finished:
+            request.stop_reason = live.detokenizer.stop_string
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+        if request.is_finished:
+            return self._final(request, update.new_token_ids, text)
+        return self._output(request, update.new_token_ids, text)
+
+    def _output(self, request: Request, token_ids: list[int], text: str) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=token_ids,
+            text_delta=text,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            arrival_time=request.arrival_time,
+            first_scheduled_time=request.first_scheduled_time,
+            first_token_time=request.first_token_time,
+        )
+
+    def _final(self, request: Request, token_ids: list[int] | None = None, text: str = "") -> RequestOutput:
+        live = self._live.pop(request.request_id, None)
+        if live is not None and request.status is not RequestStatus.FINISHED_ABORTED:
+            text += live.detokenizer.flush()
+        out = self._output(request, token_ids or [], text)
+        out.finished = True
+        out.finish_reason = request.status.value
+        out.finish_time = request.finish_time if request.finish_time is not None else time.monotonic()
+        return out
+
+    # ---- what the transport and the benchmarks read -------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        base, per_token = self.step_time.coefficients()
+        pool = self.scheduler.pool
+        return EngineStats(
+            num_waiting=self.scheduler.num_waiting,
+            num_running=self.scheduler.num_running,
+            kv_usage=self.scheduler.kv_usage,
+            prefix_cache_hit_rate=pool.hit_rate,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.num_steps,
+            last_step_num_tokens=self._last_step[0],
+            last_step_num_seqs=self._last_step[1],
+            step_time_base_s=base,
+            step_time_per_token_s=per_token,
+        )
+
+    def predict_step_time(self, num_tokens: int) -> float:
+        return self.step_time.predict(num_tokens)
+
+    def generate(self, requests: list[EngineRequest]) -> dict[str, Completion]:
+        """Run requests to completion (all known up front) and gather each one's tokens and text."""
+        completions = {r.request_id: Completion(r.request_id) for r in requests}
+        pending = []
+        for request in requests:
+            pending += self.add_request(request)
+        self.flush()
+        while True:
+            for out in pending:
+                done = completions[out.request_id]
+                done.token_ids += out.new_token_ids
+                done.text += out.text_delta
+                if out.finished:
+                    done.finish_reason, done.last = out.finish_reason, out
+            if not self.has_unfinished():
+                return completions
+            pending = self.step()

@@ -1,0 +1,136 @@
+"""`ModelRunner`: owns the model weights, the paged KV cache and the attention backend; runs one step.
+
+The engine builds a `ModelInput` per step (worker/engine) and calls `execute`, which returns float32
+logits for the rows that sample. Device, dtype and backend are chosen here once and logged, so a
+deployment's log says what actually runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from worker.config import EngineSettings
+from worker.model.attention import AttentionBackend
+from worker.model.config import ModelConfig, load_config, load_eos_token_ids
+from worker.model.input import ModelInput
+from worker.model.loader import load_model
+from worker.model.pull import resolve_model
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(setting: str) -> torch.device:
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("ENGINE_DEVICE=cuda but torch sees no CUDA device")
+    return torch.device(setting)
+
+
+def pick_dtype(setting: str, device: torch.device) -> torch.dtype:
+    if setting == "auto":
+        # CPUs run bf16 matmuls slowly (no native units on most); GPUs run them at full rate.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[setting]
+
+
+def make_backend(setting: str, device: torch.device) -> AttentionBackend:
+    name = setting if setting != "auto" else ("triton" if device.type == "cuda" else "torch")
+    if name == "triton":
+        # Imported only here: importing Triton is slow and pointless on a CPU-only worker.
+        from worker.model.triton_attention import TritonAttention
+
+        return TritonAttention()
+    from worker.model.torch_attention import TorchAttention
+
+    return TorchAttention()
+
+
+class ModelRunner:
+    def __init__(self, model_path: str | Path, settings: EngineSettings) -> None:
+        self.settings = settings
+        self.model_path = resolve_model(model_path)
+        self.config: ModelConfig = load_config(self.model_path)
+        self.device = pick_device(settings.device)
+        self.dtype = pick_dtype(settings.dtype, self.device)
+        self.max_model_len = settings.max_model_len or self.config.max_position_embeddings
+        self.config.check_max_model_len(self.max_model_len)
+        self.block_size = settings.block_size
+        self.backend = make_backend(settings.attention_backend, self.device)
+
+        self.model = load_model(
+            self.config, self.model_path, self.backend, self.max_model_len, self.device, self.dtype
+        )
+        self.eos_token_ids = load_eos_token_ids(self.model_path, self.config)
+        self.vocab_size = self.config.vocab_size
+        if not any((self.model_path / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+            raise FileNotFoundError(f"{self.model_path} has no tokenizer.json or tokenizer.model")
+        self._tokenizer = None
+
+        c = self.config
+        # K and V of every layer in one allocation: [layers, 2, blocks, block_size, Hkv, D].
+        self.bytes_per_block = 2 * c.num_layers * self.block_size * c.kv_size * self.dtype.itemsize
+        self.num_blocks = self._num_blocks()
+        self.kv_cache = torch.zeros(
+            c.num_layers, 2, self.num_blocks, self.block_size, c.num_kv_heads, c.head_dim,
+            device=self.device, dtype=self.dtype,
+        )
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(c.num_layers)]
+
+        log.info(
+            "model %s (%s, %d layers, %d/%d heads): device=%s dtype=%s attention=%s; KV cache %d blocks x %d "
+            "tokens = %d tokens (%.0f MiB); max_model_len %d",
+            self.model_path.name, c.architecture, c.num_layers, c.num_heads, c.num_kv_heads, self.device,
+            str(self.dtype).removeprefix("torch."), self.backend.name, self.num_blocks, self.block_size,
+            self.num_blocks * self.block_size, self.num_blocks * self.bytes_per_block / 2**20, self.max_model_len,
+        )
+        if self.num_blocks * self.block_size < self.max_model_len:
+            log.warning(
+                "the KV cache holds %d tokens, fewer than max_model_len %d: one long request can exhaust it",
+                self.num_blocks * self.block_size, self.max_model_len,
+            )
+
+    def _num_blocks(self) -> int:
+        if self.settings.num_kv_blocks is not None:
+            return self.settings.num_kv_blocks
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * self.settings.kv_cache_gpu_fraction)
+        else:
+            budget = self.settings.kv_cache_bytes
+        num_blocks = budget // self.bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(f"KV-cache budget of {budget} bytes is smaller than one block ({self.bytes_per_block} bytes)")
+        return num_blocks
+
+    @property
+    def tokenizer(self):
+        """The Hugging Face tokenizer, loaded on first use (about a second; tests of the forward skip it)."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        return self._tokenizer
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    @torch.inference_mode()
+    def execute(self, model_input: ModelInput) -> torch.Tensor:  # [S, V] float32
+        attn = model_input.attn
+        if attn.max_seq_len > self.max_model_len:
+            raise ValueError(f"a sequence of {attn.max_seq_len} tokens exceeds max_model_len {self.max_model_len}")
+        logits = self.model(
+            model_input.input_ids,
+            model_input.positions,
+            self.kv_caches,
+            attn,
+            model_input.logits_indices,
+        )
+        return logits.float()
