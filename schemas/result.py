@@ -38,7 +38,15 @@ ERROR_REASONS: tuple[str, ...] = (
 )
 """error: the request cannot be served as sent (all but internal) or the worker failed (internal)."""
 
-Attempt = Annotated[int, Meta(ge=0, le=MAX_INT32, description="0 on the first try; higher supersedes lower.")]
+Attempt = Annotated[
+    int,
+    Meta(
+        ge=0,
+        le=MAX_INT32,
+        description="Grows with every redelivery of the request (the consumer-group generation that served it); "
+        "a higher attempt supersedes a lower one.",
+    ),
+]
 Count = Annotated[int, Meta(ge=0, le=MAX_SAFE_INT)]
 
 

@@ -173,6 +173,15 @@ class WorkerSettings(BaseSettings):
     """Records fetched per poll."""
     metrics_port: int = Field(9400, ge=0, le=65535)
     """Prometheus metrics HTTP port; 0 disables the endpoint."""
+    pause_dwell_s: float = Field(0.5, ge=0)
+    """Least time a priority's partitions stay paused or resumed before the next change (avoids churn)."""
+    priority_backlog_threshold: int = Field(64, ge=0)
+    """While a more urgent priority's backlog (lag + local waiting) exceeds this, less urgent ones pause."""
+    session_timeout_s: float = Field(10.0, ge=1)
+    """Consumer-group session timeout: how long a dead worker's partitions wait before another takes them."""
+    max_engine_inflight: int = Field(0, ge=0)
+    """Requests handed to the engine and not finished; the rest wait in the local queue where they can still be
+    shed or reordered. 0: twice the engine's max_num_seqs."""
 
     @model_validator(mode="after")
     def _check(self) -> "WorkerSettings":

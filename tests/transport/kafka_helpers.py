@@ -1,0 +1,147 @@
+"""Shared pieces of the transport's Kafka integration tests: produce requests by priority, collect every
+result record, run a worker in-process or as a subprocess. Real Kafka only."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+from schemas.decode import decode_dead_letter, decode_result, decode_status, encode
+from schemas.priority import partition_for
+from schemas.request import GenerationRequest
+from schemas.result import FinalRecord, StreamChunk
+from worker.config import KafkaSettings, WorkerSettings
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def worker_settings(**overrides) -> WorkerSettings:
+    values = dict(metrics_port=0, worker_id=f"test-{uuid.uuid4().hex[:6]}", status_interval_s=0.2,
+                  commit_interval_s=0.2, session_timeout_s=6.0, drain_timeout_s=20.0)
+    values.update(overrides)
+    return WorkerSettings(**values)
+
+
+async def produce(kafka: KafkaSettings, items: list[tuple[int, bytes, str]]) -> None:
+    """items: (priority, value bytes, key); each to the partition its priority and key give."""
+    producer = AIOKafkaProducer(**kafka.client_kwargs(), enable_idempotence=True, max_request_size=4 * 1024 * 1024)
+    await producer.start()
+    try:
+        futures = []
+        for priority, value, key in items:
+            partition = partition_for(priority, key, kafka.num_request_partitions, kafka.num_priorities)
+            futures.append(await producer.send(kafka.request_topic, value=value, key=key.encode(), partition=partition))
+        await asyncio.gather(*futures)
+    finally:
+        await producer.stop()
+
+
+async def produce_requests(kafka: KafkaSettings, requests: list[tuple[int, GenerationRequest]]) -> None:
+    await produce(kafka, [(p, encode(r), r.id) for p, r in requests])
+
+
+@dataclass
+class Results:
+    chunks: dict[tuple[str, int], list[StreamChunk]] = field(default_factory=lambda: defaultdict(list))
+    finals: dict[str, list[FinalRecord]] = field(default_factory=lambda: defaultdict(list))
+    dead_letters: list = field(default_factory=list)
+    statuses: list = field(default_factory=list)
+    undecodable: int = 0
+
+    def latest_final(self, request_id: str) -> FinalRecord:
+        return max(self.finals[request_id], key=lambda f: f.attempt)
+
+    def stream_text(self, request_id: str, attempt: int) -> str:
+        return "".join(c.text for c in self.chunks[(request_id, attempt)])
+
+
+class Collector:
+    """Reads the result, dead-letter and status topics from the beginning, in the background."""
+
+    def __init__(self, kafka: KafkaSettings, extra_topics: tuple[str, ...] = ()) -> None:
+        self.kafka = kafka
+        self.results = Results()
+        self.topics = (kafka.result_topic, kafka.dead_letter_topic, kafka.status_topic, *extra_topics)
+        self._task: asyncio.Task | None = None
+
+    async def __aenter__(self) -> "Collector":
+        self._consumer = AIOKafkaConsumer(*self.topics, **self.kafka.client_kwargs(), auto_offset_reset="earliest",
+                                          enable_auto_commit=False, group_id=None, metadata_max_age_ms=1000)
+        await self._consumer.start()
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        await self._consumer.stop()
+
+    async def _run(self) -> None:
+        r = self.results
+        while True:
+            batches = await self._consumer.getmany(timeout_ms=100)
+            for tp, msgs in batches.items():
+                for msg in msgs:
+                    try:
+                        if tp.topic == self.kafka.dead_letter_topic:
+                            r.dead_letters.append(decode_dead_letter(msg.value))
+                        elif tp.topic == self.kafka.status_topic:
+                            r.statuses.append(decode_status(msg.value))
+                        else:
+                            record = decode_result(msg.value)
+                            if isinstance(record, StreamChunk):
+                                r.chunks[(record.id, record.attempt)].append(record)
+                            else:
+                                r.finals[record.id].append(record)
+                    except msgspec.DecodeError:
+                        r.undecodable += 1
+
+    async def wait_until(self, predicate, timeout_s: float, what: str = "condition") -> None:
+        async with asyncio.timeout(timeout_s):
+            while not predicate(self.results):
+                await asyncio.sleep(0.1)
+
+
+@contextlib.asynccontextmanager
+async def running_worker(kafka: KafkaSettings, settings: WorkerSettings, engine, **kwargs):
+    from worker.transport.serve import Worker
+
+    worker = Worker(kafka, settings, engine, **kwargs)
+    task = asyncio.create_task(worker.run())
+    try:
+        async with asyncio.timeout(30):
+            await worker.started.wait()
+        yield worker
+    finally:
+        worker.stop()
+        assert await asyncio.wait_for(task, 60) == 0
+
+
+def subprocess_env(kafka: KafkaSettings, **worker_env) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({
+        "KAFKA_BOOTSTRAP_SERVERS": kafka.bootstrap_servers, "KAFKA_REQUEST_TOPIC": kafka.request_topic,
+        "KAFKA_RESULT_TOPIC": kafka.result_topic, "KAFKA_DEAD_LETTER_TOPIC": kafka.dead_letter_topic,
+        "KAFKA_STATUS_TOPIC": kafka.status_topic, "KAFKA_GROUP_ID": kafka.group_id,
+        "WORKER_METRICS_PORT": "0", "WORKER_STATUS_INTERVAL_S": "0.2", "WORKER_COMMIT_INTERVAL_S": "0.2",
+        "WORKER_SESSION_TIMEOUT_S": "6",
+    })
+    env.update({f"WORKER_{k.upper()}": str(v) for k, v in worker_env.items()})
+    return env
+
+
+async def start_worker_process(kafka: KafkaSettings, args: list[str], log_path: Path, **worker_env):
+    log = open(log_path, "ab")
+    return await asyncio.create_subprocess_exec(
+        str(REPO / ".venv" / "bin" / "llm-worker"), "serve", *args, env=subprocess_env(kafka, **worker_env),
+        stdout=log, stderr=log, cwd=str(REPO),
+    )

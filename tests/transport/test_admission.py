@@ -1,0 +1,52 @@
+"""Admission: reply-topic allow-list, deadlines by estimate, latency-target hold-back."""
+
+from schemas.request import ChatMessage
+from worker.engine.api import EngineStats
+from worker.transport.admission import Admission, estimate_prompt_tokens, estimate_service_s
+
+
+def make(itl=(50.0, 0.0, 0.0)) -> Admission:
+    return Admission("results", frozenset({"team-a.results"}), list(itl), max_num_batched_tokens=512)
+
+
+def test_reply_topic_allow_list():
+    admission = make()
+    assert admission.check_reply_topic(None) is None
+    assert admission.check_reply_topic("results") is None
+    assert admission.check_reply_topic("team-a.results") is None
+    verdict = admission.check_reply_topic("someone-elses-topic")
+    assert (verdict.status, verdict.reason) == ("error", "reply_topic_not_allowed")
+
+
+def test_deadline_passed_or_unreachable_is_rejected():
+    admission = make()
+    assert admission.check_deadline(None, 1000.0, 5.0, 5.0) is None
+    assert admission.check_deadline(2000, 1000.0, 0.5, 0.4) is None
+    passed = admission.check_deadline(900, 1000.0, 0.0, 0.0)
+    assert (passed.status, passed.reason) == ("rejected", "deadline")
+    unreachable = admission.check_deadline(2000, 1000.0, 0.7, 0.4)  # 1.1 s > 1.0 s
+    assert unreachable.reason == "deadline" and "1100" in unreachable.message
+
+
+def test_service_estimate_uses_the_step_time_model():
+    stats = EngineStats(num_running=9, step_time_base_s=0.01, step_time_per_token_s=0.001)
+    # prefill: 0.01 + 0.001 * (9 + 100); decode: 10 * (0.01 + 0.001 * 10)
+    assert abs(estimate_service_s(stats, 100, 10) - (0.119 + 0.2)) < 1e-9
+    assert estimate_service_s(EngineStats(), 100, 10) == 0.0  # nothing measured: no guesswork
+
+
+def test_prompt_token_estimate():
+    assert estimate_prompt_tokens(None, None, [1, 2, 3]) == 3
+    assert estimate_prompt_tokens("x" * 400, None, None) == 100
+    assert estimate_prompt_tokens(None, [ChatMessage(role="user", content="y" * 40)], None) == 14
+
+
+def test_latency_target_holds_back_a_less_urgent_request():
+    admission = make(itl=(50.0, 0.0, 0.0))
+    stats = EngineStats(step_time_base_s=0.02, step_time_per_token_s=0.0001)
+    # 4 urgent requests running; a 400-token prompt gives 0.02 + 0.0001 * 404 = 60 ms > 50 ms.
+    assert not admission.may_enter_batch(2, 400, [4, 0, 0], stats)
+    assert admission.may_enter_batch(2, 40, [4, 0, 0], stats)  # 24 ms
+    assert admission.may_enter_batch(0, 400, [4, 0, 0], stats)  # nothing more urgent than p0
+    assert admission.may_enter_batch(2, 400, [0, 3, 0], stats)  # p1 has no target
+    assert admission.may_enter_batch(2, 400, [0, 0, 0], stats)  # idle engine always admits

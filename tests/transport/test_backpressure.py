@@ -1,0 +1,66 @@
+"""Pause/resume decisions: least urgent first, one level per dwell period, hysteresis between watermarks."""
+
+from worker.config import WorkerSettings
+from worker.transport.backpressure import Backpressure, LoadSnapshot
+
+
+def make(**overrides) -> Backpressure:
+    settings = dict(max_waiting=100, resume_waiting=50, kv_pause_threshold=0.9, kv_resume_threshold=0.7,
+                    priority_backlog_threshold=1000, pause_dwell_s=0.5)
+    settings.update(overrides)
+    return Backpressure.from_settings(WorkerSettings(**settings), num_priorities=3)
+
+
+def load(num_waiting=0, kv=0.0, backlog=(0, 0, 0)) -> LoadSnapshot:
+    return LoadSnapshot(num_waiting=num_waiting, kv_usage=kv, backlog_by_priority=list(backlog))
+
+
+def test_queue_pressure_pauses_least_urgent_first_one_level_per_dwell():
+    bp = make()
+    assert bp.decide(load(101), now=0.0).paused_priorities == {2}
+    assert bp.decide(load(150), now=0.2).paused_priorities == {2}  # dwell not yet over
+    assert bp.decide(load(150), now=0.6).paused_priorities == {1, 2}
+    decision = bp.decide(load(150), now=1.2)
+    assert decision.paused_priorities == {0, 1, 2}
+    assert decision.reasons == {0: "queue", 1: "queue", 2: "queue"}
+
+
+def test_hysteresis_holds_between_watermarks_then_resumes_most_urgent_first():
+    bp = make()
+    for t in (0.0, 0.6, 1.2):
+        bp.decide(load(200), now=t)
+    assert bp.decide(load(75), now=2.0).paused_priorities == {0, 1, 2}  # between 50 and 100: hold
+    assert bp.decide(load(49), now=2.1).paused_priorities == {1, 2}
+    assert bp.decide(load(49), now=2.3).paused_priorities == {1, 2}
+    assert bp.decide(load(10), now=2.7).paused_priorities == {2}
+    assert bp.decide(load(10), now=3.3).paused_priorities == set()
+
+
+def test_kv_pressure_pauses_with_its_reason_and_needs_both_signals_low_to_resume():
+    bp = make()
+    decision = bp.decide(load(0, kv=0.95), now=0.0)
+    assert decision.reasons == {2: "kv"}
+    assert bp.decide(load(0, kv=0.8), now=1.0).paused_priorities == {2}  # above kv_resume
+    assert bp.decide(load(60, kv=0.5), now=2.0).paused_priorities == {2}  # queue above resume_waiting
+    assert bp.decide(load(10, kv=0.5), now=3.0).paused_priorities == set()
+
+
+def test_urgent_backlog_pauses_every_less_urgent_priority_until_it_halves():
+    bp = make(priority_backlog_threshold=10)
+    decision = bp.decide(load(backlog=(11, 0, 500)), now=0.0)
+    assert decision.paused_priorities == {1, 2}
+    assert decision.reasons == {1: "priority_backlog", 2: "priority_backlog"}
+    assert bp.decide(load(backlog=(8, 0, 500)), now=1.0).paused_priorities == {1, 2}  # 8 > 10 // 2
+    assert bp.decide(load(backlog=(5, 20, 500)), now=2.0).paused_priorities == {2}  # p1's own backlog
+    assert bp.decide(load(backlog=(0, 0, 500)), now=3.0).paused_priorities == set()
+
+
+def test_no_churn_faster_than_dwell():
+    bp = make(priority_backlog_threshold=10)
+    states = []
+    for i in range(20):
+        backlog = (50, 0, 0) if i % 2 == 0 else (0, 0, 0)
+        states.append((i * 0.1, bp.decide(load(backlog=backlog), now=i * 0.1).paused_priorities))
+    changes = [t for (t, s), (_, prev) in zip(states[1:], states[:-1]) if s != prev]
+    assert changes, "expected at least one change"
+    assert all(b - a >= 0.5 - 1e-9 for a, b in zip(changes, changes[1:]))

@@ -1,0 +1,111 @@
+"""Workers as real processes: one SIGKILLed mid-stream in a group of two, and one SIGTERMed then restarted.
+No request is lost; a redelivered request carries a higher attempt, and its highest attempt streams once,
+complete."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import pytest
+
+from schemas.request import GenerationRequest
+from worker.engine.instant import expected_text
+from tests.transport.kafka_helpers import Collector, produce_requests, start_worker_process
+from tests.transport.test_stream_kafka import as_engine_request
+
+pytestmark = pytest.mark.kafka
+
+WORKER_ARGS = ["--engine", "instant", "--instant-step-ms", "20"]
+
+
+def make_requests(prefix: str, n: int) -> list[tuple[int, GenerationRequest]]:
+    return [(i % 3, GenerationRequest(id=f"{prefix}-{i}", prompt=f"{prefix} prompt {i}", max_new_tokens=20))
+            for i in range(n)]
+
+
+def all_completed(results, requests) -> bool:
+    return all(any(f.status == "completed" for f in results.finals.get(q.id, [])) for _, q in requests)
+
+
+def check_complete_streams(results, requests) -> int:
+    """Every request's highest attempt is completed and streamed once, in order; returns the redelivered count."""
+    num_redelivered = 0
+    for _, request in requests:
+        final = results.latest_final(request.id)
+        assert final.status == "completed", final
+        chunks = results.chunks[(request.id, final.attempt)]
+        assert [c.seq for c in chunks] == list(range(final.num_chunks)), request.id
+        assert results.stream_text(request.id, final.attempt) == expected_text(as_engine_request(request))
+        attempts = {f.attempt for f in results.finals[request.id]} | {a for (i, a) in results.chunks if i == request.id}
+        assert len([f for f in results.finals[request.id] if f.attempt == final.attempt]) == 1
+        if len(attempts) > 1:
+            num_redelivered += 1
+            assert final.attempt == max(attempts)
+    return num_redelivered
+
+
+async def wait_assigned(collector, worker_ids: set[str] | None, num_partitions: int, timeout_s: float = 40) -> None:
+    def ready(r) -> bool:
+        latest = {}
+        for s in r.statuses:
+            latest[s.worker_id] = s
+        if worker_ids is not None and not worker_ids <= set(latest):
+            return False
+        owned = [p for wid, s in latest.items() if worker_ids is None or wid in worker_ids for p in s.assigned_partitions]
+        return sorted(owned) == list(range(num_partitions))
+    await collector.wait_until(ready, timeout_s)
+
+
+async def test_sigkill_one_of_two_workers_loses_nothing(kafka_topics, tmp_path):
+    kafka = kafka_topics
+    requests = make_requests("kill", 300)
+    async with Collector(kafka) as collector:
+        procs = [await start_worker_process(kafka, [*WORKER_ARGS, "--worker-id", f"w{i}"], tmp_path / f"w{i}.log")
+                 for i in range(2)]
+        try:
+            await wait_assigned(collector, {"w0", "w1"}, kafka.num_request_partitions)
+            await produce_requests(kafka, requests)
+            await collector.wait_until(lambda r: len(r.finals) >= 20, 30)
+            procs[0].send_signal(signal.SIGKILL)
+            await procs[0].wait()
+            await collector.wait_until(lambda r: all_completed(r, requests), 50)
+            await asyncio.sleep(0.5)
+            assert procs[1].returncode is None
+        finally:
+            for proc in procs:
+                if proc.returncode is None:
+                    proc.send_signal(signal.SIGTERM)
+            codes = [await asyncio.wait_for(p.wait(), 30) for p in procs]
+        assert codes[1] == 0
+        num_redelivered = check_complete_streams(collector.results, requests)
+    assert num_redelivered > 0  # the kill did interrupt streams, which the survivor then served again
+
+
+async def test_sigterm_drains_exits_zero_and_a_restart_finishes_the_rest(kafka_topics, tmp_path):
+    kafka = kafka_topics
+    requests = make_requests("term", 200)
+    async with Collector(kafka) as collector:
+        first = await start_worker_process(kafka, [*WORKER_ARGS, "--worker-id", "first"], tmp_path / "first.log",
+                                           drain_timeout_s=0.3, max_engine_inflight=16)
+        await wait_assigned(collector, {"first"}, kafka.num_request_partitions)
+        await produce_requests(kafka, requests)
+        await collector.wait_until(lambda r: len(r.finals) >= 20, 30)
+        first.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(first.wait(), 30) == 0
+        num_before_restart = len(collector.results.finals)
+        assert num_before_restart < len(requests)
+        second = await start_worker_process(kafka, [*WORKER_ARGS, "--worker-id", "second"], tmp_path / "second.log")
+        try:
+            await collector.wait_until(lambda r: all_completed(r, requests), 50)
+        finally:
+            second.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(second.wait(), 30) == 0
+        results = collector.results
+        check_complete_streams(results, requests)
+        for _, request in requests:
+            attempts = [f.attempt for f in results.finals[request.id]]
+            assert len(attempts) == len(set(attempts)), "a duplicate must carry a new attempt"
+        first_attempts = {f.attempt for fs in results.finals.values() for f in fs if f.worker_id == "first"}
+        second_attempts = {f.attempt for fs in results.finals.values() for f in fs if f.worker_id == "second"}
+        assert min(second_attempts) > max(first_attempts)

@@ -1,0 +1,93 @@
+"""Load protection against a real broker: backpressure pauses and resumes partitions; under several times
+the worker's capacity the most urgent priority meets its deadlines while the others are shed or rejected,
+and the local queue stays bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from schemas.request import GenerationRequest
+from worker.engine.instant import InstantEngine
+from tests.transport.kafka_helpers import Collector, produce_requests, running_worker, worker_settings
+
+pytestmark = pytest.mark.kafka
+
+
+async def sample_paused(worker, seen: list, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        seen.append({tp.partition for tp in worker.consumer.paused()})
+        await asyncio.sleep(0.05)
+
+
+async def test_partitions_pause_when_the_queue_fills_and_resume_when_it_drains(kafka_topics):
+    kafka = kafka_topics
+    settings = worker_settings(max_waiting=20, resume_waiting=5, max_poll_records=10, pause_dwell_s=0.2,
+                               max_engine_inflight=4, priority_backlog_threshold=100_000,
+                               max_queue_time_s=[1e6], status_interval_s=0.1)
+    engine = InstantEngine(max_num_seqs=4, step_time_s=0.01)
+    requests = [(1 + i % 2, GenerationRequest(id=f"bp-{i}", prompt=f"p{i}", max_new_tokens=4)) for i in range(300)]
+    async with Collector(kafka) as collector:
+        async with running_worker(kafka, settings, engine, max_num_seqs=4) as worker:
+            seen: list[set[int]] = []
+            stop = asyncio.Event()
+            sampler = asyncio.create_task(sample_paused(worker, seen, stop))
+            await produce_requests(kafka, requests)
+            await collector.wait_until(lambda r: len(r.finals) == len(requests), 50)
+            await asyncio.sleep(1.5)  # let the pressure fall and the dwell time pass
+            stop.set()
+            await sampler
+            assert worker.consumer.paused() == set()
+            assert worker.intake.max_local_waiting_seen <= settings.max_waiting + settings.max_poll_records
+        statuses = collector.results.statuses
+    assert any(s for s in seen), "the consumer never paused a partition"
+    first_paused = next(i for i, s in enumerate(seen) if s)
+    assert any(not s for s in seen[first_paused:]), "paused partitions never resumed"
+    paused_statuses = [s for s in statuses if s.paused_partitions]
+    assert paused_statuses
+    # Least urgent first: the first pause takes priority 2 only, and priority 0 never pauses without 2.
+    assert set(paused_statuses[0].paused_partitions) == {4, 5}
+    assert all({4, 5} <= set(s.paused_partitions) for s in paused_statuses if {0, 1} & set(s.paused_partitions))
+    assert statuses[-1].paused_partitions == []
+    assert all(f[0].status == "completed" for f in collector.results.finals.values())
+
+
+async def produce_paced(kafka, requests_by_tick: list[list[tuple[int, GenerationRequest]]], tick_s: float) -> None:
+    for batch in requests_by_tick:
+        started = time.monotonic()
+        await produce_requests(kafka, batch)
+        await asyncio.sleep(max(0.0, tick_s - (time.monotonic() - started)))
+
+
+async def test_overload_keeps_urgent_deadlines_and_sheds_the_rest(kafka_topics):
+    kafka = kafka_topics
+    # Capacity: 8 sequences x 5 tokens x 10 ms steps, about 160 requests/s. Offered: about 600/s for 3 s.
+    settings = worker_settings(max_waiting=64, resume_waiting=32, max_poll_records=32, pause_dwell_s=0.2,
+                               priority_backlog_threshold=8, max_queue_time_s=[10.0, 1.0, 1.0])
+    engine = InstantEngine(max_num_seqs=8, step_time_s=0.01)
+    ticks = []
+    for t in range(30):
+        batch = [(0, GenerationRequest(id=f"u-{t}-{i}", prompt=f"urgent {t} {i}", max_new_tokens=5, timeout_ms=5000))
+                 for i in range(8)]
+        batch += [(1 + i % 2, GenerationRequest(id=f"b-{t}-{i}", prompt=f"bulk {t} {i}", max_new_tokens=5,
+                                                timeout_ms=2000)) for i in range(52)]
+        ticks.append(batch)
+    all_ids = [r.id for batch in ticks for _, r in batch]
+    async with Collector(kafka) as collector:
+        async with running_worker(kafka, settings, engine, max_num_seqs=8) as worker:
+            await produce_paced(kafka, ticks, tick_s=0.1)
+            await collector.wait_until(lambda r: all(i in r.finals for i in all_ids), 50)
+            assert worker.intake.max_local_waiting_seen <= settings.max_waiting + settings.max_poll_records
+        results = collector.results
+    for rid in all_ids:
+        assert len(results.finals[rid]) == 1, rid
+    urgent = [results.finals[i][0] for i in all_ids if i.startswith("u-")]
+    assert all(f.status == "completed" for f in urgent)
+    assert all(f.timings.e2e_ms <= 5000 for f in urgent)
+    bulk = [results.finals[i][0] for i in all_ids if i.startswith("b-")]
+    reasons = {f.reason for f in bulk if f.status == "rejected"}
+    assert len([f for f in bulk if f.status == "rejected"]) > len(bulk) // 3
+    assert reasons <= {"shed", "deadline"} and reasons
+    assert all(f.status in ("completed", "rejected") for f in bulk)

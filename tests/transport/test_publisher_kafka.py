@@ -1,0 +1,59 @@
+"""The batching publisher against a real broker: order per key, one ack callback per group, and recovery
+from a batch the broker refuses (an idempotent producer is left with a sequence gap and must be replaced)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiokafka import AIOKafkaConsumer
+
+from worker.transport.publisher import Publisher
+
+pytestmark = pytest.mark.kafka
+
+
+async def read_all(kafka, topic: str, count: int, timeout_s: float = 20) -> list:
+    consumer = AIOKafkaConsumer(topic, **kafka.client_kwargs(), auto_offset_reset="earliest", group_id=None)
+    await consumer.start()
+    records = []
+    try:
+        async with asyncio.timeout(timeout_s):
+            while len(records) < count:
+                for msgs in (await consumer.getmany(timeout_ms=200)).values():
+                    records += msgs
+    finally:
+        await consumer.stop()
+    return records
+
+
+async def test_order_acks_and_recovery_after_a_refused_batch(kafka_topics):
+    kafka = kafka_topics
+    publisher = Publisher(kafka.client_kwargs(), max_request_size=8 * 1024 * 1024)
+    publisher.retry_backoff_s = 0.1
+    await publisher.start()
+    acked: list[int] = []
+    try:
+        for i in range(100):
+            publisher.publish_nowait(kafka.result_topic, f"k{i % 7}".encode(), f"{i}".encode(), lambda i=i: acked.append(i))
+        # Bigger than the broker's message.max.bytes (about 1 MiB): refused, dropped, producer replaced.
+        publisher.publish_nowait(kafka.result_topic, b"k0", b"x" * (2 * 1024 * 1024), lambda: acked.append(-1))
+        await publisher.wait_acked(20)
+        group_done = []
+        await publisher.publish_all([(kafka.result_topic, b"k1", f"{100 + j}".encode()) for j in range(3)],
+                                    lambda: group_done.append(True))
+        for i in range(103, 200):
+            publisher.publish_nowait(kafka.result_topic, f"k{i % 7}".encode(), f"{i}".encode(), lambda i=i: acked.append(i))
+        assert await publisher.wait_acked(30)
+    finally:
+        await publisher.stop()
+    assert group_done == [True]  # one callback for the group, after its last record
+    assert sorted(acked) == [i for i in range(200) if not 100 <= i < 103]
+    assert publisher.num_producer_resets >= 1
+    records = await read_all(kafka, kafka.result_topic, 200)
+    by_key: dict[bytes, list[int]] = {}
+    for record in records:
+        by_key.setdefault(record.key, []).append(int(record.value))
+    for values in by_key.values():
+        assert values == sorted(values)  # per key, publish order
+    assert sorted(v for vs in by_key.values() for v in vs) == list(range(200))

@@ -1,0 +1,48 @@
+"""Shedding by estimated wait: least urgent first, never priority 0 for lag alone, with hysteresis."""
+
+import pytest
+
+from worker.transport.shedding import CompletionRate, Shedder
+
+
+def rate_of(per_s: float) -> CompletionRate:
+    rate = CompletionRate()
+    rate.record(0, now=0.0)
+    for i in range(1, 50):
+        rate.record(int(per_s * 0.1), now=i * 0.1)
+    return rate
+
+
+def test_completion_rate_tracks_a_steady_rate_and_changes():
+    rate = rate_of(100)
+    assert rate.rate == pytest.approx(100, rel=0.05)
+    for i in range(50, 250):
+        rate.record(2, now=i * 0.1)  # 20/s
+    assert rate.rate == pytest.approx(20, rel=0.1)
+    assert CompletionRate().estimate_s(10) is None
+
+
+def test_no_estimate_no_shedding():
+    shedder = Shedder([10.0, 30.0, 60.0], num_priorities=3)
+    decision = shedder.decide([10**6, 10**6, 10**6], CompletionRate())
+    assert decision.shed_priorities == frozenset()
+
+
+def test_least_urgent_shed_first_and_priority_zero_never():
+    shedder = Shedder([1.0, 30.0, 60.0], num_priorities=3)
+    rate = rate_of(10)  # 10 requests/s
+    # p0 alone waits 100 s (> its 1 s limit) but is never shed; p2 waits behind p0+p1+p2 = 700 s.
+    decision = shedder.decide([1000, 0, 0], rate)
+    assert decision.shed_priorities == {1, 2}  # everything below waits behind p0's backlog too
+    decision = shedder.decide([0, 200, 500], rate)  # p1: 20 s < 30 s; p2: 70 s > 60 s
+    assert decision.shed_priorities == {2}
+    assert decision.est_wait_s[2] == pytest.approx(70, rel=0.05)
+    assert "70" in decision.message(2) and "500" in decision.message(2)
+
+
+def test_hysteresis_keeps_shedding_until_well_below_the_limit():
+    shedder = Shedder([10.0, 10.0, 10.0], num_priorities=3)
+    rate = rate_of(10)
+    assert shedder.decide([0, 0, 150], rate).shed_priorities == {2}  # 15 s
+    assert shedder.decide([0, 0, 90], rate).shed_priorities == {2}  # 9 s: above 0.8 x 10
+    assert shedder.decide([0, 0, 70], rate).shed_priorities == frozenset()  # 7 s

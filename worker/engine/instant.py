@@ -1,0 +1,153 @@
+"""A model-free engine: "generates" deterministic tokens instantly, one per request per step.
+
+For the plumbing benchmark (what the Kafka side sustains when compute is free) and for developing and
+testing the transport without a model. No torch. It honours the Engine protocol fully: a bounded running
+batch, a waiting queue served most urgent first, deadlines of waiting requests, aborts, and stats whose
+step-time model is the optional `step_time_s` delay (to emulate a slow model under overload tests).
+
+Token t of a request is (crc32(prompt bytes) + t) % vocab_size and its text is f"<{token}>", so the same
+request always gets the same output, whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+import zlib
+from dataclasses import dataclass, field
+
+from worker.engine.api import EngineRequest, EngineStats, RequestOutput
+
+
+@dataclass(slots=True)
+class _Running:
+    request: EngineRequest
+    seed: int
+    num_prompt_tokens: int
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    num_output_tokens: int = 0
+
+
+def _prompt_bytes(request: EngineRequest) -> bytes:
+    if request.prompt_token_ids is not None:
+        return b",".join(str(t).encode() for t in request.prompt_token_ids)
+    if request.prompt is not None:
+        return request.prompt.encode("utf-8", "surrogatepass")
+    return "\n".join(f"{m['role']}:{m['content']}" for m in request.messages or []).encode("utf-8", "surrogatepass")
+
+
+def expected_text(request: EngineRequest, vocab_size: int = 49152) -> str:
+    """The text this engine produces for a request (tests compare against it)."""
+    seed = zlib.crc32(_prompt_bytes(request))
+    return "".join(f"<{(seed + t) % vocab_size}>" for t in range(request.sampling.max_new_tokens))
+
+
+@dataclass(slots=True)
+class InstantEngine:
+    max_num_seqs: int = 256
+    max_prompt_tokens: int = 32_768
+    """Prompt "tokens" are bytes here; longer prompts end with error prompt_too_long, like the real engine."""
+    step_time_s: float = 0.0
+    """Sleep per step, to emulate compute."""
+    vocab_size: int = 49152
+    _waiting: list = field(default_factory=list)
+    _running: dict[str, _Running] = field(default_factory=dict)
+    _num_steps: int = 0
+    _counter: int = 0
+    _last_step_num_seqs: int = 0
+
+    def add_request(self, request: EngineRequest) -> list[RequestOutput]:
+        now = time.monotonic()
+        prompt = _prompt_bytes(request)
+        arrival = request.arrival_time if request.arrival_time is not None else now
+        if len(prompt) > self.max_prompt_tokens:
+            return [RequestOutput(request.request_id, [], "", True, "error", "prompt_too_long",
+                                  f"prompt has {len(prompt)} tokens, the limit is {self.max_prompt_tokens}",
+                                  num_prompt_tokens=len(prompt), arrival_time=arrival, finish_time=now)]
+        state = _Running(request, zlib.crc32(prompt), max(1, len(prompt)), arrival)
+        self._counter += 1
+        heapq.heappush(self._waiting, (request.priority, self._counter, state))
+        return []
+
+    def abort(self, request_ids: list[str]) -> list[RequestOutput]:
+        ids = set(request_ids)
+        outputs = [self._finish(s, "abort") for s in self._running.values() if s.request.request_id in ids]
+        for rid in ids:
+            self._running.pop(rid, None)
+        kept = []
+        for item in self._waiting:
+            if item[2].request.request_id in ids:
+                outputs.append(self._finish(item[2], "abort"))
+            else:
+                kept.append(item)
+        heapq.heapify(kept)
+        self._waiting = kept
+        return outputs
+
+    def step(self) -> list[RequestOutput]:
+        now = time.monotonic()
+        outputs: list[RequestOutput] = []
+        while self._waiting and len(self._running) < self.max_num_seqs:
+            _, _, state = heapq.heappop(self._waiting)
+            deadline = state.request.deadline
+            if deadline is not None and now > deadline:
+                outputs.append(self._finish(state, "deadline"))
+                continue
+            state.first_scheduled_time = now
+            self._running[state.request.request_id] = state
+        if self.step_time_s > 0:
+            time.sleep(self.step_time_s)
+            now = time.monotonic()
+        self._num_steps += 1
+        self._last_step_num_seqs = len(self._running)
+        finished = []
+        for rid, state in self._running.items():
+            token = (state.seed + state.num_output_tokens) % self.vocab_size
+            state.num_output_tokens += 1
+            if state.first_token_time is None:
+                state.first_token_time = now
+            done = state.num_output_tokens >= state.request.sampling.max_new_tokens
+            out = self._output(state, [token], f"<{token}>", "length" if done else None, now)
+            outputs.append(out)
+            if done:
+                finished.append(rid)
+        for rid in finished:
+            del self._running[rid]
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_waiting=len(self._waiting),
+            num_running=len(self._running),
+            kv_usage=len(self._running) / self.max_num_seqs,
+            num_steps=self._num_steps,
+            last_step_num_tokens=self._last_step_num_seqs,
+            last_step_num_seqs=self._last_step_num_seqs,
+            step_time_base_s=self.step_time_s,
+        )
+
+    def predict_step_time(self, num_tokens: int) -> float:
+        return self.step_time_s
+
+    def _output(self, state: _Running, token_ids, text, finish_reason, now) -> RequestOutput:
+        return RequestOutput(
+            request_id=state.request.request_id,
+            new_token_ids=token_ids,
+            text_delta=text,
+            finished=finish_reason is not None,
+            finish_reason=finish_reason,
+            num_prompt_tokens=state.num_prompt_tokens,
+            num_output_tokens=state.num_output_tokens,
+            arrival_time=state.arrival_time,
+            first_scheduled_time=state.first_scheduled_time,
+            first_token_time=state.first_token_time,
+            finish_time=now if finish_reason is not None else None,
+        )
+
+    def _finish(self, state: _Running, reason: str) -> RequestOutput:
+        return self._output(state, [], "", reason, time.monotonic())

@@ -1,0 +1,106 @@
+"""Admission control: decide, before a request costs compute, whether it is answered now instead of served.
+
+Order of checks for a decoded request (decode errors are handled by schemas.decode before this):
+
+1. reply topic: must be the result topic or in `KafkaSettings.allowed_reply_topics`, else `error` /
+   `reply_topic_not_allowed` (answered on the result topic, never on the topic the sender named).
+2. deadline: already past, or unreachable by estimate, gives `rejected` / `deadline`. The estimate is the
+   local queue wait (backlog ahead / completion rate, see shedding.py) + one prefill step + max_new_tokens
+   decode steps, step times from the engine's online linear model (EngineStats.step_time_base_s and
+   step_time_per_token_s). An engine that has measured nothing yet predicts 0: nothing is rejected on a guess.
+3. latency target (when moving a request from the local queue into the engine's batch): it is held back
+   while admitting it would push the predicted step time past the inter-token latency target of a running
+   request that is more urgent. With nothing more urgent running, a request is always admitted, so holding
+   back cannot starve the queue.
+
+Pure: no aiokafka, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from worker.engine.api import EngineStats
+
+CHARS_PER_TOKEN = 4
+"""Prompt length estimate for text prompts: the tokenizer lives in the engine thread, and for English
+text about four characters make a token. Used only for time estimates, never for limits."""
+
+
+@dataclass(slots=True, frozen=True)
+class Verdict:
+    status: str
+    """"error" or "rejected"."""
+    reason: str
+    message: str
+
+
+def estimate_prompt_tokens(prompt: str | None, messages: list | None, prompt_token_ids: list[int] | None) -> int:
+    if prompt_token_ids is not None:
+        return len(prompt_token_ids)
+    if prompt is not None:
+        return max(1, len(prompt) // CHARS_PER_TOKEN)
+    # Chat templates add a few tokens of framing per message.
+    return sum(max(1, len(m.content) // CHARS_PER_TOKEN) + 4 for m in messages or [])
+
+
+def step_time_s(stats: EngineStats, num_tokens: int) -> float:
+    return stats.step_time_base_s + stats.step_time_per_token_s * num_tokens
+
+
+def estimate_service_s(stats: EngineStats, num_prompt_tokens: int, max_new_tokens: int) -> float:
+    """One prefill step, then max_new_tokens decode steps alongside today's batch."""
+    prefill_s = step_time_s(stats, stats.num_running + num_prompt_tokens)
+    decode_s = max_new_tokens * step_time_s(stats, stats.num_running + 1)
+    return prefill_s + decode_s
+
+
+@dataclass(slots=True)
+class Admission:
+    result_topic: str
+    allowed_reply_topics: frozenset[str]
+    itl_target_ms: list[float]
+    """Per priority (last value covers the rest); 0 disables the target."""
+    max_num_batched_tokens: int = 512
+
+    def check_reply_topic(self, reply_topic: str | None) -> Verdict | None:
+        if reply_topic is None or reply_topic == self.result_topic or reply_topic in self.allowed_reply_topics:
+            return None
+        return Verdict("error", "reply_topic_not_allowed", f"reply topic {reply_topic!r} is not in the allow-list")
+
+    def check_deadline(
+        self, deadline_ms: int | None, now_ms: float, est_queue_s: float | None, est_service_s: float
+    ) -> Verdict | None:
+        if deadline_ms is None:
+            return None
+        if now_ms >= deadline_ms:
+            return Verdict("rejected", "deadline", f"deadline passed {now_ms - deadline_ms:.0f} ms before admission")
+        est_s = (est_queue_s or 0.0) + est_service_s
+        if now_ms + est_s * 1000.0 > deadline_ms:
+            return Verdict(
+                "rejected",
+                "deadline",
+                f"estimated finish in {est_s * 1000:.0f} ms (queue {(est_queue_s or 0) * 1000:.0f} ms) is past "
+                f"the deadline, {deadline_ms - now_ms:.0f} ms away",
+            )
+        return None
+
+    def itl_target_for(self, priority: int) -> float:
+        return self.itl_target_ms[min(priority, len(self.itl_target_ms) - 1)]
+
+    def may_enter_batch(
+        self, priority: int, num_prompt_tokens: int, num_running_by_priority: list[int], stats: EngineStats
+    ) -> bool:
+        """False when this request would slow a more urgent running request past its ITL target."""
+        if priority == 0 or not any(self.itl_target_ms):
+            return True  # the common case, decided without arithmetic: nothing to protect
+        num_running = sum(num_running_by_priority)
+        if num_running == 0:
+            return True
+        num_tokens = min(num_running + num_prompt_tokens, max(self.max_num_batched_tokens, num_running + 1))
+        predicted_ms = step_time_s(stats, num_tokens) * 1000.0
+        for urgent in range(min(priority, len(num_running_by_priority))):
+            target = self.itl_target_for(urgent)
+            if num_running_by_priority[urgent] > 0 and target > 0 and predicted_ms > target:
+                return False
+        return True

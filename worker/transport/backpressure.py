@@ -1,0 +1,107 @@
+"""Pause and resume decisions for the request partitions, per priority, with hysteresis.
+
+Two independent reasons to pause a priority's partitions:
+
+* **load** ("queue" or "kv"): the local waiting queue is above `max_waiting`, or KV usage is above
+  `kv_pause_threshold`. Priorities pause from the least urgent upward, one more level per decision while
+  the pressure lasts (at most one change per `dwell_s`), down to the most urgent once pressure persists:
+  memory must stay bounded whatever the mix. They resume one level per decision, most urgent first, once
+  the queue is below `resume_waiting` and KV usage below `kv_resume_threshold`. Between the two watermarks
+  nothing changes, which is the hysteresis.
+* **priority backlog**: while a more urgent priority has a backlog (its consumer lag plus its locally waiting
+  records) above `backlog_threshold`, every less urgent priority is paused, so fetch capacity goes to the
+  urgent one. It resumes when every more urgent backlog is at or below half the threshold.
+
+Each priority's pause state changes at most once per `dwell_s` (avoids pause/resume churn that would make
+aiokafka drop and refetch its prefetched data). Pure: no aiokafka, the transport maps priorities to partitions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True, frozen=True)
+class LoadSnapshot:
+    num_waiting: int
+    """Requests in the transport's local queue, all priorities."""
+    kv_usage: float
+    backlog_by_priority: list[int]
+    """Per priority: consumer lag plus locally waiting requests."""
+
+
+@dataclass(slots=True, frozen=True)
+class PauseDecision:
+    paused_priorities: frozenset[int]
+    reasons: dict[int, str]
+    """priority -> "queue" | "kv" | "priority_backlog" for every paused priority."""
+
+
+@dataclass(slots=True)
+class Backpressure:
+    num_priorities: int
+    max_waiting: int
+    resume_waiting: int
+    kv_pause_threshold: float
+    kv_resume_threshold: float
+    backlog_threshold: int
+    dwell_s: float = 0.5
+    load_level: int = 0
+    """Number of least urgent priorities paused for load (0..num_priorities)."""
+    load_reason: str = "queue"
+    _level_changed_at: float = float("-inf")
+    _backlog_paused: set[int] = field(default_factory=set)
+    _backlog_changed_at: dict[int, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_settings(cls, worker, num_priorities: int) -> "Backpressure":
+        return cls(
+            num_priorities=num_priorities,
+            max_waiting=worker.max_waiting,
+            resume_waiting=worker.resume_waiting,
+            kv_pause_threshold=worker.kv_pause_threshold,
+            kv_resume_threshold=worker.kv_resume_threshold,
+            backlog_threshold=worker.priority_backlog_threshold,
+            dwell_s=worker.pause_dwell_s,
+        )
+
+    def decide(self, load: LoadSnapshot, now: float) -> PauseDecision:
+        self._update_load_level(load, now)
+        self._update_backlog_pauses(load, now)
+        reasons: dict[int, str] = {}
+        for priority in sorted(self._backlog_paused):
+            reasons[priority] = "priority_backlog"
+        # A load pause names its cause even when a backlog pause also holds: load is the stronger reason.
+        for priority in range(self.num_priorities - self.load_level, self.num_priorities):
+            reasons[priority] = self.load_reason
+        return PauseDecision(frozenset(reasons), reasons)
+
+    def _update_load_level(self, load: LoadSnapshot, now: float) -> None:
+        queue_high = load.num_waiting > self.max_waiting
+        kv_high = load.kv_usage > self.kv_pause_threshold
+        relieved = load.num_waiting < self.resume_waiting and load.kv_usage < self.kv_resume_threshold
+        if now - self._level_changed_at < self.dwell_s:
+            return
+        if (queue_high or kv_high) and self.load_level < self.num_priorities:
+            self.load_level += 1
+            self.load_reason = "kv" if kv_high and not queue_high else "queue"
+            self._level_changed_at = now
+        elif relieved and self.load_level > 0:
+            self.load_level -= 1
+            self._level_changed_at = now
+
+    def _update_backlog_pauses(self, load: LoadSnapshot, now: float) -> None:
+        backlog = load.backlog_by_priority
+        for priority in range(1, self.num_priorities):
+            more_urgent = backlog[:priority]
+            want_pause = any(b > self.backlog_threshold for b in more_urgent)
+            want_resume = all(b <= self.backlog_threshold // 2 for b in more_urgent)
+            is_paused = priority in self._backlog_paused
+            if now - self._backlog_changed_at.get(priority, float("-inf")) < self.dwell_s:
+                continue
+            if want_pause and not is_paused:
+                self._backlog_paused.add(priority)
+                self._backlog_changed_at[priority] = now
+            elif want_resume and is_paused:
+                self._backlog_paused.discard(priority)
+                self._backlog_changed_at[priority] = now

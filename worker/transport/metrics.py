@@ -1,0 +1,127 @@
+"""Prometheus metrics of one worker, named after vLLM's where they mean the same thing.
+
+vLLM uses the `vllm:` namespace (':' is legal in Prometheus metric names); we use `llm_worker:`. Every
+worker has its own CollectorRegistry rather than the process-global one, so tests can run several workers
+in one process. Counters get prometheus_client's `_total` suffix in the exposition.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.exposition import start_http_server
+
+NS = "llm_worker:"
+# Latency buckets from 1 ms to 5 min: CPU decode steps are tens of ms, queueing under overload is minutes.
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60, 120, 300)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class Histogram:
+    """A histogram observed from the event loop only, so without prometheus_client's per-observation locks.
+
+    prometheus_client's Histogram takes a mutex for the bucket and again for the sum on every observe (about
+    5 us); at 5,000 requests/s with four latencies each that is a tenth of a core. Exposed through a custom
+    collector with the standard histogram layout (cumulative `_bucket{le}`, `_sum`, `_count`).
+    """
+
+    def __init__(self, name: str, documentation: str, buckets, registry: CollectorRegistry) -> None:
+        self.name, self.documentation = name, documentation
+        self.bounds = [float(b) for b in buckets]
+        self.counts = [0] * (len(self.bounds) + 1)  # the last slot is +Inf
+        self.sum = 0.0
+        registry.register(self)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def collect(self):
+        cumulative, running = [], 0
+        for bound, count in zip([*self.bounds, float("inf")], self.counts):
+            running += count
+            cumulative.append((str(bound) if bound != float("inf") else "+Inf", running))
+        family = HistogramMetricFamily(self.name, self.documentation)
+        family.add_metric([], cumulative, self.sum)
+        return [family]
+
+    def describe(self):
+        return [HistogramMetricFamily(self.name, self.documentation)]
+
+
+@dataclass(slots=True)
+class WorkerMetrics:
+    registry: CollectorRegistry
+    time_to_first_token: Histogram
+    inter_token_latency: Histogram
+    e2e_request_latency: Histogram
+    request_queue_time: Histogram
+    num_requests_waiting: Gauge
+    num_requests_running: Gauge
+    kv_cache_usage: Gauge
+    prefix_cache_hit_rate: Gauge
+    num_preemptions: Gauge
+    """A gauge mirroring the engine's own running count (the engine owns the counter)."""
+    batch_size: Histogram
+    consumer_lag: Gauge
+    paused_partitions: Gauge
+    requests_rejected: Counter
+    requests_shed: Counter
+    requests_completed: Counter
+    dead_letters: Counter
+    _children: dict = field(default_factory=dict)
+
+    @classmethod
+    def create(cls) -> "WorkerMetrics":
+        r = CollectorRegistry()
+        return cls(
+            registry=r,
+            time_to_first_token=Histogram(f"{NS}time_to_first_token_seconds", "Record timestamp to first token.",
+                                          buckets=LATENCY_BUCKETS, registry=r),
+            inter_token_latency=Histogram(f"{NS}inter_token_latency_seconds", "Mean gap between output tokens.",
+                                          buckets=LATENCY_BUCKETS, registry=r),
+            e2e_request_latency=Histogram(f"{NS}e2e_request_latency_seconds", "Record timestamp to final record.",
+                                          buckets=LATENCY_BUCKETS, registry=r),
+            request_queue_time=Histogram(f"{NS}request_queue_time_seconds", "Record timestamp to first scheduled.",
+                                         buckets=LATENCY_BUCKETS, registry=r),
+            num_requests_waiting=Gauge(f"{NS}num_requests_waiting", "Local queue plus engine waiting.", registry=r),
+            num_requests_running=Gauge(f"{NS}num_requests_running", "Requests in the running batch.", registry=r),
+            kv_cache_usage=Gauge(f"{NS}kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", registry=r),
+            prefix_cache_hit_rate=Gauge(f"{NS}prefix_cache_hit_rate", "Prefix-cache hit rate (0..1).", registry=r),
+            num_preemptions=Gauge(f"{NS}num_preemptions", "Preemptions since the engine started.", registry=r),
+            batch_size=Histogram(f"{NS}batch_size", "Sequences per engine step.", buckets=BATCH_BUCKETS, registry=r),
+            consumer_lag=Gauge(f"{NS}consumer_lag", "Unread plus locally queued requests.", ["priority"], registry=r),
+            paused_partitions=Gauge(f"{NS}paused_partitions", "Paused request partitions.", ["priority"], registry=r),
+            requests_rejected=Counter(f"{NS}requests_rejected", "Rejected or error finals.", ["reason"], registry=r),
+            requests_shed=Counter(f"{NS}requests_shed", "Requests shed under load.", ["priority"], registry=r),
+            requests_completed=Counter(f"{NS}requests_completed", "Completed finals.", ["priority"], registry=r),
+            dead_letters=Counter(f"{NS}dead_letters", "Records moved to the dead-letter topic.", registry=r),
+        )
+
+    def completed_for(self, priority: int):
+        # labels() costs a lock and a tuple build per call; children are cached per label value.
+        return self._child(self.requests_completed, "priority", str(priority))
+
+    def rejected_for(self, reason: str):
+        return self._child(self.requests_rejected, "reason", reason)
+
+    def shed_for(self, priority: int):
+        return self._child(self.requests_shed, "priority", str(priority))
+
+    def _child(self, metric, label: str, value: str):
+        key = (metric._name, value)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(**{label: value})
+        return child
+
+    def serve(self, port: int, addr: str = "0.0.0.0"):
+        """Start the HTTP endpoint on a daemon thread; returns the server so it can be shut down."""
+        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
+        return server
+
+    def exposition(self) -> str:
+        return generate_latest(self.registry).decode()

@@ -1,0 +1,95 @@
+"""Load shedding by estimated wait: reject a priority's backlog when it cannot be served in time anyway.
+
+Per priority p: backlog_p = consumer lag (high watermark - position, over this worker's partitions of p) plus
+requests of p waiting locally. Requests are served most urgent first, so a request of p waits behind the
+backlog of every priority q <= p: est_wait_p = sum(backlog_q for q <= p) / completion_rate, where the rate is
+an EWMA of requests completed per second. When est_wait_p exceeds `max_queue_time_for(p)` the priority is
+shed: its records are still consumed, but answered with a `rejected`/`shed` final record and committed, which
+drains the lag fast. Because est_wait grows with p, the least urgent priorities cross their limit first.
+Priority 0 is never shed for lag alone (deadlines still apply to it, in admission.py). Shedding stops once
+est_wait falls below `resume_fraction` of the limit (hysteresis). With no completion measured yet there is
+no estimate and nothing is shed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class CompletionRate:
+    """EWMA of requests completed per second, fed with completion counts at irregular times."""
+
+    half_life_s: float = 2.0
+    rate: float = 0.0
+    num_completed: int = 0
+    _last_time: float | None = None
+    _pending: int = 0
+
+    def record(self, num_completed: int, now: float) -> None:
+        self.num_completed += num_completed
+        self._pending += num_completed
+        if self._last_time is None:
+            self._last_time = now
+            return
+        elapsed = now - self._last_time
+        # Fold in only after a minimum interval: instantaneous rates over microseconds are meaningless.
+        if elapsed < 0.05:
+            return
+        instant = self._pending / elapsed
+        weight = 1.0 - math.exp(-elapsed * math.log(2) / self.half_life_s)
+        self.rate = instant if self.rate == 0.0 else self.rate + weight * (instant - self.rate)
+        self._pending = 0
+        self._last_time = now
+
+    def estimate_s(self, num_requests: int) -> float | None:
+        """Seconds to complete num_requests at the current rate; None before any completion was measured."""
+        if self.rate <= 0.0:
+            return None
+        return num_requests / self.rate
+
+
+@dataclass(slots=True, frozen=True)
+class ShedDecision:
+    shed_priorities: frozenset[int]
+    est_wait_s: list[float | None]
+    """Per priority, the estimated wait of a new request."""
+    backlog: list[int]
+
+    def message(self, priority: int) -> str:
+        wait = self.est_wait_s[priority]
+        wait_text = f"{wait:.1f}s" if wait is not None else "unknown"
+        return (
+            f"priority {priority} shed: {self.backlog[priority]} requests waiting or unread at this priority, "
+            f"estimated wait {wait_text}"
+        )
+
+
+@dataclass(slots=True)
+class Shedder:
+    max_queue_time_s: list[float]
+    """Per priority; the last value covers the rest (WorkerSettings.max_queue_time_for)."""
+    num_priorities: int
+    resume_fraction: float = 0.8
+    shedding: set[int] = field(default_factory=set)
+
+    def limit_for(self, priority: int) -> float:
+        return self.max_queue_time_s[min(priority, len(self.max_queue_time_s) - 1)]
+
+    def decide(self, backlog_by_priority: list[int], rate: CompletionRate) -> ShedDecision:
+        est_wait: list[float | None] = []
+        ahead = 0
+        for priority in range(self.num_priorities):
+            ahead += backlog_by_priority[priority]
+            est_wait.append(rate.estimate_s(ahead))
+        for priority in range(1, self.num_priorities):
+            wait = est_wait[priority]
+            limit = self.limit_for(priority)
+            if wait is None:
+                self.shedding.discard(priority)
+            elif wait > limit:
+                self.shedding.add(priority)
+            elif wait < self.resume_fraction * limit:
+                self.shedding.discard(priority)
+        return ShedDecision(frozenset(self.shedding), est_wait, list(backlog_by_priority))
