@@ -1,0 +1,260 @@
+"""An asyncio client for the worker: submit a request by priority, stream its chunks, await its final record.
+
+Needs only aiokafka and `schemas` (plus KafkaSettings for names and connection options); no torch.
+
+    async with LLMClient(KafkaSettings()) as client:
+        handle = await client.submit(GenerationRequest(id="r1", prompt="Hi"), priority=1)
+        async for delta in handle.stream():
+            print(delta.text, end="", flush=True)
+        final = await handle.result()
+
+One consumer serves every request of the client. It is assigned all partitions of the reply topic (no
+consumer group: each client reads everything and keeps the ids it asked for) and of the status topic. At
+start it moves to the end of the reply topic and waits until that position is resolved, *before* any request
+can be sent, so no answer can slip in between "send" and "start reading". The status topic is read from a
+little way back (`status_lookback`), so the current load is known from the first submit on (backoff.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import msgspec
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.errors import KafkaError
+
+from schemas.decode import decode_result, decode_status, encode
+from schemas.priority import partition_for
+from schemas.request import GenerationRequest
+from schemas.status import WorkerStatus
+from worker.config import KafkaSettings
+from producer_examples.backoff import BackoffPolicy, StatusBoard, wait_while_congested
+from producer_examples.handle import ClientError, Delta, RequestHandle, RequestTimeout, StreamGap, wait_event
+
+log = logging.getLogger(__name__)
+
+__all__ = ["BackoffPolicy", "ClientError", "Delta", "LLMClient", "RequestHandle", "RequestTimeout", "StreamGap"]
+
+DEADLINE_GRACE_S = 10.0
+"""Past a request's deadline the worker still owes a `rejected`/`deadline` final; wait this much for it."""
+
+
+class LLMClient:
+    def __init__(
+        self,
+        settings: KafkaSettings,
+        *,
+        backoff: BackoffPolicy = BackoffPolicy(),
+        default_timeout_s: float = 120.0,
+        reply_topic: str | None = None,
+        status_lookback: int = 50,
+        status_sync_timeout_s: float = 3.0,
+    ) -> None:
+        """reply_topic: read answers there instead of the result topic (the worker must allow it);
+        status_lookback: status records per partition read back at start;
+        status_sync_timeout_s: how long start waits to have read them."""
+        self.settings = settings
+        self.backoff = backoff
+        self.default_timeout_s = default_timeout_s
+        self.reply_topic = reply_topic
+        self.status_lookback = status_lookback
+        self.status_sync_timeout_s = status_sync_timeout_s
+        self.board = StatusBoard(settings.num_request_partitions, settings.num_priorities)
+        self.num_undecodable = 0
+        self.num_records = 0
+        self._handles: dict[str, RequestHandle] = {}
+        self._status_listeners: list[Callable[[WorkerStatus], None]] = []
+        self._producer: AIOKafkaProducer | None = None
+        self._consumer: AIOKafkaConsumer | None = None
+        self._task: asyncio.Task | None = None
+        self._status_synced = asyncio.Event()
+        self._status_targets: dict[TopicPartition, int] = {}
+
+    @property
+    def result_topic(self) -> str:
+        return self.reply_topic or self.settings.result_topic
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+    async def __aenter__(self) -> "LLMClient":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        kwargs = self.settings.client_kwargs()
+        self._producer = AIOKafkaProducer(**kwargs, enable_idempotence=True, acks="all", linger_ms=2)
+        self._consumer = AIOKafkaConsumer(**kwargs, group_id=None, enable_auto_commit=False,
+                                          auto_offset_reset="latest")
+        try:
+            await self._producer.start()
+            await self._consumer.start()
+            await self._check_request_topic()
+            result_tps = await self._partitions(self.result_topic)
+            status_tps = await self._partitions(self.settings.status_topic)
+            self._consumer.assign(result_tps + status_tps)
+            await self._consumer.seek_to_end(*result_tps)
+            for tp in result_tps:
+                # position() blocks until the "end" is an actual offset; only then may requests go out.
+                await self._consumer.position(tp)
+            await self._seek_status_back(status_tps)
+        except BaseException:
+            await self.stop()
+            raise
+        self._task = asyncio.create_task(self._consume(), name="llm-client-consumer")
+        if not await wait_event(self._status_synced, self.status_sync_timeout_s):
+            log.warning("status topic not read up to date within %.1f s; starting without it",
+                        self.status_sync_timeout_s)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for client in (self._consumer, self._producer):
+            if client is not None:
+                await client.stop()
+        self._consumer = self._producer = None
+
+    async def _partitions(self, topic: str) -> list[TopicPartition]:
+        # One metadata request for all topics: asking for a missing topic by name would retry for 40 s.
+        if topic not in await self._consumer.topics():
+            raise ClientError(f"topic {topic} does not exist on {self.settings.bootstrap_servers}; "
+                              "create it with `llm-worker topics`")
+        return [TopicPartition(topic, p) for p in sorted(await self._producer.partitions_for(topic))]
+
+    async def _check_request_topic(self) -> None:
+        num_partitions = len(await self._partitions(self.settings.request_topic))
+        if num_partitions < self.settings.num_request_partitions:
+            # The workers map partitions to priorities with the configured count: writing past the real
+            # count would fail, and writing within it to the wrong priority would be silent.
+            raise ClientError(
+                f"{self.settings.request_topic} has {num_partitions} partitions, the settings expect "
+                f"{self.settings.num_request_partitions} ({self.settings.num_priorities} priorities x "
+                f"{self.settings.partitions_per_priority})")
+
+    async def _seek_status_back(self, status_tps: list[TopicPartition]) -> None:
+        beginnings = await self._consumer.beginning_offsets(status_tps)
+        ends = await self._consumer.end_offsets(status_tps)
+        for tp in status_tps:
+            self._consumer.seek(tp, max(beginnings[tp], ends[tp] - self.status_lookback))
+        self._status_targets = {tp: ends[tp] for tp in status_tps if ends[tp] > beginnings[tp]}
+        if not self._status_targets:
+            self._status_synced.set()
+
+    # -- the shared consumer ---------------------------------------------------------------------------
+    async def _consume(self) -> None:
+        backoff_s = 0.1
+        while True:
+            try:
+                batches = await self._consumer.getmany(timeout_ms=200, max_records=1000)
+                backoff_s = 0.1
+            except KafkaError as exc:
+                log.warning("result consumer: %r; retrying in %.1f s", exc, backoff_s)
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, 5.0)
+                continue
+            for tp, messages in batches.items():
+                for message in messages:
+                    self.num_records += 1
+                    if tp.topic == self.settings.status_topic:
+                        self._on_status(message.value)
+                    else:
+                        self._on_result(message.value)
+                if tp in self._status_targets and messages and messages[-1].offset + 1 >= self._status_targets[tp]:
+                    del self._status_targets[tp]
+                    if not self._status_targets:
+                        self._status_synced.set()
+
+    def _on_result(self, value: bytes | None) -> None:
+        try:
+            record = decode_result(value or b"")
+        except msgspec.DecodeError as exc:
+            self.num_undecodable += 1
+            log.warning("undecodable record on %s: %s", self.result_topic, exc)
+            return
+        handle = self._handles.get(record.id)
+        if handle is None:
+            return  # another client's request, one already answered, or one closed after a timeout
+        handle.feed(record)
+        if handle.done:
+            # Later records of this id (a redelivery after the worker published the final but died before
+            # committing) repeat an answered request; forgetting the handle drops them.
+            del self._handles[record.id]
+
+    def _on_status(self, value: bytes | None) -> None:
+        try:
+            status = decode_status(value or b"")
+        except msgspec.DecodeError as exc:
+            self.num_undecodable += 1
+            log.warning("undecodable status record: %s", exc)
+            return
+        self.board.update(status)
+        for listener in self._status_listeners:
+            listener(status)
+
+    def add_status_listener(self, listener: Callable[[WorkerStatus], None]) -> None:
+        """Call listener with every status record read (including the look-back at start)."""
+        self._status_listeners.append(listener)
+
+    # -- submitting ------------------------------------------------------------------------------------
+    async def submit(self, request: GenerationRequest, priority: int, *, timeout_s: float | None = None) -> RequestHandle:
+        """Send a request to a partition of `priority` (key = request id); returns once Kafka acknowledged it.
+
+        timeout_s: default wait of the handle's stream() and result(), from now. Unset, it is the request's
+        own deadline plus DEADLINE_GRACE_S, or the client's default_timeout_s when the request has none.
+        Before sending, waits (bounded) while a worker reports this priority congested; see backoff.py.
+        """
+        if self._producer is None:
+            raise ClientError("the client is not started (use `async with LLMClient(...)`)")
+        if not 0 <= priority < self.settings.num_priorities:
+            raise ValueError(f"priority {priority} is outside 0..{self.settings.num_priorities - 1}")
+        if request.id in self._handles:
+            raise ClientError(f"request id {request.id} is already in flight on this client")
+        if self.reply_topic is not None and request.reply_topic != self.reply_topic:
+            request = msgspec.structs.replace(request, reply_topic=self.reply_topic)
+        if request.priority != priority:
+            request = msgspec.structs.replace(request, priority=priority)
+        deadline_at = self._deadline_at(request)
+        if timeout_s is None:
+            timeout_s = (self.default_timeout_s if deadline_at is None
+                         else max(0.0, deadline_at - time.monotonic()) + DEADLINE_GRACE_S)
+        partition = partition_for(priority, request.id, self.settings.num_request_partitions,
+                                  self.settings.num_priorities)
+        handle = RequestHandle(request.id, priority, partition, timeout_s, self._forget)
+        # Registered before sending: the answer may arrive before send_and_wait returns.
+        self._handles[request.id] = handle
+        try:
+            handle.backoff_s = await wait_while_congested(self.board, self.backoff, priority, deadline_at)
+            await self._producer.send_and_wait(self.settings.request_topic, encode(request),
+                                               key=request.id.encode(), partition=partition)
+        except BaseException:
+            self._handles.pop(request.id, None)
+            raise
+        handle.sent_at = time.monotonic()
+        return handle
+
+    @staticmethod
+    def _deadline_at(request: GenerationRequest) -> float | None:
+        """The request's deadline as time.monotonic() seconds (timeout_ms counts from about now)."""
+        now_ms = time.time() * 1000.0
+        deadline_ms = request.deadline_at_ms(int(now_ms))
+        return None if deadline_ms is None else time.monotonic() + (deadline_ms - now_ms) / 1000.0
+
+    def _forget(self, request_id: str) -> None:
+        self._handles.pop(request_id, None)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests submitted and not yet answered (nor closed)."""
+        return len(self._handles)
+
+    def congestion(self, priority: int) -> str | None:
+        """Why `priority` is congested per the latest fresh status reports, or None."""
+        return self.board.congestion(priority, self.backoff.status_max_age_s)

@@ -1,0 +1,149 @@
+"""`llm-worker generate "prompt"`: send one request, stream the answer to stdout, summarize on stderr.
+
+Exit status 0 when the request completed, 1 when it was rejected, failed or timed out, 2 on bad arguments.
+The prompt goes as chat messages (optional --system turn, then the user turn) unless --raw sends it as a
+plain text prompt. Worker-side deadline: --deadline-ms (absolute, unix epoch ms) or --timeout-s (relative to
+when the request is written); the client then waits until that deadline plus a grace period for the final.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+import uuid
+
+import msgspec
+
+from producer_examples.client import BackoffPolicy, LLMClient, RequestHandle, RequestTimeout, StreamGap
+from schemas.decode import encode
+from schemas.request import ChatMessage, GenerationRequest, SamplingSpec
+from schemas.result import FinalRecord
+from worker.config import KafkaSettings
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", help="the user's message (or raw prompt with --raw)")
+    parser.add_argument("--priority", type=int, default=1, help="0 is the most urgent (default 1)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0: no top-k cut")
+    parser.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    parser.add_argument("--stop", nargs="+", default=[], metavar="S", help="stop strings")
+    parser.add_argument("--system", default=None, help="a system message before the prompt")
+    parser.add_argument("--raw", action="store_true", help="send a plain text prompt, no chat template")
+    deadline = parser.add_mutually_exclusive_group()
+    deadline.add_argument("--deadline-ms", type=int, default=None, help="absolute deadline, unix epoch ms")
+    deadline.add_argument("--timeout-s", type=float, default=None, help="deadline in seconds from now")
+    parser.add_argument("--wait-s", type=float, default=300.0, help="client wait without a deadline (default 300)")
+    parser.add_argument("--id", default=None, help="request id (default: a random one)")
+    parser.add_argument("--bootstrap", default=None, help="Kafka bootstrap servers (KAFKA_BOOTSTRAP_SERVERS)")
+    parser.add_argument("--no-backoff", action="store_true", help="send at once even if workers report shedding")
+
+
+def build_request(args: argparse.Namespace) -> GenerationRequest:
+    sampling = SamplingSpec(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            stop=list(args.stop))
+    prompt_fields: dict = {}
+    if args.raw:
+        if args.system:
+            raise ValueError("--system needs the chat form; drop --raw")
+        prompt_fields["prompt"] = args.prompt
+    else:
+        messages = [ChatMessage(role="system", content=args.system)] if args.system else []
+        prompt_fields["messages"] = [*messages, ChatMessage(role="user", content=args.prompt)]
+    request = GenerationRequest(
+        id=args.id or f"gen-{uuid.uuid4().hex[:12]}",
+        max_new_tokens=args.max_new_tokens,
+        sampling=sampling,
+        deadline_ms=args.deadline_ms,
+        timeout_ms=None if args.timeout_s is None else max(1, int(args.timeout_s * 1000)),
+        **prompt_fields,
+    )
+    try:
+        # Structs check their bounds only when decoded: a round trip catches --temperature 5 here.
+        msgspec.json.decode(encode(request), type=GenerationRequest)
+    except msgspec.ValidationError as exc:
+        raise ValueError(str(exc)) from None
+    return request
+
+
+def summary_line(final: FinalRecord | None, handle: RequestHandle, error: str | None = None) -> str:
+    """One line: status (reason), tokens, client-side TTFT and end to end, attempt, worker."""
+    if final is None:
+        return f"[{handle.request_id}] {error or 'no answer'}"
+
+    def ms(seconds: float | None) -> str:
+        return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+    parts = [f"{final.status} ({final.reason})", f"{final.usage.completion_tokens} tokens",
+             f"TTFT {ms(handle.ttft_s)}", f"e2e {ms(handle.e2e_s)}", f"priority {handle.priority}",
+             f"attempt {final.attempt}"]
+    if handle.backoff_s:
+        parts.append(f"backoff {handle.backoff_s * 1000:.0f} ms")
+    if final.worker_id:
+        parts.append(f"worker {final.worker_id}")
+    if final.message:
+        parts.append(final.message)
+    return f"[{handle.request_id}] " + " · ".join(parts)
+
+
+async def stream_to(handle: RequestHandle, out=sys.stdout, err=sys.stderr) -> FinalRecord:
+    """Print the stream as it arrives, then return the final record. A restart (a worker died and another
+    serves the request again) is announced on err and the new attempt printed from the start."""
+    printed = False
+    try:
+        async for delta in handle.stream():
+            if delta.restarted:
+                print(f"\n[attempt {delta.attempt} supersedes the text above; starting over]", file=err, flush=True)
+            out.write(delta.text)
+            out.flush()
+            printed = printed or bool(delta.text)
+    except StreamGap as gap:
+        print(f"\n[{gap}; the final record's text follows]", file=err, flush=True)
+        final = await handle.result()
+        out.write(final.text or "")
+        printed = True
+    final = await handle.result()
+    if not printed and final.text:  # a stream=False answer, or one whose chunks carried no text
+        out.write(final.text)
+    if printed or final.text:
+        out.write("\n")
+    out.flush()
+    return final
+
+
+async def generate(settings: KafkaSettings, request: GenerationRequest, priority: int, wait_s: float,
+                   backoff: BackoffPolicy) -> int:
+    async with LLMClient(settings, backoff=backoff, default_timeout_s=wait_s) as client:
+        handle = await client.submit(request, priority)
+        try:
+            final = await stream_to(handle)
+        except RequestTimeout as exc:
+            print(summary_line(None, handle, f"timed out: {exc}"), file=sys.stderr)
+            return 1
+    print(summary_line(final, handle), file=sys.stderr)
+    return 0 if final.status == "completed" else 1
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.getLogger("aiokafka").setLevel(logging.WARNING)  # its INFO lines would interleave the output
+    settings = KafkaSettings(**({"bootstrap_servers": args.bootstrap} if args.bootstrap else {}))
+    try:
+        request = build_request(args)
+    except ValueError as exc:  # msgspec checks bounds only when decoding; __post_init__ checks the prompt
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not 0 <= args.priority < settings.num_priorities:
+        print(f"error: --priority must be in 0..{settings.num_priorities - 1}", file=sys.stderr)
+        return 2
+    backoff = BackoffPolicy(enabled=not args.no_backoff)
+    started = time.monotonic()
+    try:
+        return asyncio.run(generate(settings, request, args.priority, args.wait_s, backoff))
+    except KeyboardInterrupt:
+        print(f"\ninterrupted after {time.monotonic() - started:.1f} s", file=sys.stderr)
+        return 130
