@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from pydantic import SecretStr
 from pydantic_settings import BaseSettings
@@ -63,9 +64,20 @@ def settings_table() -> str:
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", action="store_true", help="print the settings table for the README")
+    parser.add_argument("--write-readme", metavar="PATH", nargs="?", const="README.md",
+                        help="replace the settings table in the README (default ./README.md)")
+
+
+def write_readme(path: Path) -> None:
+    text = path.read_text()
+    start, end = text.index(TABLE_BEGIN), text.index(TABLE_END) + len(TABLE_END)
+    path.write_text(text[:start] + settings_table() + text[end:])
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.write_readme:
+        write_readme(Path(args.write_readme))
+        return 0
     if args.markdown:
         print(settings_table())
         return 0
