@@ -1,0 +1,118 @@
+"""Pure-torch references for the kernels: plain loops over requests through the block tables, fp32 math.
+
+Written for clarity, not speed: the kernel tests compare against these, so they follow the definitions
+(flat slot = block_id * block_size + offset; token i of request b sits at seq_lens[b] - q_len_b + i and sees
+positions <= its own) as literally as possible.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def ref_write_kv(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+) -> None:
+    block_size = k_cache.shape[1]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        k_cache[slot // block_size, slot % block_size] = k[t]
+        v_cache[slot // block_size, slot % block_size] = v[t]
+
+
+def gather_context(
+    cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_table: torch.Tensor,  # [M] int32
+    seq_len: int,
+) -> torch.Tensor:  # [seq_len, Hkv, D]
+    block_size = cache.shape[1]
+    positions = torch.arange(seq_len)
+    block_ids = block_table.cpu().long()[positions // block_size]
+    return cache[block_ids.to(cache.device), (positions % block_size).to(cache.device)]
+
+
+def attend_one_request(
+    q: torch.Tensor,  # [q_len, Hq, D]: the request's new tokens
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [M] int32
+    seq_len: int,
+    scale: float,
+) -> torch.Tensor:  # [q_len, Hq, D] fp32
+    q_len = q.shape[0]
+    group_size = q.shape[1] // k_cache.shape[2]
+    # [seq_len, Hq, D]: each KV head repeated for the G query heads that share it
+    k = gather_context(k_cache, block_table, seq_len).float().repeat_interleave(group_size, dim=1)
+    v = gather_context(v_cache, block_table, seq_len).float().repeat_interleave(group_size, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale  # [Hq, q_len, seq_len]
+    positions = torch.arange(seq_len - q_len, seq_len, device=q.device)  # [q_len]
+    visible = torch.arange(seq_len, device=q.device)[None, :] <= positions[:, None]  # [q_len, seq_len]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+
+
+def ref_ragged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    block_tables: torch.Tensor,  # [B, M] int32
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D], q's dtype
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    qsl = query_start_loc.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        if qsl[b + 1] > qsl[b]:
+            out[qsl[b] : qsl[b + 1]] = attend_one_request(
+                q[qsl[b] : qsl[b + 1]], k_cache, v_cache, block_tables[b], seq_len, scale
+            )
+    return out.to(q.dtype)
+
+
+def ref_paged_decode(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, M] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    scale: float,
+) -> torch.Tensor:  # [B, Hq, D]; seq_len 0 rows are zeros
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        if seq_len > 0:
+            out[b] = attend_one_request(q[b : b + 1], k_cache, v_cache, block_tables[b], seq_len, scale)[0]
+    return out.to(q.dtype)
+
+
+def ref_rms_norm(
+    x: torch.Tensor,  # [N, H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [N, H], updated in place to x + residual
+) -> torch.Tensor:  # [N, H]
+    if residual is not None:
+        residual.copy_(x + residual)
+        x = residual
+    x32 = x.float()
+    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return weight * normed
+
+
+def ref_rotary(
+    x: torch.Tensor,  # [T, heads, D]
+    cos_cache: torch.Tensor,  # [P, D], halves repeated
+    sin_cache: torch.Tensor,  # [P, D]
+    positions: torch.Tensor,  # [T] int64
+) -> torch.Tensor:  # [T, heads, D], x's dtype; math in fp32
+    half = x.shape[-1] // 2
+    x32 = x.float()
+    cos = cos_cache[positions].float()[:, None, :]  # [T, 1, D]
+    sin = sin_cache[positions].float()[:, None, :]
+    rotated = torch.cat((-x32[..., half:], x32[..., :half]), dim=-1)
+    return (x32 * cos + rotated * sin).to(x.dtype)

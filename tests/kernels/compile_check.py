@@ -1,0 +1,139 @@
+"""Compile every kernel for a CUDA architecture without a GPU: `python -m tests.kernels.compile_check 90`.
+
+The interpreter runs kernels as Python and so accepts code the compiler rejects (type changes of loop-carried
+values, dot shapes under the minimum, a non-constexpr where one is needed). Triton can compile to a cubin on
+any machine (ptxas ships in its wheel), so this catches those errors on the CPU. Each wrapper is called with
+tensors on the `meta` device and a recorder in place of its kernel, so what gets compiled is exactly the
+arguments and constexprs the wrapper would launch with. Needs TRITON_INTERPRET unset or 0.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kernels import kv_write, paged_decode, ragged_prefill, rmsnorm, rotary
+
+TYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
+              torch.int64: "i64"}
+
+
+class Recorder:
+    """Stands in for a @triton.jit kernel: `rec[grid](*args, **kwargs)` records instead of launching."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self.launches: list[tuple[tuple, dict]] = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((args, kwargs))
+
+
+def signature(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:
+    sig, constexprs, options = {}, {}, {}
+    for key in ("num_warps", "num_stages"):
+        if key in kwargs:
+            options[key] = kwargs.pop(key)
+    for name, value in zip(kernel.arg_names, args):
+        if isinstance(value, torch.Tensor):
+            sig[name] = "*" + TYPE_NAMES[value.dtype]
+        elif isinstance(value, float):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+    for name, value in kwargs.items():
+        sig[name] = "constexpr"
+        constexprs[name] = value
+    return sig, constexprs, options
+
+
+def launches(module, kernel_names: tuple[str, ...], call) -> list[tuple]:
+    """(kernel, args, kwargs) of every launch `call` makes of the named kernels of `module`."""
+    kernels = {name: getattr(module, name) for name in kernel_names}
+    recorders = {name: Recorder(kernel) for name, kernel in kernels.items()}
+    for name, recorder in recorders.items():
+        setattr(module, name, recorder)
+    try:
+        call()
+    finally:
+        for name, kernel in kernels.items():
+            setattr(module, name, kernel)
+    return [(rec.kernel, args, kwargs) for rec in recorders.values() for args, kwargs in rec.launches]
+
+
+def meta(*shape, dtype=torch.float32) -> torch.Tensor:
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def cases() -> list[tuple[str, object, tuple, dict]]:
+    found = []
+    # bf16 (the serving dtype) in three shapes; fp16 and fp32 in one each, to keep the check near a minute.
+    shapes = {  # dtype -> (Hq, Hkv, D, block_size, num_splits)
+        torch.bfloat16: [(32, 8, 128, 16, 1), (9, 3, 64, 32, 5), (8, 8, 64, 16, 1)],
+        torch.float16: [(9, 3, 64, 32, 5)],
+        torch.float32: [(8, 8, 64, 16, 1)],
+    }
+    for dtype, dtype_shapes in shapes.items():
+        for num_q_heads, num_kv_heads, head_dim, block_size, splits in dtype_shapes:
+            cache = meta(64, block_size, num_kv_heads, head_dim, dtype=dtype)
+            i32 = torch.int32
+
+            def decode():
+                paged_decode.paged_decode_attention(
+                    meta(4, num_q_heads, head_dim, dtype=dtype), cache, cache, meta(4, 16, dtype=i32),
+                    meta(4, dtype=i32), 0.1, num_splits=splits)
+
+            found += [(f"decode {dtype} Hq={num_q_heads} Hkv={num_kv_heads} D={head_dim} splits={splits}", *launch)
+                      for launch in launches(paged_decode, ("_decode_kernel", "_merge_splits_kernel"), decode)]
+            for max_query_len in (1, 300):
+                def prefill():
+                    ragged_prefill.ragged_prefill_attention(
+                        meta(300, num_q_heads, head_dim, dtype=dtype), cache, cache, meta(3, dtype=i32),
+                        meta(2, dtype=i32), meta(2, 16, dtype=i32), 0.1, max_query_len)
+
+                found += [(f"prefill {dtype} Hq={num_q_heads} Hkv={num_kv_heads} D={head_dim} "
+                           f"max_query_len={max_query_len}", *launch)
+                          for launch in launches(ragged_prefill, ("_prefill_kernel",), prefill)]
+
+        def write():
+            kv_write.write_kv(meta(5, 8, 128, dtype=dtype), meta(5, 8, 128, dtype=dtype),
+                              meta(64, 16, 8, 128, dtype=dtype), meta(64, 16, 8, 128, dtype=dtype),
+                              meta(5, dtype=torch.int64))
+
+        found += [(f"write_kv {dtype}", *launch) for launch in launches(kv_write, ("_write_kv_kernel",), write)]
+
+        def norm():
+            x = meta(8, 576, dtype=dtype)
+            rmsnorm.rms_norm(x, meta(576, dtype=dtype), 1e-5, residual=x)
+
+        def rope():
+            rotary.apply_rotary_(meta(8, 9, 64, dtype=dtype), meta(8, 3, 64, dtype=dtype), meta(64, 64, dtype=dtype),
+                                 meta(64, 64, dtype=dtype), meta(8, dtype=torch.int64))
+
+        found += [(f"rms_norm {dtype}", *launch) for launch in launches(rmsnorm, ("_rms_norm_kernel",), norm)]
+        found += [(f"rotary {dtype}", *launch) for launch in launches(rotary, ("_rotary_kernel",), rope)]
+    return found
+
+
+def main(arch: int) -> int:
+    target = GPUTarget("cuda", arch, 32)
+    all_cases = cases()
+    assert all_cases, "no launches recorded"
+    for label, kernel, args, kwargs in all_cases:
+        start = time.perf_counter()
+        sig, constexprs, options = signature(kernel, args, dict(kwargs))
+        compiled = triton.compile(ASTSource(kernel, sig, constexprs), target=target, options=options)
+        assert compiled.asm["cubin"], label
+        seconds = time.perf_counter() - start
+        print(f"sm_{arch} {kernel.fn.__name__} {label}: {len(compiled.asm['cubin'])} B cubin in {seconds:.1f}s")
+    print(f"compiled {len(all_cases)} kernels for sm_{arch}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[1]) if len(sys.argv) > 1 else 90))

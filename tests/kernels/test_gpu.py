@@ -1,0 +1,84 @@
+"""Compiled kernels on CUDA at serving shapes (the unmarked and slow tests also run compiled on CUDA when a GPU
+is present; these add the shapes too large for the interpreter). Tolerances: paged_case.TOLERANCES."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.paged_decode import choose_num_splits, paged_decode_attention
+from kernels.ragged_prefill import ragged_prefill_attention
+from kernels.reference import ref_paged_decode, ref_ragged_attention
+from tests.kernels.paged_case import assert_close, make_case, make_q, needs_compiled_cuda
+from worker.model.input import AttentionMetadata
+from worker.model.triton_attention import TritonAttention
+
+pytestmark = [pytest.mark.gpu, needs_compiled_cuda]
+
+
+def decode_case(seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype):
+    case = make_case([0] * len(seq_lens), seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, "cuda")
+    q = make_q(len(seq_lens), num_q_heads, num_kv_heads, head_dim, dtype, "cuda",
+               torch.Generator(device="cuda").manual_seed(3))
+    return case, q
+
+
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads", "head_dim"), [(32, 8, 128), (9, 3, 64)])
+def test_decode_batch_64_at_2k(num_q_heads, num_kv_heads, head_dim) -> None:
+    seq_lens = torch.randint(1, 2049, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    seq_lens[:3] = [2048, 1, 0]
+    case, q = decode_case(seq_lens, num_q_heads, num_kv_heads, head_dim, 16, torch.bfloat16)
+    out = paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale)
+    assert_close(out, ref_paged_decode(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale))
+
+
+def test_long_context_splits_automatically_and_matches() -> None:
+    seq_lens = [32768, 30001, 5, 16384]
+    case, q = decode_case(seq_lens, 32, 8, 128, 16, torch.bfloat16)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert choose_num_splits(len(seq_lens) * 8, max(seq_lens), num_sms) > 1
+    args = (q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale)
+    auto = paged_decode_attention(*args)
+    single = paged_decode_attention(*args, num_splits=1)
+    ref = ref_paged_decode(*args)
+    assert_close(auto, ref)
+    assert_close(single, ref)
+
+
+@pytest.mark.parametrize(
+    ("num_q_heads", "num_kv_heads", "head_dim", "dtype"),
+    [(32, 8, 128, torch.bfloat16), (9, 3, 64, torch.float16), (8, 8, 64, torch.float32)],
+)
+def test_prefill_mixed_serving_batch(num_q_heads, num_kv_heads, head_dim, dtype) -> None:
+    # a 512-token chunk after 1,500 cached, a fresh 1,024-token prompt, 16 decode rows, an empty request
+    requests = [(512, 2012), (1024, 1024), *[(1, 100 + 97 * i) for i in range(16)], (0, 40)]
+    q_lens, seq_lens = [q for q, _ in requests], [s for _, s in requests]
+    case = make_case(q_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, 16, dtype, "cuda", strided_q=True)
+    args = (case.q, case.k_cache, case.v_cache, case.query_start_loc, case.seq_lens, case.block_tables, case.scale)
+    assert_close(ragged_prefill_attention(*args, max(q_lens)), ref_ragged_attention(*args))
+
+
+@pytest.mark.parametrize("requests", [[(1, 700), (1, 3), (1, 2048)], [(300, 300), (1, 900), (64, 1000)]],
+                         ids=["decode", "mixed"])
+def test_triton_backend_matches_torch_backend(requests) -> None:
+    from worker.model.torch_attention import TorchAttention
+
+    q_lens, seq_lens = [q for q, _ in requests], [s for _, s in requests]
+    case = make_case(q_lens, seq_lens, 32, 8, 128, 16, torch.bfloat16, "cuda")
+    # TorchAttention pads gathered contexts with slot 0 and masks scores, and 0 * NaN in its P @ V is NaN:
+    # clear the poison (the other tests keep it to catch our kernels reading outside the context).
+    case.k_cache.nan_to_num_(0.0)
+    case.v_cache.nan_to_num_(0.0)
+    new_slots = [slot for (q_len, _), slots in zip(requests, case.slots) for slot in slots[len(slots) - q_len :]]
+    k_new = torch.randn(len(new_slots), 8, 128, device="cuda").bfloat16()
+    v_new = torch.randn(len(new_slots), 8, 128, device="cuda").bfloat16()
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(new_slots, dtype=torch.int64, device="cuda"),
+        query_start_loc=case.query_start_loc, seq_lens=case.seq_lens, block_tables=case.block_tables,
+        max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+    )
+    caches_torch = (case.k_cache.clone(), case.v_cache.clone())
+    out_torch = TorchAttention().forward(case.q, k_new, v_new, *caches_torch, meta, case.scale)
+    out_triton = TritonAttention().forward(case.q, k_new, v_new, case.k_cache, case.v_cache, meta, case.scale)
+    assert torch.equal(case.k_cache, caches_torch[0]) and torch.equal(case.v_cache, caches_torch[1])
+    assert_close(out_triton, out_torch)
