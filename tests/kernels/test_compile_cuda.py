@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the gpu-marked tests compile the real launches")
-@pytest.mark.parametrize("arch", [90, 80])
+@pytest.mark.parametrize("arch", [90])  # sm_80 compiles the same code paths; one arch keeps CI short
 def test_kernels_compile_for_cuda(arch: int) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     result = subprocess.run([sys.executable, "-m", "tests.kernels.compile_check", str(arch)], cwd=ROOT, env=env,

@@ -9,7 +9,7 @@ import torch
 
 from kernels.paged_decode import MAX_SPLITS, choose_num_splits, paged_decode_attention
 from kernels.reference import ref_paged_decode
-from tests.kernels.paged_case import assert_close, make_case, make_q
+from tests.kernels.paged_case import LONG_CONTEXT_CASES, assert_close, make_case, make_q
 
 # context lengths: empty, one token, a non-multiple of both block sizes, past one 64-key tile, exact blocks
 FAST_SEQ_LENS = [0, 1, 37, 130, 64]
@@ -59,10 +59,7 @@ def test_choose_num_splits() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("ratio", [1, 3, 8])
-@pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("head_dim", "ratio", "block_size", "dtype"), LONG_CONTEXT_CASES)
 def test_decode_long_contexts(device, head_dim, ratio, block_size, dtype) -> None:
     seq_lens = [2100, 1, 0, 777]
     out, ref = run_decode(seq_lens, ratio, 1, head_dim, block_size, dtype, device)

@@ -11,7 +11,7 @@ import torch
 from kernels.paged_decode import paged_decode_attention
 from kernels.ragged_prefill import prefill_block_sizes, ragged_prefill_attention
 from kernels.reference import ref_ragged_attention
-from tests.kernels.paged_case import assert_close, make_case
+from tests.kernels.paged_case import LONG_CONTEXT_CASES, assert_close, make_case
 
 # (q_len, seq_len) per request
 MIXED_BATCH = [(20, 20), (1, 1), (1, 40), (13, 90), (0, 33), (0, 0), (70, 75)]
@@ -62,10 +62,7 @@ def test_prefill_block_sizes() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("ratio", [1, 3, 8])
-@pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("head_dim", "ratio", "block_size", "dtype"), LONG_CONTEXT_CASES)
 def test_long_contexts(device, head_dim, ratio, block_size, dtype) -> None:
     # a 150-token chunk after 1,950 cached tokens, a fresh 130-token prompt, a decode row at 2,049
     requests = [(150, 2100), (130, 130), (1, 2049), (0, 0)]

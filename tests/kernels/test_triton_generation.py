@@ -1,0 +1,45 @@
+"""End to end: greedy generation with the Triton attention backend (interpreted on the CPU here, compiled on
+CUDA) gives exactly the tokens of the torch backend and of transformers on the tiny model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.engine.test_engine_correctness import hf_reference, run_trace
+from worker.config import EngineSettings
+from worker.engine.api import EngineRequest
+from worker.engine.engine import LLMEngine
+from worker.engine.request import SamplingParams
+
+# Prefill chunks, a prefix-cache hit (r2 repeats r0's first 32 tokens) and decode-only steps.
+PROMPTS = {
+    "r0": list(range(1000, 1040)),
+    "r1": list(range(5000, 5007)),
+    "r2": list(range(1000, 1032)) + [77, 78, 79],
+    "r3": [4242],
+}
+TRACE = [
+    (step, EngineRequest(rid, prompt_token_ids=prompt, sampling=SamplingParams(max_new_tokens=6)))
+    for step, (rid, prompt) in zip([0, 0, 3, 4], PROMPTS.items())
+]
+
+
+def generate(model_path: Path, backend: str) -> tuple[dict[str, list[int]], LLMEngine]:
+    settings = EngineSettings(
+        model=str(model_path), device="cpu", dtype="float32", attention_backend=backend, block_size=16,
+        num_kv_blocks=32, max_num_batched_tokens=32, max_num_seqs=4,
+    )
+    engine = LLMEngine(settings)
+    return run_trace(engine, TRACE), engine
+
+
+@pytest.mark.slow  # about 15 s of interpreted kernels
+def test_triton_backend_generates_the_tokens_of_torch_and_transformers(tiny_model_path: Path) -> None:
+    triton_tokens, engine = generate(tiny_model_path, "triton")
+    assert engine.runner.backend.name == "triton"
+    assert engine.scheduler.pool.hit_rate > 0
+    torch_tokens, _ = generate(tiny_model_path, "torch")
+    expected = hf_reference(tiny_model_path, TRACE, set(engine.runner.eos_token_ids))
+    assert triton_tokens == torch_tokens == expected
