@@ -1,0 +1,372 @@
+"""Kafka-path benchmark: one trace through LLMEngine in-process and through the whole Kafka path.
+
+(a) in-process: `bench_engine.run_engine_policy` (continuous policy) on a ModelRunner loaded in this process.
+(b) Kafka path: a LocalBroker on free ports (temporary data folder), fresh topics per repetition, one
+    `llm-worker serve` subprocess (continuous policy) with the same engine settings as (a) (passed as
+    ENGINE_* variables: max_num_seqs, max_num_batched_tokens, block size, KV bytes, max_model_len, prefix
+    caching off, float32 on the CPU) and the same torch thread count (OMP_NUM_THREADS / MKL_NUM_THREADS, which
+    torch reads at start-up; the worker sets no thread count of its own). Requests carry prompt_token_ids,
+    ignore_eos=True and the trace's max_new_tokens, written to the partition of their priority. They are sent
+    only once the worker has joined the group (a status record listing every request partition) and has
+    served a small warm-up; offline (rate 0) they are all sent at once. Times are read on the client: TTFT =
+    first stream chunk, e2e = final record, both from the request's trace arrival after the first send;
+    output tok/s = completed output tokens / (last final - first send).
+
+Repetitions alternate in-process and Kafka runs in ABBA order so drift in machine load affects both.
+Shedding is switched off in the worker (WORKER_MAX_QUEUE_TIME_S very large): the in-process engine never
+sheds, and a saturating offline trace would otherwise trip it.
+
+    .venv/bin/python -m benchmarks.bench_kafka_path --num-requests 24 --reps 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+from benchmarks import bench_engine as be  # noqa: E402
+from benchmarks.run_result import RequestRecord, RunResult, compute_metrics, records_to_json  # noqa: E402
+from benchmarks.trace import Trace, TraceConfig, TraceRequest, generate_trace, is_offline  # noqa: E402
+from schemas.result import FinalRecord, StreamChunk  # noqa: E402
+
+FLOOR = 0.90
+"""Kafka-path output tok/s / in-process output tok/s must stay at or above this (the issue's floor)."""
+NO_SHEDDING = "[1000000.0, 1000000.0, 1000000.0]"
+
+
+# ---- pure bookkeeping (unit-tested) ---------------------------------------------------------------------
+
+
+@dataclass
+class ResultTracker:
+    """Client-side view of the results of one run: which requests are awaited, first chunk and final times.
+
+    `on_record` takes a decoded result record and the seconds since the first send; records of ids not
+    awaited (warm-up, another run) and repeats (a redelivered attempt's chunks) change nothing."""
+
+    records: dict[str, RequestRecord]
+    worker_ttft_ms: dict[str, float] = field(default_factory=dict)
+    last_final_s: float | None = None
+
+    @classmethod
+    def for_trace(cls, requests: list[TraceRequest]) -> "ResultTracker":
+        return cls({r.request_id: RequestRecord(r.request_id, r.kind, r.priority, r.arrival_s, r.num_prompt_tokens)
+                    for r in requests})
+
+    @property
+    def num_finished(self) -> int:
+        return sum(r.finish_s is not None for r in self.records.values())
+
+    @property
+    def done(self) -> bool:
+        return self.num_finished == len(self.records)
+
+    def on_record(self, record: StreamChunk | FinalRecord, now_s: float) -> None:
+        rec = self.records.get(record.id)
+        if rec is None or rec.finish_s is not None:
+            return
+        if isinstance(record, StreamChunk):
+            if rec.first_token_s is None and record.token_ids:
+                rec.first_token_s = now_s
+            return
+        rec.finish_s = now_s
+        rec.num_output_tokens = record.usage.completion_tokens
+        if record.status != "completed":
+            rec.error = record.reason
+        elif rec.first_token_s is None and rec.num_output_tokens:
+            rec.first_token_s = now_s  # stream=False: the final record is the first the client sees
+        if record.timings.ttft_ms is not None:
+            self.worker_ttft_ms[record.id] = record.timings.ttft_ms
+        self.last_final_s = now_s if self.last_final_s is None else max(self.last_final_s, now_s)
+
+
+def compare(inproc: list[dict], kafka: list[dict]) -> dict:
+    """Per-repetition ratios (pairs in order) and the ratio of the medians of Kafka / in-process output tok/s."""
+    pairs = [k["output_tokens_per_s"] / i["output_tokens_per_s"] for i, k in zip(inproc, kafka)
+             if i["output_tokens_per_s"] > 0]
+    med_i = statistics.median(m["output_tokens_per_s"] for m in inproc) if inproc else math.nan
+    med_k = statistics.median(m["output_tokens_per_s"] for m in kafka) if kafka else math.nan
+    ratio = med_k / med_i if med_i and not math.isnan(med_i) else math.nan
+    return {"inproc_tok_s_median": med_i, "kafka_tok_s_median": med_k, "ratio_of_medians": ratio,
+            "ratio_per_rep": pairs, "floor": FLOOR, "meets_floor": bool(ratio >= FLOOR)}
+
+
+# ---- Kafka path -----------------------------------------------------------------------------------------
+
+
+def worker_env(kafka, model: str, max_model_len: int, threads: int) -> dict[str, str]:
+    s = be.engine_settings("continuous", max_model_len)
+    env = dict(os.environ)
+    env.update({
+        "KAFKA_BOOTSTRAP_SERVERS": kafka.bootstrap_servers, "KAFKA_REQUEST_TOPIC": kafka.request_topic,
+        "KAFKA_RESULT_TOPIC": kafka.result_topic, "KAFKA_DEAD_LETTER_TOPIC": kafka.dead_letter_topic,
+        "KAFKA_STATUS_TOPIC": kafka.status_topic, "KAFKA_GROUP_ID": kafka.group_id,
+        "ENGINE_MODEL": model, "ENGINE_POLICY": "continuous", "ENGINE_DEVICE": s.device, "ENGINE_DTYPE": s.dtype,
+        "ENGINE_MAX_NUM_SEQS": str(s.max_num_seqs), "ENGINE_MAX_NUM_BATCHED_TOKENS": str(s.max_num_batched_tokens),
+        "ENGINE_MAX_BATCH_SIZE": str(s.max_batch_size), "ENGINE_BLOCK_SIZE": str(s.block_size),
+        "ENGINE_KV_CACHE_BYTES": str(s.kv_cache_bytes), "ENGINE_MAX_MODEL_LEN": str(s.max_model_len),
+        "ENGINE_ENABLE_PREFIX_CACHING": "false",
+        "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+        "WORKER_METRICS_PORT": "0", "WORKER_MAX_QUEUE_TIME_S": NO_SHEDDING, "WORKER_WORKER_ID": "bench-kafka-path",
+    })
+    env.pop("ENGINE_NUM_KV_BLOCKS", None)
+    return env
+
+
+async def run_kafka(bootstrap: str, trace: Trace, warmup: Trace, *, model: str, max_model_len: int, threads: int,
+                    stream: bool, timeout_s: float, log_dir: Path) -> RunResult:
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+    from schemas.decode import decode_result, decode_status, encode
+    from schemas.priority import partition_for
+    from schemas.request import GenerationRequest, SamplingSpec
+    from worker.broker.topics import ensure_topics
+    from worker.config import KafkaSettings
+
+    suffix = uuid.uuid4().hex[:8]
+    kafka = KafkaSettings(bootstrap_servers=bootstrap, request_topic=f"kp.requests.{suffix}",
+                          result_topic=f"kp.results.{suffix}", dead_letter_topic=f"kp.dlq.{suffix}",
+                          status_topic=f"kp.status.{suffix}", group_id=f"kp-{suffix}")
+    states = await ensure_topics(kafka)
+    num_partitions = kafka.num_request_partitions
+    consumer = AIOKafkaConsumer(**kafka.client_kwargs(), group_id=None, enable_auto_commit=False,
+                                auto_offset_reset="earliest")
+    await consumer.start()
+    tps = [TopicPartition(kafka.result_topic, p) for p in range(states[kafka.result_topic].num_partitions)]
+    tps += [TopicPartition(kafka.status_topic, p) for p in range(states[kafka.status_topic].num_partitions)]
+    consumer.assign(tps)
+    producer = AIOKafkaProducer(**kafka.client_kwargs(), linger_ms=0)
+    await producer.start()
+    log_path = log_dir / f"worker-{suffix}.log"
+    log = open(log_path, "wb")
+    proc = subprocess.Popen([str(REPO / ".venv/bin/llm-worker"), "serve"], cwd=REPO, stdout=log, stderr=log,
+                            env=worker_env(kafka, model, max_model_len, threads))
+    clock = {"t0": time.monotonic()}
+    trackers: list[ResultTracker] = []
+    ready = asyncio.Event()
+
+    async def read_loop() -> None:
+        while True:
+            batches = await consumer.getmany(timeout_ms=50, max_records=5000)
+            now = time.monotonic()
+            for tp, msgs in batches.items():
+                for msg in msgs:
+                    if tp.topic == kafka.status_topic:
+                        status = decode_status(msg.value)
+                        if len(status.assigned_partitions) >= num_partitions:
+                            ready.set()
+                        continue
+                    record = decode_result(msg.value)
+                    for tracker in trackers:
+                        tracker.on_record(record, now - clock["t0"])
+
+    async def send(requests: list[TraceRequest], start: float) -> None:
+        futures = []
+        for r in requests:
+            delay = start + r.arrival_s - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            req = GenerationRequest(id=r.request_id, prompt_token_ids=r.prompt_token_ids,
+                                    max_new_tokens=r.max_new_tokens, sampling=SamplingSpec(ignore_eos=True),
+                                    priority=r.priority, stream=stream)
+            partition = partition_for(r.priority, r.request_id, num_partitions, kafka.num_priorities)
+            futures.append(await producer.send(kafka.request_topic, encode(req), key=r.request_id.encode(),
+                                               partition=partition))
+        await asyncio.gather(*futures)
+
+    async def wait_for(predicate, what: str, limit_s: float) -> None:
+        deadline = time.monotonic() + limit_s
+        while not predicate():
+            if proc.poll() is not None:
+                raise RuntimeError(f"worker exited with {proc.returncode} while waiting for {what}; log {log_path}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} not reached in {limit_s:.0f}s; worker log {log_path}")
+            await asyncio.sleep(0.02)
+
+    reader = asyncio.create_task(read_loop())
+    exit_code = None
+    try:
+        started = time.monotonic()
+        await wait_for(ready.is_set, "worker ready (status with every partition assigned)", 300)
+        ready_s = time.monotonic() - started
+        warm = ResultTracker.for_trace(warmup.requests)
+        trackers.append(warm)
+        await send(warmup.requests, time.monotonic())
+        await wait_for(lambda: warm.done, "warm-up finals", 120)
+        tracker = ResultTracker.for_trace(trace.requests)
+        trackers[:] = [tracker]
+        clock["t0"] = time.monotonic()
+        await send(trace.requests, clock["t0"])
+        await wait_for(lambda: tracker.done, "every final record", timeout_s)
+        wall = tracker.last_final_s
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                exit_code = await asyncio.to_thread(proc.wait, 60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                exit_code = await asyncio.to_thread(proc.wait)
+        else:
+            exit_code = proc.returncode
+        log.close()
+        await producer.stop()
+        await consumer.stop()
+    ttfts = list(tracker.worker_ttft_ms.values())
+    return RunResult("kafka", trace.config.rate, list(tracker.records.values()), wall,
+                     extra={"worker_ready_s": ready_s, "worker_exit_code": exit_code, "stream": stream,
+                            "worker_ttft_ms_p50": statistics.median(ttfts) if ttfts else None,
+                            "worker_log": str(log_path)})
+
+
+# ---- driver ---------------------------------------------------------------------------------------------
+
+
+def start_broker(tmp: Path):
+    from worker.broker.local import LocalBroker, free_ports
+
+    port, controller_port = free_ports(2)
+    broker = LocalBroker(tmp / "broker", port, controller_port, detach=False)
+    broker.start()
+    return broker
+
+
+def summary_row(m: dict) -> dict:
+    lat = m["latency"]["all"]
+    return {"system": m["system"], "rep": m.get("rep"), "done": f"{m['num_completed']}/{m['num_requests']}",
+            "wall_s": m["wall_s"], "tok_s": m["output_tokens_per_s"], "ttft_p50": lat["ttft"]["p50"],
+            "ttft_p99": lat["ttft"]["p99"], "e2e_p50": lat["e2e"]["p50"], "e2e_p99": lat["e2e"]["p99"],
+            "load": m.get("load_at_end")}
+
+
+def table(rows: list[dict]) -> str:
+    head = "| system | rep | done | wall s | out tok/s | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 | load 1m |"
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        lines.append(f"| {r['system']} | {r['rep']} | {r['done']} | {r['wall_s']:.1f} | {r['tok_s']:.2f} | "
+                     f"{r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} | {r['e2e_p50']:.2f} | {r['e2e_p99']:.2f} | "
+                     f"{r['load']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--rate", type=float, default=0.0, help="requests/s; 0 = all at t=0 (offline)")
+    parser.add_argument("--num-requests", type=int, default=24)
+    parser.add_argument("--profile", default="cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--threads", type=int, help="torch threads for both paths (default: bench_engine.set_threads)")
+    parser.add_argument("--no-stream", action="store_true", help="final records only (TTFT then = final)")
+    parser.add_argument("--bootstrap", help="use this broker instead of starting a local one")
+    parser.add_argument("--timeout-s", type=float, default=600)
+    parser.add_argument("--out-dir", type=Path)
+    args = parser.parse_args(argv)
+
+    load_before = list(os.getloadavg())
+    threads = be.set_threads(args.threads)
+    print(f"torch threads {threads}; load {load_before[0]:.2f}", flush=True)
+    out_dir = args.out_dir or REPO / "benchmarks" / "results" / f"{time.strftime('%Y-%m-%d')}-kafka-path"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runner = be.load_runner(args.model, args.profile)
+    low = be.min_token_id(runner.tokenizer)
+    trace = generate_trace(TraceConfig(rate=math.inf if args.rate <= 0 else args.rate,
+                                       num_requests=args.num_requests, profile=args.profile, seed=args.seed,
+                                       min_token_id=low, vocab_size=runner.vocab_size))
+    warmup = generate_trace(TraceConfig(rate=math.inf, num_requests=2, profile="tiny", seed=12345,
+                                        min_token_id=low, vocab_size=runner.vocab_size))
+    for r in warmup.requests:
+        r.request_id = "warm-" + r.request_id
+    trace.save(out_dir / "trace.json")
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-kafka-path-"))
+    broker = None
+    inproc, kafka = [], []
+    try:
+        bootstrap = args.bootstrap
+        if not bootstrap:
+            broker = start_broker(tmp)
+            bootstrap = broker.bootstrap_servers
+        for rep in range(args.reps):
+            # ABBA order (in-process first on even repetitions, Kafka first on odd ones): linear drift in the
+            # machine's load then weighs on both paths alike.
+            for system in ("inproc", "kafka") if rep % 2 == 0 else ("kafka", "inproc"):
+                if system == "inproc":
+                    be.run_engine_policy(runner, "continuous", warmup)
+                    run = be.run_engine_policy(runner, "continuous", trace)
+                    m = compute_metrics(run)
+                    m["records"] = records_to_json(run)
+                    inproc.append(m)
+                else:
+                    run = asyncio.run(run_kafka(bootstrap, trace, warmup, model=args.model,
+                                                max_model_len=runner.max_model_len, threads=threads,
+                                                stream=not args.no_stream, timeout_s=args.timeout_s, log_dir=tmp))
+                    m = compute_metrics(run)
+                    m["records"] = records_to_json(run)
+                    kafka.append(m)
+                m.update(system=system, rep=rep, load_at_end=os.getloadavg()[0])
+                print(table([summary_row(m)]).splitlines()[-1], flush=True)
+    except BaseException:
+        print(f"failed; broker data and worker logs kept in {tmp}", file=sys.stderr)
+        raise
+    else:
+        # Worker logs are kept only for a failed run: the results hold everything a good one showed.
+        for m in kafka:
+            m.pop("worker_log", None)
+    finally:
+        if broker is not None:
+            broker.stop()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+    comparison = compare(inproc, kafka)
+    rows = [summary_row(m) for pair in zip(inproc, kafka) for m in pair]
+    settings = be.engine_settings("continuous", runner.max_model_len)
+    result = {
+        "environment": {"num_cpus": os.cpu_count(), "torch_threads": threads, "load_before": load_before,
+                        "load_after": list(os.getloadavg()), "model": args.model, "python": sys.version.split()[0]},
+        "config": {"rate": None if is_offline(trace.config.rate) else args.rate, "num_requests": args.num_requests,
+                   "profile": args.profile, "seed": args.seed, "reps": args.reps, "stream": not args.no_stream,
+                   "engine": json.loads(settings.model_dump_json())},
+        "comparison": comparison, "inproc": inproc, "kafka": kafka,
+    }
+    (out_dir / "results.json").write_text(json.dumps(result, indent=1, default=str))
+    md = table(rows)
+    verdict = "meets" if comparison["meets_floor"] else "BELOW"
+    summary = (f"Kafka / in-process output tok/s (ratio of medians): **{comparison['ratio_of_medians']:.3f}** "
+               f"({verdict} the {FLOOR} floor); per repetition: "
+               + ", ".join(f"{r:.3f}" for r in comparison["ratio_per_rep"]))
+    rate = "offline (all at t=0)" if is_offline(trace.config.rate) else f"{args.rate} req/s"
+    (out_dir / "report.md").write_text(
+        f"# Kafka path vs in-process ({time.strftime('%Y-%m-%dT%H:%M:%S')})\n\n"
+        f"{args.num_requests} requests, `{args.profile}` profile, {rate}, {args.reps} repetition(s) alternating "
+        f"in-process and Kafka; continuous policy, {threads} torch thread(s), {os.cpu_count()} CPUs; 1-min load "
+        f"{load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after. Latencies in seconds, from the client "
+        f"(all requests, TTFT = first stream chunk). The broker, the client and the worker share the CPUs.\n\n"
+        f"{md}\n\n{summary}\n\n"
+        f"`.venv/bin/python -m benchmarks.bench_kafka_path {' '.join(argv if argv is not None else sys.argv[1:])}`\n")
+    print(md)
+    print(summary)
+    print(f"written to {out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
