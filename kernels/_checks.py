@@ -74,6 +74,22 @@ def check_query_heads(q_name: str, num_q_heads: int, num_kv_heads: int) -> int:
     return num_q_heads // num_kv_heads
 
 
+def check_query_and_cache(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: str
+) -> tuple[int, int, int, int]:
+    """Checks the attention query against the paged cache; returns (block_size, Hkv, D, group size Hq // Hkv)."""
+    _, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
+    check_ndim("q", q, 3, layout)
+    check_dtype("q", q, ATTENTION_DTYPES)
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"q dtype {q.dtype} differs from the KV cache dtype {k_cache.dtype}")
+    if q.shape[2] != head_dim:
+        raise ValueError(f"q head dim {q.shape[2]} differs from the KV cache head dim {head_dim}")
+    check_last_dim_contiguous("q", q)
+    group_size = check_query_heads("q", q.shape[1], num_kv_heads)
+    return block_size, num_kv_heads, head_dim, group_size
+
+
 def check_scale(scale: float) -> float:
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
         raise ValueError(f"scale must be a positive float, got {scale!r}")

@@ -16,9 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import ATTENTION_DTYPES, check_dtype, check_index_tensor, check_kv_cache
-from kernels._checks import check_last_dim_contiguous, check_ndim, check_query_heads, check_same_device
-from kernels._checks import check_scale
+from kernels._checks import (
+    check_index_tensor,
+    check_query_and_cache,
+    check_same_device,
+    check_scale,
+)
 from kernels._dot import dot_options
 
 BLOCK_N = 64  # keys per inner-loop tile
@@ -167,16 +170,8 @@ def paged_decode_attention(
     num_splits None picks the split count from the SM count and max_seq_len (default: the most the block
     table can address, M * block_size). Rows with seq_len 0 come out as zeros. Each seq_lens[b] must be
     <= M * block_size (not checked: it would need a device sync)."""
-    _, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
-    check_ndim("q", q, 3, "[B, Hq, D]")
-    check_dtype("q", q, ATTENTION_DTYPES)
-    if q.dtype != k_cache.dtype:
-        raise ValueError(f"q dtype {q.dtype} differs from the KV cache dtype {k_cache.dtype}")
-    if q.shape[2] != head_dim:
-        raise ValueError(f"q head dim {q.shape[2]} differs from the KV cache head dim {head_dim}")
-    check_last_dim_contiguous("q", q)
+    block_size, num_kv_heads, head_dim, group_size = check_query_and_cache(q, k_cache, v_cache, "[B, Hq, D]")
     batch, num_q_heads, _ = q.shape
-    group_size = check_query_heads("q", num_q_heads, num_kv_heads)
     check_index_tensor("block_tables", block_tables, 2, "[B, M]", torch.int32)
     check_index_tensor("seq_lens", seq_lens, 1, "[B]", torch.int32)
     if block_tables.shape[0] != batch or seq_lens.shape[0] != batch:

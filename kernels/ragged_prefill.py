@@ -21,9 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import ATTENTION_DTYPES, check_dtype, check_index_tensor, check_kv_cache
-from kernels._checks import check_last_dim_contiguous, check_ndim, check_query_heads, check_same_device
-from kernels._checks import check_scale
+from kernels._checks import (
+    check_index_tensor,
+    check_query_and_cache,
+    check_same_device,
+    check_scale,
+)
 from kernels._dot import dot_options
 
 LOG2E = 1.4426950408889634
@@ -135,16 +138,8 @@ def ragged_prefill_attention(
 
     Preconditions not checked (they would need a device sync): query_start_loc is non-decreasing from 0 to
     T, q_len_b <= seq_lens[b] <= M * block_size; max_query_len only sizes tiles, any value stays correct."""
-    _, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
-    check_ndim("q", q, 3, "[T, Hq, D]")
-    check_dtype("q", q, ATTENTION_DTYPES)
-    if q.dtype != k_cache.dtype:
-        raise ValueError(f"q dtype {q.dtype} differs from the KV cache dtype {k_cache.dtype}")
-    if q.shape[2] != head_dim:
-        raise ValueError(f"q head dim {q.shape[2]} differs from the KV cache head dim {head_dim}")
-    check_last_dim_contiguous("q", q)
+    block_size, num_kv_heads, head_dim, group_size = check_query_and_cache(q, k_cache, v_cache, "[T, Hq, D]")
     num_tokens, num_q_heads, _ = q.shape
-    group_size = check_query_heads("q", num_q_heads, num_kv_heads)
     check_index_tensor("query_start_loc", query_start_loc, 1, "[B + 1]", torch.int32)
     check_index_tensor("seq_lens", seq_lens, 1, "[B]", torch.int32)
     check_index_tensor("block_tables", block_tables, 2, "[B, M]", torch.int32)
