@@ -10,7 +10,6 @@ import pytest
 from schemas.request import GenerationRequest, SamplingSpec
 from worker.engine.api import EngineRequest
 from worker.engine.instant import InstantEngine
-from worker.engine.request import SamplingParams
 from worker.transport.streaming import engine_request
 from worker.transport.results import Pending
 from tests.transport.kafka_helpers import Collector, produce_requests, running_worker, worker_settings
