@@ -16,7 +16,24 @@ from tests.transport.test_stream_kafka import as_engine_request
 
 pytestmark = pytest.mark.kafka
 
-WORKER_ARGS = ["--engine", "instant", "--instant-step-ms", "20"]
+# The tiny Llama's workers run on the CPU in float32, like the engine the transport tests use in-process.
+TINY_ENGINE_ENV = {"ENGINE_DEVICE": "cpu", "ENGINE_DTYPE": "float32", "ENGINE_MAX_NUM_SEQS": "16",
+                   "ENGINE_NUM_KV_BLOCKS": "512", "ENGINE_MAX_NUM_BATCHED_TOKENS": "256"}
+
+
+@pytest.fixture(params=["instant", "tiny-llama"])
+def engine_kind(request, monkeypatch):
+    """(serve args, requests -> expected text per id, or None). The model-free engine's text is known exactly.
+    The tiny Llama's is not compared with a direct run here: after a failover the survivor recomputes requests
+    in other batch compositions, and float32 sums in another order can flip a near-tie argmax somewhere in
+    thousands of greedy steps (test_stream_kafka checks equality on short outputs). Its streams are checked
+    against the worker's own final text instead."""
+    if request.param == "instant":
+        return ["--engine", "instant", "--instant-step-ms", "20"], lambda requests: {
+            q.id: expected_text(as_engine_request(q)) for _, q in requests}
+    for name, value in TINY_ENGINE_ENV.items():
+        monkeypatch.setenv(name, value)  # the worker subprocesses inherit the environment
+    return ["--model", str(request.getfixturevalue("tiny_model_path"))], lambda requests: None
 
 
 def make_requests(prefix: str, n: int) -> list[tuple[int, GenerationRequest]]:
@@ -28,7 +45,7 @@ def all_completed(results, requests) -> bool:
     return all(any(f.status == "completed" for f in results.finals.get(q.id, [])) for _, q in requests)
 
 
-def check_complete_streams(results, requests) -> int:
+def check_complete_streams(results, requests, expected: dict[str, str] | None) -> int:
     """Every request's highest attempt is completed and streamed once, in order; returns the redelivered count."""
     num_redelivered = 0
     for _, request in requests:
@@ -36,7 +53,10 @@ def check_complete_streams(results, requests) -> int:
         assert final.status == "completed", final
         chunks = results.chunks[(request.id, final.attempt)]
         assert [c.seq for c in chunks] == list(range(final.num_chunks)), request.id
-        assert results.stream_text(request.id, final.attempt) == expected_text(as_engine_request(request))
+        text = results.stream_text(request.id, final.attempt)
+        assert text == final.text and final.usage.completion_tokens > 0, request.id
+        if expected is not None:
+            assert text == expected[request.id]
         attempts = {f.attempt for f in results.finals[request.id]} | {a for (i, a) in results.chunks if i == request.id}
         assert len([f for f in results.finals[request.id] if f.attempt == final.attempt]) == 1
         if len(attempts) > 1:
@@ -57,11 +77,13 @@ async def wait_assigned(collector, worker_ids: set[str] | None, num_partitions: 
     await collector.wait_until(ready, timeout_s)
 
 
-async def test_sigkill_one_of_two_workers_loses_nothing(kafka_topics, tmp_path):
+async def test_sigkill_one_of_two_workers_loses_nothing(kafka_topics, tmp_path, engine_kind):
     kafka = kafka_topics
     requests = make_requests("kill", 300)
+    worker_args, expected_texts = engine_kind
+    expected = expected_texts(requests)
     async with Collector(kafka) as collector:
-        procs = [await start_worker_process(kafka, [*WORKER_ARGS, "--worker-id", f"w{i}"], tmp_path / f"w{i}.log")
+        procs = [await start_worker_process(kafka, [*worker_args, "--worker-id", f"w{i}"], tmp_path / f"w{i}.log")
                  for i in range(2)]
         try:
             await wait_assigned(collector, {"w0", "w1"}, kafka.num_request_partitions)
@@ -78,15 +100,17 @@ async def test_sigkill_one_of_two_workers_loses_nothing(kafka_topics, tmp_path):
                     proc.send_signal(signal.SIGTERM)
             codes = [await asyncio.wait_for(p.wait(), 30) for p in procs]
         assert codes[1] == 0
-        num_redelivered = check_complete_streams(collector.results, requests)
+        num_redelivered = check_complete_streams(collector.results, requests, expected)
     assert num_redelivered > 0  # the kill did interrupt streams, which the survivor then served again
 
 
-async def test_sigterm_drains_exits_zero_and_a_restart_finishes_the_rest(kafka_topics, tmp_path):
+async def test_sigterm_drains_exits_zero_and_a_restart_finishes_the_rest(kafka_topics, tmp_path, engine_kind):
     kafka = kafka_topics
     requests = make_requests("term", 200)
+    worker_args, expected_texts = engine_kind
+    expected = expected_texts(requests)
     async with Collector(kafka) as collector:
-        first = await start_worker_process(kafka, [*WORKER_ARGS, "--worker-id", "first"], tmp_path / "first.log",
+        first = await start_worker_process(kafka, [*worker_args, "--worker-id", "first"], tmp_path / "first.log",
                                            drain_timeout_s=0.3, max_engine_inflight=16)
         await wait_assigned(collector, {"first"}, kafka.num_request_partitions)
         await produce_requests(kafka, requests)
@@ -95,14 +119,14 @@ async def test_sigterm_drains_exits_zero_and_a_restart_finishes_the_rest(kafka_t
         assert await asyncio.wait_for(first.wait(), 30) == 0
         num_before_restart = len(collector.results.finals)
         assert num_before_restart < len(requests)
-        second = await start_worker_process(kafka, [*WORKER_ARGS, "--worker-id", "second"], tmp_path / "second.log")
+        second = await start_worker_process(kafka, [*worker_args, "--worker-id", "second"], tmp_path / "second.log")
         try:
             await collector.wait_until(lambda r: all_completed(r, requests), 50)
         finally:
             second.send_signal(signal.SIGTERM)
             assert await asyncio.wait_for(second.wait(), 30) == 0
         results = collector.results
-        check_complete_streams(results, requests)
+        check_complete_streams(results, requests, expected)
         for _, request in requests:
             attempts = [f.attempt for f in results.finals[request.id]]
             assert len(attempts) == len(set(attempts)), "a duplicate must carry a new attempt"
