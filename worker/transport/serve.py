@@ -46,6 +46,9 @@ class Worker:
         self.max_engine_inflight = settings.max_engine_inflight or 2 * max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.stopping = asyncio.Event()
+        self.closing = False
+        """Set at the end of shutdown: the background loops exit at their next turn even if a library call
+        inside them swallowed the cancellation (seen once: a shutdown hung in the control loop)."""
         self.started = asyncio.Event()
         self.tracker = OffsetTracker()
         self.rate = CompletionRate()
@@ -150,6 +153,7 @@ class Worker:
         if not await self.publisher.wait_acked(timeout_s=30.0):
             log.warning("some records were not acknowledged before shutdown; their offsets stay uncommitted")
         await self.commit()
+        self.closing = True
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -161,7 +165,7 @@ class Worker:
         log.info("stopped")
 
     async def _output_loop(self, outputs: asyncio.Queue) -> None:
-        while True:
+        while not self.closing:
             batch = await outputs.get()
             while not outputs.empty():
                 batch += outputs.get_nowait()
@@ -172,14 +176,14 @@ class Worker:
                 log.exception("output handling failed")
 
     async def _commit_loop(self) -> None:
-        while True:
+        while not self.closing:
             await asyncio.sleep(self.settings.commit_interval_s)
             await self.commit()
 
     async def _control_loop(self) -> None:
         loop = asyncio.get_running_loop()
         next_status = loop.time()
-        while True:
+        while not self.closing:
             try:
                 await self.control.tick()
                 if loop.time() >= next_status:
