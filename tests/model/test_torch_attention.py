@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.model.batch import Chunk, make_input
-from worker.model.torch_attention import TorchAttention
+from worker.model.torch_attention import DECODE_PADDING, TorchAttention, group_decodes
 
 BLOCK, NUM_BLOCKS, HQ, HKV, D = 4, 40, 6, 2, 16
 
@@ -72,3 +72,31 @@ def test_plan_is_rebuilt_for_each_new_metadata():
     second = make_input([Chunk([0], 3, [1])], BLOCK).attn
     assert backend._plan(first, 3, BLOCK) is backend._plan(first, 3, BLOCK)
     assert backend._plan(second, 1, BLOCK).meta is second
+
+
+def test_decode_groups_cover_every_request_once_within_the_padding_bound():
+    lens = [300, 12, 13, 290, 40, 41, 5, 280, 64, 1, 17]
+    groups = group_decodes(lens, 16)
+    assert sorted(i for g in groups for i in g) == list(range(len(lens)))
+    assert len(groups) > 1  # 300 next to 1: one padded group would be ~10x the tokens held
+    for g in groups:
+        padded = -(-max(lens[i] for i in g) // 16) * 16 * len(g)
+        assert len(g) == 1 or padded <= DECODE_PADDING * sum(lens[i] for i in g)
+    assert group_decodes([48, 48, 48], 16) == [[0, 1, 2]]  # equal lengths: one group, no padding
+    assert group_decodes([], 16) == []
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_decode_rows_of_very_different_lengths_split_into_groups(seed):
+    # Contexts from 1 to 61 tokens with 4-token blocks: several decode groups, each padded and masked, and
+    # a prefill chunk in the same step; every row checked against its own dense context.
+    blocks = iter(range(NUM_BLOCKS))
+    lengths = [61, 2, 33, 1, 9, 30]
+    tables = [[next(blocks) for _ in range(-(-(n + 3) // BLOCK))] for n in lengths]
+    run_case([
+        [Chunk([0] * n, 0, t) for n, t in zip(lengths, tables)],
+        [Chunk([0], n, t) for n, t in zip(lengths, tables)],
+        [Chunk([0], n + 1, t) for n, t in zip(lengths[:-1], tables[:-1])] + [Chunk([0, 0], lengths[-1] + 1, tables[-1])],
+    ], seed)
+    step = [Chunk([0], n + 2, t) for n, t in zip(lengths[:-1], tables[:-1])]
+    assert len(TorchAttention()._plan(make_input(step, BLOCK).attn, len(step), BLOCK).decode_groups) > 1

@@ -1,8 +1,12 @@
 """`TorchAttention`: paged attention in plain torch — the reference for the Triton kernels and the CPU default.
 
 One step's batch mixes decode requests (one new token) and prefill chunks (many). Decode requests are
-done together: their contexts are gathered from the paged cache into one padded [Bd, L] batch and
-masked, which on the CPU is far cheaper than one small attention call per request and per layer.
+done in a few padded groups: sorted by context length and cut wherever padding to the group's longest
+context would exceed `DECODE_PADDING` times the tokens really held, each group's blocks are gathered
+from the paged cache (whole blocks: one index per 16 tokens, not one per token) into a [n, L] batch
+and masked. That is far cheaper on the CPU than one small attention call per request and per layer, and
+than one group padded to the longest context of the step: with a mix of short and long requests (a few
+hundred tokens of context next to a few dozen) one padded group spent 3-5x the work of the tokens held.
 Prefill chunks go one request at a time through scaled_dot_product_attention; a chunk with no cached
 context (a fresh prompt) attends to its own k/v with is_causal and never touches the cache.
 
@@ -25,10 +29,47 @@ from worker.model.input import AttentionMetadata
 class _Prefill:
     q_start: int
     q_end: int
-    context_slots: torch.Tensor | None
-    """[seq_len] flat cache slots of the whole context, or None when the chunk is the whole context."""
+    context_blocks: torch.Tensor | None
+    """[ceil(seq_len / block_size)] block ids of the whole context, or None when the chunk is the whole context."""
     mask: torch.Tensor | None
     """[q_len, seq_len] bool, True where a query may attend (causal with the query offset)."""
+
+
+@dataclass(slots=True)
+class _DecodeGroup:
+    tokens: torch.Tensor | None
+    """[n] int64: the single new token of each decode request in the group; None when the group is the
+    whole step in token order (a decode-only step whose requests need one group)."""
+    blocks: torch.Tensor
+    """[n * nb] int64: each request's first nb block ids (nb = blocks of the group's longest context)."""
+    num_blocks: int
+    """nb."""
+    mask: torch.Tensor | None
+    """[n, 1, 1, nb * block_size] bool, True where a key is in the request's context; None if all are."""
+
+
+DECODE_PADDING = 1.25
+"""A decode group grows while (requests x its longest context, in whole blocks) stays within this factor
+of the context tokens its requests really hold."""
+
+
+def group_decodes(seq_lens: list[int], block_size: int, padding: float = DECODE_PADDING) -> list[list[int]]:
+    """Indices into `seq_lens` in groups, longest contexts first; a group is cut when padding every member to
+    the group's longest context (in whole blocks) would exceed `padding` x the tokens held. Pure Python."""
+    order = sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i])
+    groups: list[list[int]] = []
+    held = 0
+    for i in order:
+        if groups:
+            group = groups[-1]
+            padded_len = -(-seq_lens[group[0]] // block_size) * block_size
+            if padded_len * (len(group) + 1) <= padding * (held + seq_lens[i]):
+                group.append(i)
+                held += seq_lens[i]
+                continue
+        groups.append([i])
+        held = seq_lens[i]
+    return groups
 
 
 @dataclass(slots=True)
@@ -38,24 +79,16 @@ class _Plan:
     write_tokens: torch.Tensor | None
     """[T'] token indices whose K/V are written; None means all T tokens."""
     write_slots: torch.Tensor  # [T'] int64
-    decode_tokens: torch.Tensor | None  # [Bd] int64: the single new token of each decode request
-    decode_slots: torch.Tensor | None  # [Bd, L] int64: context slots, padded with slot 0 past seq_len
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, L] bool
-    decode_is_whole_batch: bool
+    decode_groups: list[_DecodeGroup]
     prefills: list[_Prefill]
-
-
-def _context_slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
-    # block_table: [..., max_blocks] -> [..., length] flat slot of each position 0..length-1
-    pos = torch.arange(length, device=block_table.device)
-    blocks = block_table[..., (pos // block_size).clamp_max(block_table.shape[-1] - 1)].long()
-    return blocks * block_size + pos % block_size
 
 
 class TorchAttention(AttentionBackend):
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, decode_padding: float = DECODE_PADDING) -> None:
+        self.decode_padding = decode_padding
+        """math.inf: every decode row in one group padded to the step's longest context."""
         self._plan_cache: _Plan | None = None
 
     def _plan(self, meta: AttentionMetadata, num_tokens: int, block_size: int) -> _Plan:
@@ -75,14 +108,21 @@ class TorchAttention(AttentionBackend):
         seq_lens = meta.seq_lens.tolist()
         q_lens = [q_start_loc[b + 1] - q_start_loc[b] for b in range(len(seq_lens))]
         decode_reqs = [b for b, n in enumerate(q_lens) if n == 1]
-        decode_tokens = decode_slots = decode_mask = None
-        if decode_reqs:
-            reqs = torch.tensor(decode_reqs, device=device)
-            decode_tokens = torch.tensor([q_start_loc[b] for b in decode_reqs], device=device)
-            max_len = max(seq_lens[b] for b in decode_reqs)
-            decode_slots = _context_slots(meta.block_tables[reqs], max_len, block_size)  # [Bd, L]
-            lens = meta.seq_lens[reqs].long()  # [Bd]
-            decode_mask = (torch.arange(max_len, device=device)[None, :] < lens[:, None])[:, None, None, :]
+        decode_groups = []
+        whole_batch = len(decode_reqs) == num_tokens
+        for members in group_decodes([seq_lens[b] for b in decode_reqs], block_size, self.decode_padding):
+            reqs = sorted(decode_reqs[i] for i in members)  # step order: a lone group then needs no reordering
+            lens = [seq_lens[b] for b in reqs]
+            num_blocks = -(-max(lens) // block_size)
+            rows = torch.tensor(reqs, device=device)
+            blocks = meta.block_tables[rows, :num_blocks].long().clamp_min(0).reshape(-1)
+            mask = None
+            if any(n != num_blocks * block_size for n in lens):
+                keys = torch.arange(num_blocks * block_size, device=device)[None, :]
+                mask = (keys < torch.tensor(lens, device=device)[:, None])[:, None, None, :]
+            in_order = whole_batch and reqs == list(range(num_tokens))
+            tokens = None if in_order else torch.tensor([q_start_loc[b] for b in reqs], device=device)
+            decode_groups.append(_DecodeGroup(tokens, blocks, num_blocks, mask))
 
         prefills = []
         for b, q_len in enumerate(q_lens):
@@ -92,7 +132,7 @@ class TorchAttention(AttentionBackend):
             if seq_len == q_len:
                 prefills.append(_Prefill(start, start + q_len, None, None))
                 continue
-            ctx = _context_slots(meta.block_tables[b], seq_len, block_size)  # [seq_len]
+            ctx = meta.block_tables[b, : -(-seq_len // block_size)].long()  # [blocks of the context]
             # Query i sits at position seq_len - q_len + i and sees every key at or before it.
             q_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
             mask = torch.arange(seq_len, device=device)[None, :] <= q_pos  # [q_len, seq_len]
@@ -103,10 +143,7 @@ class TorchAttention(AttentionBackend):
             block_size=block_size,
             write_tokens=write_tokens,
             write_slots=write_slots,
-            decode_tokens=decode_tokens,
-            decode_slots=decode_slots,
-            decode_mask=decode_mask,
-            decode_is_whole_batch=len(decode_reqs) == num_tokens,
+            decode_groups=decode_groups,
             prefills=prefills,
         )
         self._plan_cache = plan
@@ -134,47 +171,49 @@ class TorchAttention(AttentionBackend):
             k_flat.index_copy_(0, plan.write_slots, k.index_select(0, plan.write_tokens))
             v_flat.index_copy_(0, plan.write_slots, v.index_select(0, plan.write_tokens))
 
-        if plan.decode_is_whole_batch:
-            return self._decode(q, k_flat, v_flat, plan, scale)
+        groups = plan.decode_groups
+        if len(groups) == 1 and groups[0].tokens is None:
+            return self._decode(q, k_cache, v_cache, groups[0], scale)
         out = torch.empty_like(q)
-        if plan.decode_tokens is not None:
-            decode_q = q.index_select(0, plan.decode_tokens)
-            out.index_copy_(0, plan.decode_tokens, self._decode(decode_q, k_flat, v_flat, plan, scale))
+        for group in groups:
+            out.index_copy_(0, group.tokens, self._decode(q.index_select(0, group.tokens), k_cache, v_cache, group, scale))
         gqa = num_heads != num_kv_heads
         for p in plan.prefills:
             q_b = q[p.q_start : p.q_end].transpose(0, 1)  # [Hq, n, D]
-            if p.context_slots is None:
+            if p.context_blocks is None:
                 k_b = k[p.q_start : p.q_end].transpose(0, 1)  # [Hkv, n, D]
                 v_b = v[p.q_start : p.q_end].transpose(0, 1)
                 o_b = F.scaled_dot_product_attention(q_b, k_b, v_b, is_causal=True, scale=scale, enable_gqa=gqa)
             else:
-                k_b = k_flat.index_select(0, p.context_slots).transpose(0, 1)  # [Hkv, seq_len, D]
-                v_b = v_flat.index_select(0, p.context_slots).transpose(0, 1)
+                seq_len = p.mask.shape[1]
+                # Whole blocks gathered, then cut to the context: [Hkv, seq_len, D].
+                k_b = k_cache.index_select(0, p.context_blocks).flatten(0, 1)[:seq_len].transpose(0, 1)
+                v_b = v_cache.index_select(0, p.context_blocks).flatten(0, 1)[:seq_len].transpose(0, 1)
                 o_b = F.scaled_dot_product_attention(q_b, k_b, v_b, attn_mask=p.mask, scale=scale, enable_gqa=gqa)
             out[p.q_start : p.q_end] = o_b.transpose(0, 1)
         return out
 
     @staticmethod
     def _decode(
-        q: torch.Tensor,  # [Bd, Hq, D]
-        k_flat: torch.Tensor,  # [num_slots, Hkv, D]
-        v_flat: torch.Tensor,
-        plan: _Plan,
+        q: torch.Tensor,  # [n, Hq, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,
+        group: _DecodeGroup,
         scale: float,
-    ) -> torch.Tensor:  # [Bd, Hq, D]
-        num_reqs, num_heads, head_dim = q.shape
-        num_kv_heads = k_flat.shape[1]
-        ctx_len = plan.decode_slots.shape[1]
-        flat = plan.decode_slots.reshape(-1)
-        # index_select, not k_flat[flat]: advanced indexing is several times slower on the CPU.
-        k_ctx = k_flat.index_select(0, flat).view(num_reqs, ctx_len, num_kv_heads, head_dim)  # [Bd, L, Hkv, D]
-        v_ctx = v_flat.index_select(0, flat).view(num_reqs, ctx_len, num_kv_heads, head_dim)
+    ) -> torch.Tensor:  # [n, Hq, D]
+        num_reqs, num_heads, _ = q.shape
+        _, block_size, num_kv_heads, head_dim = k_cache.shape
+        ctx_len = group.num_blocks * block_size
+        # index_select of whole blocks, not k_flat[slots]: one index per block, and advanced indexing is
+        # several times slower on the CPU.
+        k_ctx = k_cache.index_select(0, group.blocks).view(num_reqs, ctx_len, num_kv_heads, head_dim)
+        v_ctx = v_cache.index_select(0, group.blocks).view(num_reqs, ctx_len, num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2),  # [Bd, Hq, 1, D]
-            k_ctx.transpose(1, 2),  # [Bd, Hkv, L, D]
+            q.unsqueeze(2),  # [n, Hq, 1, D]
+            k_ctx.transpose(1, 2),  # [n, Hkv, L, D]
             v_ctx.transpose(1, 2),
-            attn_mask=plan.decode_mask,  # [Bd, 1, 1, L]
+            attn_mask=group.mask,  # [n, 1, 1, L] or None
             scale=scale,
             enable_gqa=num_heads != num_kv_heads,
-        )  # [Bd, Hq, 1, D]
+        )  # [n, Hq, 1, D]
         return out.squeeze(2)
