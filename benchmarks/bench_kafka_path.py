@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -34,6 +35,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -236,7 +238,7 @@ async def run_kafka(bootstrap: str, trace: Trace, warmup: Trace, *, model: str, 
                             "worker_log": str(log_path)})
 
 
-# ---- driver ---------------------------------------------------------------------------------------------
+# ---- driver (also used by benchmarks/report.py) ---------------------------------------------------------
 
 
 def start_broker(tmp: Path):
@@ -246,6 +248,50 @@ def start_broker(tmp: Path):
     broker = LocalBroker(tmp / "broker", port, controller_port, detach=False)
     broker.start()
     return broker
+
+
+def warmup_trace(min_token_id: int, vocab_size: int) -> Trace:
+    """Two tiny offline requests that each fresh worker serves before a measured trace. Their ids start with
+    `warm-` so that a late record of theirs can never be taken for one of the trace's requests (r0, r1, ...)."""
+    warmup = generate_trace(TraceConfig(rate=math.inf, num_requests=2, profile="tiny", seed=12345,
+                                        min_token_id=min_token_id, vocab_size=vocab_size))
+    for r in warmup.requests:
+        r.request_id = "warm-" + r.request_id
+    return warmup
+
+
+@dataclass
+class KafkaSession:
+    bootstrap: str
+    tmp: Path
+    """Broker data (when the session started the broker) and worker logs: `log_dir` of run_kafka."""
+    keep: bool = False
+    """Set when a run failed but the caller carried on: tmp is then kept for its worker logs."""
+
+
+@contextlib.contextmanager
+def kafka_session(bootstrap: str | None = None, prefix: str = "bench-kafka-") -> Iterator[KafkaSession]:
+    """A LocalBroker on free ports (unless `bootstrap` names a running broker) with its data and the worker logs
+    in a temporary folder. The broker is stopped on every exit (an exception, Ctrl-C); the folder is removed
+    after a clean exit and kept, with a message saying where, after an exception or when `keep` was set."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    broker = None
+    try:
+        if not bootstrap:
+            broker = start_broker(tmp)
+            bootstrap = broker.bootstrap_servers
+        session = KafkaSession(bootstrap, tmp)
+        yield session
+    except BaseException as exc:
+        print(f"{type(exc).__name__}: broker data and worker logs kept in {tmp}", file=sys.stderr)
+        raise
+    finally:
+        if broker is not None:
+            broker.stop()
+    if session.keep:
+        print(f"broker data and worker logs kept in {tmp}", file=sys.stderr)
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def summary_row(m: dict) -> dict:
@@ -291,20 +337,11 @@ def main(argv: list[str] | None = None) -> int:
     trace = generate_trace(TraceConfig(rate=math.inf if args.rate <= 0 else args.rate,
                                        num_requests=args.num_requests, profile=args.profile, seed=args.seed,
                                        min_token_id=low, vocab_size=runner.vocab_size))
-    warmup = generate_trace(TraceConfig(rate=math.inf, num_requests=2, profile="tiny", seed=12345,
-                                        min_token_id=low, vocab_size=runner.vocab_size))
-    for r in warmup.requests:
-        r.request_id = "warm-" + r.request_id
+    warmup = warmup_trace(low, runner.vocab_size)
     trace.save(out_dir / "trace.json")
 
-    tmp = Path(tempfile.mkdtemp(prefix="bench-kafka-path-"))
-    broker = None
     inproc, kafka = [], []
-    try:
-        bootstrap = args.bootstrap
-        if not bootstrap:
-            broker = start_broker(tmp)
-            bootstrap = broker.bootstrap_servers
+    with kafka_session(args.bootstrap, prefix="bench-kafka-path-") as session:
         for rep in range(args.reps):
             # ABBA order (in-process first on even repetitions, Kafka first on odd ones): linear drift in the
             # machine's load then weighs on both paths alike.
@@ -316,25 +353,18 @@ def main(argv: list[str] | None = None) -> int:
                     m["records"] = records_to_json(run)
                     inproc.append(m)
                 else:
-                    run = asyncio.run(run_kafka(bootstrap, trace, warmup, model=args.model,
+                    run = asyncio.run(run_kafka(session.bootstrap, trace, warmup, model=args.model,
                                                 max_model_len=runner.max_model_len, threads=threads,
-                                                stream=not args.no_stream, timeout_s=args.timeout_s, log_dir=tmp))
+                                                stream=not args.no_stream, timeout_s=args.timeout_s,
+                                                log_dir=session.tmp))
                     m = compute_metrics(run)
                     m["records"] = records_to_json(run)
                     kafka.append(m)
                 m.update(system=system, rep=rep, load_at_end=os.getloadavg()[0])
                 print(table([summary_row(m)]).splitlines()[-1], flush=True)
-    except BaseException:
-        print(f"failed; broker data and worker logs kept in {tmp}", file=sys.stderr)
-        raise
-    else:
-        # Worker logs are kept only for a failed run: the results hold everything a good one showed.
-        for m in kafka:
-            m.pop("worker_log", None)
-    finally:
-        if broker is not None:
-            broker.stop()
-    shutil.rmtree(tmp, ignore_errors=True)
+    # Worker logs are kept only for a failed run: the results hold everything a good one showed.
+    for m in kafka:
+        m.pop("worker_log", None)
 
     comparison = compare(inproc, kafka)
     rows = [summary_row(m) for pair in zip(inproc, kafka) for m in pair]

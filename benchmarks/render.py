@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 
 LATENCY_COLUMNS = [(kind, metric, q) for kind in ("short", "long") for metric in ("ttft", "e2e")
-                   for q in ("p50", "p95", "p99")]
+                   for q in ("p50", "p95", "p99")] + [("all", "e2e", "p99")]  # all: the static floor's p99
 
 
 def _cell(stat: dict | None, scale: float = 1.0, digits: int = 2) -> str:
@@ -85,9 +85,9 @@ def render_markdown(results: dict) -> str:
     floors = results.get("floors")
     if floors:
         out += ["", "## Floors", ""]
-        out += _table(["check", "rate", "measured", "floor", "pass"],
+        out += _table(["check", "rate", "measured", "floor", "pass", "note"],
                       [[f["check"], rate_label(f.get("rate")), "–" if f["value"] is None else f"{f['value']:.3g}",
-                        f["floor"], "yes" if f["pass"] else "no"] for f in floors])
+                        f["floor"], "yes" if f["pass"] else "no", f.get("note", "")] for f in floors])
     if results.get("notes"):
         out += ["", "## Notes", ""] + [f"- {note}" for note in results["notes"]]
     return "\n".join(out) + "\n"

@@ -1,8 +1,18 @@
 """`make bench`: sweep arrival rates for every system on one trace per rate, repeat, and write a report.
 
-    python -m benchmarks.report                 # full sweep (~30-40 min on an idle 2-core CPU)
+    python -m benchmarks.report                 # full sweep (~40-50 min on an idle 2-core CPU)
     python -m benchmarks.report --quick         # smoke run, a few minutes
     python -m benchmarks.report --systems continuous,static --rates 0.5,1,0 --reps 3
+
+Systems (default: all): the engine's policies `continuous`, `dynamic`, `static` (benchmarks/bench_engine.py),
+transformers' `hf-static` and `hf-cb` (benchmarks/hf_systems.py), and `kafka`: the continuous policy behind
+the whole Kafka path (producer -> request topic -> `llm-worker serve` -> result topic, benchmarks/
+bench_kafka_path.py). With kafka in the list one LocalBroker (temporary folder) runs for the whole sweep, from
+before the warm-up to the end, and is stopped on every exit, Ctrl-C included; each Kafka run starts fresh
+topics and one worker subprocess with the in-process engine's settings and torch threads, which serves a
+2-request warm-up before the trace is sent. A failed Kafka run (worker exit, timeout) ends the Kafka runs
+but not the sweep: it is noted in the report and the broker data and worker logs are kept (the note says
+where); after a clean sweep the folder is removed.
 
 Without --rates the sweep is calibrated on this machine: the continuous engine's offline throughput C
 (requests/s, all requests at t=0) is measured once, and the rates are 0.5·C, 1.0·C and 2.0·C (light load, at
@@ -10,14 +20,23 @@ and beyond saturation); --quick uses 0.7·C and offline; --factors chooses other
 sees the same trace at a rate; repetitions replay it again (systems interleaved, so drift in machine load
 spreads over all of them). Writes benchmarks/results/<date>[-quick]/{results.json, report.md, *.png, traces/}.
 
-The ~30-40 min estimate (20 requests of the cpu profile, 3 points, 5 systems, 3 repetitions) comes from
-per-run wall times measured on a 2-core EPYC; on a machine shared with other work (load above the core count)
-expect it to take longer; --num-requests, --factors and --systems cut it down.
+Floors (check_floors): continuous vs static at every rate (2x output tok/s, 1/3 of the short e2e p99) and, in
+issue #7's form, 2x output tok/s at the highest rate where static's p99 e2e stays under 10 s; continuous vs
+hf-cb 1.5x output tok/s at saturation (the highest rate both ran); kafka vs continuous 0.90x output tok/s at
+every rate (issue #5); engine overhead at most 10%.
+
+The time estimate (20 requests of the cpu profile, 3 points, 6 systems, 3 repetitions) comes from per-run
+wall times measured on a 2-core EPYC: the five in-process systems take ~30-40 min, the Kafka runs add about
+one more system's trace time plus ~10-20 s per run to start a worker and warm it up. On a machine shared with
+other work (load above the core count) expect it to take longer; --num-requests, --factors and --systems cut
+it down.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import datetime
 import json
 import math
@@ -25,16 +44,22 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks import bench_engine as be
-from benchmarks.render import render_markdown, render_plots
+from benchmarks.bench_kafka_path import FLOOR as KAFKA_FLOOR
+from benchmarks.bench_kafka_path import kafka_session, run_kafka, warmup_trace
+from benchmarks.render import rate_label, render_markdown, render_plots
 from benchmarks.run_result import compute_metrics
 from benchmarks.stats import median_min_max, ratio
 from benchmarks.trace import Trace, TraceConfig, generate_trace
 
 RESULTS_DIR = Path(__file__).parent / "results"
 SHARED_NOTE = "The machine was shared with other processes: figures are noisy and slower than on an idle machine. "
+DEFAULT_SYSTEMS = be.ALL_SYSTEMS + ("kafka",)
+"""What `make bench` measures: the engine policies, transformers' baselines and the Kafka path."""
+STATIC_P99_LIMIT_S = 10.0
 SUMMARY_KEYS = ("output_tokens_per_s", "requests_per_s", "kv_utilisation_mean", "kv_pool_usage_max",
                 "max_concurrent", "num_completed")
 
@@ -76,20 +101,87 @@ def summarize(runs: list[dict]) -> dict:
     return {key: median_min_max([f.get(key, math.nan) for f in flats]) for key in flats[0]}
 
 
-def check_floors(points: list[dict], overhead: dict | None) -> list[dict]:
-    """The floors of the brief, checked at every rate where both continuous and static ran."""
+def parse_systems(text: str) -> list[str]:
+    """`--systems`: comma-separated names from DEFAULT_SYSTEMS, in the order given; ValueError for others."""
+    systems = list(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
+    unknown = set(systems) - set(DEFAULT_SYSTEMS)
+    if unknown:
+        raise ValueError(f"unknown systems {sorted(unknown)}; choose from {DEFAULT_SYSTEMS}")
+    return systems
+
+
+def kafka_timeout_s(trace: Trace, walls: Sequence[float] = ()) -> float:
+    """How long a Kafka run may take to deliver every final record: 10x the longest it should take (the trace's
+    arrival span, or the longest wall time of any run of this trace so far), and at least 300 s."""
+    return max(300.0, 10 * max([trace.duration_s, *walls]))
+
+
+def _median(summary: dict, key: str) -> float:
+    stat = summary.get(key)
+    value = stat.get("median") if stat else None
+    return math.nan if value is None else value
+
+
+def _rate_order(rate: float | None) -> float:
+    return math.inf if rate is None else rate  # None: offline, beyond every finite rate
+
+
+def p99_e2e(summary: dict) -> float:
+    """Median p99 end-to-end latency over all requests; where that was not recorded, the worse of short and
+    long (both must stay under a limit)."""
+    value = _median(summary, "all_e2e_p99")
+    if not math.isnan(value):
+        return value
+    values = [v for v in (_median(summary, f"{kind}_e2e_p99") for kind in ("short", "long")) if not math.isnan(v)]
+    return max(values, default=math.nan)
+
+
+def check_floors(points: list[dict], overhead: dict | None, systems: list[str] | None = None) -> list[dict]:
+    """The floors, from the medians over repetitions (a point with rate None ran offline, the highest load):
+
+    - continuous/static output tok/s >= 2 and short e2e p99 <= 1/3 of static's, at every rate where both ran;
+    - issue #7's form of the throughput floor: continuous >= 2x static output tok/s at the highest rate where
+      static's p99 e2e stays under 10 s (recorded as failed, value None, if no rate does);
+    - continuous/hf-cb output tok/s >= 1.5 at saturation: the highest rate where both ran;
+    - kafka/continuous output tok/s >= 0.90 (issue #5) at every rate where both ran; with `systems` naming kafka,
+      a rate where continuous ran but no kafka run completed is recorded as failed;
+    - engine overhead <= 10% (last)."""
     by = {(p["system"], p["rate"]): p["summary"] for p in points}
+
+    def rates_with(*names: str) -> list[float | None]:
+        rates = {rate for (_, rate) in by}
+        return sorted((r for r in rates if all((n, r) in by for n in names)), key=_rate_order)
+
+    def tok_s_ratio(num: str, den: str, rate: float | None) -> float:
+        return ratio(_median(by[(num, rate)], "output_tokens_per_s"), _median(by[(den, rate)], "output_tokens_per_s"))
+
     floors = []
-    for (system, rate), cont in by.items():
-        static = by.get(("static", rate))
-        if system != "continuous" or static is None:
-            continue
-        tput = ratio(cont["output_tokens_per_s"]["median"], static["output_tokens_per_s"]["median"])
+    with_static = rates_with("continuous", "static")
+    for rate in with_static:
+        tput = tok_s_ratio("continuous", "static", rate)
         floors.append({"check": "continuous/static output tok/s", "rate": rate, "value": tput, "floor": ">= 2",
                        "pass": tput >= 2})
-        p99 = ratio(cont["short_e2e_p99"]["median"], static["short_e2e_p99"]["median"])
+        p99 = ratio(_median(by[("continuous", rate)], "short_e2e_p99"), _median(by[("static", rate)], "short_e2e_p99"))
         floors.append({"check": "continuous/static short e2e p99", "rate": rate, "value": p99, "floor": "<= 0.333",
                        "pass": p99 <= 1 / 3})
+    if with_static:
+        for label, p99_of in (("p99 e2e", p99_e2e), ("short p99 e2e", lambda m: _median(m, "short_e2e_p99"))):
+            floors.append(_slo_floor(by, with_static, rates_with("continuous"), label, p99_of))
+    with_hf_cb = rates_with("continuous", "hf-cb")
+    if with_hf_cb:
+        rate = with_hf_cb[-1]
+        tput = tok_s_ratio("continuous", "hf-cb", rate)
+        floors.append({"check": "continuous/hf-cb output tok/s at saturation", "rate": rate, "value": tput,
+                       "floor": ">= 1.5", "pass": tput >= 1.5, "note": "saturation: the highest rate where both ran"})
+    kafka_check = "kafka/continuous output tok/s"
+    for rate in rates_with("continuous"):
+        if ("kafka", rate) in by:
+            value = tok_s_ratio("kafka", "continuous", rate)
+            floors.append({"check": kafka_check, "rate": rate, "value": value, "floor": f">= {KAFKA_FLOOR:g}",
+                           "pass": value >= KAFKA_FLOOR, "note": "issue #5"})
+        elif systems and "kafka" in systems:
+            floors.append({"check": kafka_check, "rate": rate, "value": None, "floor": f">= {KAFKA_FLOOR:g}",
+                           "pass": False, "note": "no Kafka run completed at this rate"})
     if overhead:
         value = overhead["overhead_fraction"]["median"]
         floors.append({"check": f"engine overhead at {overhead['num_running']} running", "rate": "–",
@@ -97,10 +189,34 @@ def check_floors(points: list[dict], overhead: dict | None) -> list[dict]:
     return floors
 
 
+def _slo_floor(by: dict, with_static: list, with_continuous: list, label: str, p99_of) -> dict:
+    """Issue #7: r* = the highest rate where static keeps its p99 (`p99_of`) under the limit; continuous's
+    sustained throughput (its highest output tok/s at a rate where its own p99 stays under the same limit)
+    must be >= 2x static's output tok/s at r*. Comparing both at r* itself would say nothing: below
+    saturation every system's throughput is the offered load."""
+    check = f"continuous sustained / static output tok/s, {label} < {STATIC_P99_LIMIT_S:g} s"
+    under = [r for r in with_static if p99_of(by[("static", r)]) < STATIC_P99_LIMIT_S]
+    if not under:
+        return {"check": check, "rate": "–", "value": None, "floor": ">= 2", "pass": False,
+                "note": f"static {label} ≥ {STATIC_P99_LIMIT_S:g} s at every rate measured"}
+    rate = under[-1]
+    sustained = [(_median(by[("continuous", r)], "output_tokens_per_s"), r) for r in with_continuous
+                 if p99_of(by[("continuous", r)]) < STATIC_P99_LIMIT_S]
+    if not sustained:
+        return {"check": check, "rate": rate, "value": None, "floor": ">= 2", "pass": False,
+                "note": f"continuous {label} ≥ {STATIC_P99_LIMIT_S:g} s at every rate measured"}
+    best, best_rate = max(sustained, key=lambda x: x[0])
+    value = ratio(best, _median(by[("static", rate)], "output_tokens_per_s"))
+    return {"check": check, "rate": rate, "value": value, "floor": ">= 2", "pass": value >= 2,
+            "note": f"static at {rate_label(rate)} req/s ({label} {p99_of(by[('static', rate)]):.2f} s) vs "
+                    f"continuous at {rate_label(best_rate)} req/s"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny lengths, few requests, 1 repetition")
-    parser.add_argument("--systems", default=",".join(be.ALL_SYSTEMS))
+    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                        help=f"comma-separated, from {','.join(DEFAULT_SYSTEMS)} (default: all)")
     parser.add_argument("--rates", help="comma-separated req/s; 0 = offline. Default: calibrated (see above)")
     parser.add_argument("--factors", help="calibrated rates as multiples of C, 0 = offline "
                         "(default 0.5,1,2; 0.7,0 with --quick)")
@@ -115,15 +231,17 @@ def main(argv: list[str] | None = None) -> int:
     reps = args.reps or (1 if args.quick else 3)
     num_requests = args.num_requests or (6 if args.quick else 20)
     profile = args.profile or ("tiny" if args.quick else "cpu")
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    try:
+        systems = parse_systems(args.systems)
+    except ValueError as exc:
+        parser.error(str(exc))
     notes = []
     if "kafka" in systems:
-        systems.remove("kafka")
-        notes.append("kafka: not part of the rate sweep; the Kafka path is measured against the in-process "
-                     "engine by benchmarks/bench_kafka_path.py.")
-    unknown = set(systems) - set(be.ALL_SYSTEMS)
-    if unknown:
-        parser.error(f"unknown systems {sorted(unknown)}; choose from {be.ALL_SYSTEMS}")
+        notes.append("kafka: the continuous policy behind the whole Kafka path: a LocalBroker started once for the "
+                     "sweep, and per run fresh topics and one `llm-worker serve` subprocess with the same engine "
+                     "settings and torch threads, shedding off, which joins its group and serves a 2-request "
+                     "warm-up before the trace is sent; latencies are read on the client (TTFT = first stream "
+                     "chunk); KV columns are not sampled. The broker, client and worker share the CPUs.")
     date = datetime.date.today().isoformat()
     out_dir = args.out_dir or RESULTS_DIR / (date + ("-quick" if args.quick else ""))
     (out_dir / "traces").mkdir(parents=True, exist_ok=True)
@@ -143,41 +261,77 @@ def main(argv: list[str] | None = None) -> int:
         return generate_trace(TraceConfig(rate=rate, num_requests=num_requests, profile=profile, seed=args.seed,
                                           min_token_id=low, vocab_size=runner.vocab_size))
 
+    kafka_warmup = warmup_trace(low, runner.vocab_size)
+    runs: dict[tuple[str, float], list[dict]] = {}
+
     def run(system: str, trace: Trace) -> dict:
-        result = be.run_engine_policy(runner, system, trace) if system in be.ENGINE_POLICIES else hf.run(system, trace)
+        if system == "kafka":
+            walls = [m["wall_s"] for (_, rate), ms in runs.items() if rate == trace.config.rate for m in ms]
+            result = asyncio.run(run_kafka(kafka.bootstrap, trace, kafka_warmup, model=args.model,
+                                           max_model_len=runner.max_model_len, threads=threads, stream=True,
+                                           timeout_s=kafka_timeout_s(trace, walls), log_dir=kafka.tmp))
+        elif system in be.ENGINE_POLICIES:
+            result = be.run_engine_policy(runner, system, trace)
+        else:
+            result = hf.run(system, trace)
         metrics = compute_metrics(result)
         metrics["load_at_end"] = os.getloadavg()[0]
         return metrics
 
-    # Warm-up (not recorded): first calls allocate, build kernels' caches and import lazily.
-    warm = generate_trace(TraceConfig(rate=0, num_requests=2, profile="tiny", seed=99, min_token_id=low,
-                                      vocab_size=runner.vocab_size))
-    for system in systems:
-        run(system, warm)
+    # One broker for the whole sweep, started before the warm-up so that every measured run (calibration
+    # included) shares the machine with it; stopped on every exit, Ctrl-C included (kafka_session).
+    with kafka_session(prefix="bench-report-") if "kafka" in systems else contextlib.nullcontext() as kafka:
+        if kafka is not None:
+            say(f"Kafka broker at {kafka.bootstrap}; broker data and worker logs in {kafka.tmp}")
+        # Warm-up (not recorded): first calls allocate, build kernels' caches and import lazily. A Kafka run
+        # warms its own fresh worker up (run_kafka's warm-up trace) before every measured trace.
+        warm = generate_trace(TraceConfig(rate=0, num_requests=2, profile="tiny", seed=99, min_token_id=low,
+                                          vocab_size=runner.vocab_size))
+        for system in systems:
+            if system != "kafka":
+                run(system, warm)
 
-    if args.rates:
-        rates = [float(r) for r in args.rates.split(",")]
-        calibration = None
-    else:
-        started = time.monotonic()
-        calibration = run("continuous", trace_at(0.0))
-        capacity = calibration["requests_per_s"]
-        factors = [float(f) for f in args.factors.split(",")] if args.factors else (
-            [0.7, 0.0] if args.quick else [0.5, 1.0, 2.0])
-        rates = [round(f * capacity, 3) for f in factors]  # factor 0: offline
-        say(f"calibration: continuous offline {capacity:.3f} req/s in {time.monotonic() - started:.0f} s; "
-            f"rates {rates}")
-    traces = {rate: trace_at(rate) for rate in rates}
-    for rate, trace in traces.items():
-        trace.save(out_dir / "traces" / f"rate_{rate:g}.json")
+        if args.rates:
+            rates = [float(r) for r in args.rates.split(",")]
+            calibration = None
+        else:
+            started = time.monotonic()
+            calibration = run("continuous", trace_at(0.0))
+            capacity = calibration["requests_per_s"]
+            factors = [float(f) for f in args.factors.split(",")] if args.factors else (
+                [0.7, 0.0] if args.quick else [0.5, 1.0, 2.0])
+            rates = [round(f * capacity, 3) for f in factors]  # factor 0: offline
+            say(f"calibration: continuous offline {capacity:.3f} req/s in {time.monotonic() - started:.0f} s; "
+                f"rates {rates}")
+        traces = {rate: trace_at(rate) for rate in rates}
+        for rate, trace in traces.items():
+            trace.save(out_dir / "traces" / f"rate_{rate:g}.json")
 
-    runs: dict[tuple[str, float], list[dict]] = {}
-    for rep in range(reps):
-        for rate in rates:
-            for system in systems:
-                metrics = run(system, traces[rate])
-                runs.setdefault((system, rate), []).append(metrics)
-                say(f"rep {rep + 1}/{reps} " + be.format_run(metrics) + f" load={metrics['load_at_end']:.1f}")
+        kafka_failed = False
+        for rep in range(reps):
+            for rate in rates:
+                for system in systems:
+                    if system == "kafka" and kafka_failed:
+                        continue
+                    try:
+                        metrics = run(system, traces[rate])
+                    except Exception as exc:
+                        if system != "kafka":
+                            raise
+                        # One failed Kafka run (worker crash, timeout) costs the Kafka figures from here on,
+                        # not the rest of the sweep; its worker log stays for a look.
+                        kafka_failed = kafka.keep = True
+                        where = rate_label(None if be_offline(rate) else rate)
+                        notes.append(f"kafka: rep {rep + 1} at rate {where} failed ({type(exc).__name__}: {exc}); no "
+                                     f"further Kafka runs. Broker data and worker logs kept in {kafka.tmp}.")
+                        say(notes[-1])
+                        continue
+                    runs.setdefault((system, rate), []).append(metrics)
+                    say(f"rep {rep + 1}/{reps} " + be.format_run(metrics) + f" load={metrics['load_at_end']:.1f}")
+    if not kafka_failed:  # the logs went with the temporary folder
+        for ms in runs.values():
+            for m in ms:
+                m.pop("worker_log", None)
 
     overhead_steps = 4 if args.quick else 16
     overhead_runs = ([be.measure_overhead(runner, num_steps=overhead_steps) for _ in range(reps)]
@@ -215,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         "overhead_runs": overhead_runs,
         "notes": notes,
     }
-    results["floors"] = check_floors(points, overhead)
+    results["floors"] = check_floors(points, overhead, systems)
     results = finite_or_none(results)
     (out_dir / "results.json").write_text(json.dumps(results, indent=1, allow_nan=False))
     (out_dir / "report.md").write_text(render_markdown(results))

@@ -6,18 +6,22 @@ from benchmarks.render import render_markdown, render_plots
 from benchmarks.report import check_floors, finite_or_none, summarize
 
 
-def _metrics(tok_s: float, short_p99: float) -> dict:
+def _metrics(tok_s: float, short_p99: float, sampled: bool = True) -> dict:
+    """One run's metrics; sampled=False: no KV figures, as for hf-cb and the Kafka path."""
     lat = {"n": 2, "p50": short_p99 / 2, "p95": short_p99 * 0.9, "p99": short_p99, "mean": 0.0, "max": short_p99}
-    return {"output_tokens_per_s": tok_s, "requests_per_s": tok_s / 10, "kv_utilisation_mean": 0.9,
-            "kv_pool_usage_max": 0.5, "max_concurrent": 4, "num_completed": 2,
-            "latency": {k: {"ttft": lat, "e2e": lat} for k in ("short", "long", "all")}}
+    return {"output_tokens_per_s": tok_s, "requests_per_s": tok_s / 10,
+            "kv_utilisation_mean": 0.9 if sampled else float("nan"),
+            "kv_pool_usage_max": 0.5 if sampled else float("nan"), "max_concurrent": 4 if sampled else None,
+            "num_completed": 2, "latency": {k: {"ttft": lat, "e2e": lat} for k in ("short", "long", "all")}}
 
 
 def _results() -> dict:
     points = []
-    for system, tok_s, p99 in (("continuous", 100.0, 1.0), ("static", 40.0, 4.0)):
+    for system, tok_s, p99 in (("continuous", 100.0, 1.0), ("static", 40.0, 4.0), ("kafka", 95.0, 1.1)):
         for rate in (1.0, None):
-            runs = [_metrics(tok_s, p99), _metrics(tok_s * 1.1, p99 * 1.2), _metrics(tok_s * 0.9, p99)]
+            sampled = system != "kafka"
+            runs = [_metrics(tok_s, p99, sampled), _metrics(tok_s * 1.1, p99 * 1.2, sampled),
+                    _metrics(tok_s * 0.9, p99, sampled)]
             points.append({"system": system, "rate": rate, "summary": summarize(runs), "runs": runs})
     overhead = {"step_s_median": {"median": 0.1, "min": 0.1, "max": 0.1, "n": 3},
                 "forward_s_median": {"median": 0.095, "min": 0.09, "max": 0.1, "n": 3},
@@ -41,11 +45,13 @@ def _results() -> dict:
 
 def test_floors_are_checked_per_rate():
     floors = _results()["floors"]
-    tput = [f for f in floors if f["check"].endswith("tok/s")]
+    tput = [f for f in floors if f["check"] == "continuous/static output tok/s"]
     assert {f["rate"] for f in tput} == {1.0, None}
     assert all(f["pass"] and abs(f["value"] - 2.5) < 1e-9 for f in tput)
-    p99 = [f for f in floors if "p99" in f["check"]]
-    assert all(f["pass"] and abs(f["value"] - 0.25) < 1e-9 for f in p99)
+    p99 = [f for f in floors if f["check"] == "continuous/static short e2e p99"]
+    assert len(p99) == 2 and all(f["pass"] and abs(f["value"] - 0.25) < 1e-9 for f in p99)
+    kafka = [f for f in floors if f["check"] == "kafka/continuous output tok/s"]
+    assert [f["rate"] for f in kafka] == [1.0, None] and all(f["pass"] for f in kafka)
     assert floors[-1]["check"].startswith("engine overhead") and floors[-1]["pass"]
 
 
@@ -56,9 +62,12 @@ def test_markdown_tables(tmp_path):
     assert "| CPU | Test CPU (2 cores) |" in md
     assert "| continuous | 1 | 100.0 [90.0–110.0] |" in md
     assert "| static | offline | 40.0 [36.0–44.0] |" in md
-    assert "## Floors" in md and "| engine overhead at 64 running | – | 0.05 | <= 0.10 | yes |" in md
+    assert "## Floors" in md and "| engine overhead at 64 running | – | 0.05 | <= 0.10 | yes |  |" in md
+    assert "| kafka/continuous output tok/s | offline | 0.95 | >= 0.9 | yes | issue #5 |" in md
+    assert "| kafka | 1 | 95.0 [85.5–104.5] |" in md
+    assert "| kafka | offline | – | – | – |" in md  # KV table: the Kafka path's KV is not sampled
     header = next(line for line in md.splitlines() if line.startswith("| system | rate (req/s)"))
-    assert "short e2e p99" in header and "long ttft p50" in header
+    assert "short e2e p99" in header and "long ttft p50" in header and header.endswith("| all e2e p99 |")
     for line in md.splitlines():
         if line.startswith("| continuous | 1 |"):
             assert line.count("|") == header.count("|")
