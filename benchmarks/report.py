@@ -1,6 +1,6 @@
 """`make bench`: sweep arrival rates for every system on one trace per rate, repeat, and write a report.
 
-    python -m benchmarks.report                 # full sweep (~40-50 min on an idle 2-core CPU)
+    python -m benchmarks.report                 # full sweep (~100 min on an idle 2-core CPU)
     python -m benchmarks.report --quick         # smoke run, a few minutes
     python -m benchmarks.report --systems continuous,static --rates 0.5,1,0 --reps 3
 
@@ -16,19 +16,26 @@ where); after a clean sweep the folder is removed.
 
 Without --rates the sweep is calibrated on this machine: the continuous engine's offline throughput C
 (requests/s, all requests at t=0) is measured once, and the rates are 0.5·C, 1.0·C and 2.0·C (light load, at
-and beyond saturation); --quick uses 0.7·C and offline; --factors chooses others (0 = offline). Every system
-sees the same trace at a rate; repetitions replay it again (systems interleaved, so drift in machine load
-spreads over all of them). Writes benchmarks/results/<date>[-quick]/{results.json, report.md, *.png, traces/}.
+and beyond saturation), then the saturation point itself: offline, every request at t=0; --quick uses 0.7·C and
+offline; --factors chooses others (0 = offline). Every system sees the same trace at a rate; repetitions replay
+it again (systems interleaved, so drift in machine load spreads over all of them). Writes
+benchmarks/results/<date>[-quick]/{results.json, report.md, *.png, traces/}.
+
+The offline point's trace holds --offline-requests requests (default 48), more than the rated traces: with
+20 requests at t=0 the run's length is mostly the drain of its three or four long requests running nearly
+alone, which measures their latency, not the throughput a system sustains with a queue. hf-static sits the
+offline point out unless --offline-systems names it (6 min per repetition there, and no floor reads it).
 
 Floors (check_floors): continuous vs static at every rate (2x output tok/s, 1/3 of the short e2e p99) and, in
 issue #7's form, continuous's sustained output tok/s (its own p99 under 10 s) >= 2x static's at the highest rate
 where static's p99 e2e stays under 10 s (all requests, and short requests alone); continuous vs
-hf-cb 1.5x output tok/s at saturation (the highest rate both ran); kafka vs continuous 0.90x output tok/s at
+hf-cb 1.5x output tok/s at saturation (the highest rate both ran: the offline point); kafka vs continuous 0.90x output tok/s at
 every rate (issue #5); engine overhead at most 10%.
 
-The time estimate (20 requests of the cpu profile, 3 points, 6 systems, 3 repetitions) comes from per-run
-wall times measured on a 2-core EPYC: the five in-process systems take ~30-40 min, the Kafka runs add about
-one more system's trace time plus ~10-20 s per run to start a worker and warm it up. On a machine shared with
+The time estimate (20 requests of the cpu profile, 3 rates, 6 systems, 3 repetitions: 76 min measured; the
+48-request offline point, 5 systems, 3 repetitions: ~20-25 min) comes from per-run wall times measured on a
+2-core EPYC; the Kafka runs cost about one more system's trace time plus ~10-20 s per run to start a worker
+and warm it up. On a machine shared with
 other work (load above the core count) expect it to take longer; --num-requests, --factors and --systems cut
 it down.
 """
@@ -61,6 +68,10 @@ SHARED_NOTE = "The machine was shared with other processes: figures are noisy an
 DEFAULT_SYSTEMS = be.ALL_SYSTEMS + ("kafka",)
 """What `make bench` measures: the engine policies, transformers' baselines and the Kafka path."""
 STATIC_P99_LIMIT_S = 10.0
+OFFLINE_REQUESTS = 48
+"""Requests in the offline (saturation) point's trace; see the module docstring."""
+OFFLINE_SKIPS = ("hf-static",)
+"""Systems that sit the offline point out by default."""
 SUMMARY_KEYS = ("output_tokens_per_s", "requests_per_s", "kv_utilisation_mean", "kv_pool_usage_max",
                 "max_concurrent", "num_completed")
 
@@ -137,13 +148,25 @@ def p99_e2e(summary: dict) -> float:
     return max(values, default=math.nan)
 
 
+def offline_systems(systems: list[str], named: str | None) -> list[str]:
+    """Who runs the offline point: the systems named (each must be in the sweep), else the sweep's systems
+    less OFFLINE_SKIPS."""
+    if named is None:
+        return [s for s in systems if s not in OFFLINE_SKIPS]
+    chosen = parse_systems(named)
+    if stray := [s for s in chosen if s not in systems]:
+        raise ValueError(f"--offline-systems {','.join(stray)} not in --systems")
+    return [s for s in systems if s in chosen]
+
+
 def check_floors(points: list[dict], overhead: dict | None, systems: list[str] | None = None) -> list[dict]:
     """The floors, from the medians over repetitions (a point with rate None ran offline, the highest load):
 
     - continuous/static output tok/s >= 2 and short e2e p99 <= 1/3 of static's, at every rate where both ran;
     - issue #7's form of the throughput floor (see _slo_floor), once for the all-requests p99 and once for
       short requests' p99; recorded as failed, value None, where no rate qualifies;
-    - continuous/hf-cb output tok/s >= 1.5 at saturation: the highest rate where both ran;
+    - continuous/hf-cb output tok/s >= 1.5 at saturation: the highest rate where both ran (offline, when
+      both ran it);
     - kafka/continuous output tok/s >= 0.90 (issue #5) at every rate where both ran; with `systems` naming kafka,
       a rate where continuous ran but no kafka run completed is recorded as failed;
     - engine overhead <= 10% (last)."""
@@ -223,6 +246,12 @@ def main(argv: list[str] | None = None) -> int:
                         "(default 0.5,1,2; 0.7,0 with --quick)")
     parser.add_argument("--reps", type=int, help="repetitions per point (default 3; 1 with --quick)")
     parser.add_argument("--num-requests", type=int, help="requests per trace (default 20; 6 with --quick)")
+    parser.add_argument("--offline-requests", type=int,
+                        help=f"requests in the offline point's trace (default {OFFLINE_REQUESTS}; "
+                             "--num-requests with --quick)")
+    parser.add_argument("--offline-systems",
+                        help="comma-separated systems that run the offline point (default: --systems less "
+                             f"{','.join(OFFLINE_SKIPS)})")
     parser.add_argument("--profile", help="trace length profile (default cpu; tiny with --quick)")
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--seed", type=int, default=0)
@@ -231,9 +260,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     reps = args.reps or (1 if args.quick else 3)
     num_requests = args.num_requests or (6 if args.quick else 20)
+    offline_requests = args.offline_requests or (num_requests if args.quick else OFFLINE_REQUESTS)
     profile = args.profile or ("tiny" if args.quick else "cpu")
     try:
         systems = parse_systems(args.systems)
+        at_offline = offline_systems(systems, args.offline_systems)
     except ValueError as exc:
         parser.error(str(exc))
     notes = []
@@ -258,8 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         hf = HFBaselines(runner.model_path)
     low = be.min_token_id(runner.tokenizer)
 
-    def trace_at(rate: float) -> Trace:
-        return generate_trace(TraceConfig(rate=rate, num_requests=num_requests, profile=profile, seed=args.seed,
+    def trace_at(rate: float, size: int = num_requests) -> Trace:
+        return generate_trace(TraceConfig(rate=rate, num_requests=size, profile=profile, seed=args.seed,
                                           min_token_id=low, vocab_size=runner.vocab_size))
 
     kafka_warmup = warmup_trace(low, runner.vocab_size)
@@ -300,18 +331,18 @@ def main(argv: list[str] | None = None) -> int:
             calibration = run("continuous", trace_at(0.0))
             capacity = calibration["requests_per_s"]
             factors = [float(f) for f in args.factors.split(",")] if args.factors else (
-                [0.7, 0.0] if args.quick else [0.5, 1.0, 2.0])
+                [0.7, 0.0] if args.quick else [0.5, 1.0, 2.0, 0.0])
             rates = [round(f * capacity, 3) for f in factors]  # factor 0: offline
             say(f"calibration: continuous offline {capacity:.3f} req/s in {time.monotonic() - started:.0f} s; "
                 f"rates {rates}")
-        traces = {rate: trace_at(rate) for rate in rates}
+        traces = {rate: trace_at(rate, offline_requests if be_offline(rate) else num_requests) for rate in rates}
         for rate, trace in traces.items():
             trace.save(out_dir / "traces" / f"rate_{rate:g}.json")
 
         kafka_failed = False
         for rep in range(reps):
             for rate in rates:
-                for system in systems:
+                for system in (at_offline if be_offline(rate) else systems):
                     if system == "kafka" and kafka_failed:
                         continue
                     try:
@@ -358,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
         "environment": env,
         "config": {"model": args.model, "profile": profile, "num_requests": num_requests, "reps": reps,
                    "seed": args.seed, "systems": systems, "rates": rates,
+                   **({"offline point": f"{offline_requests} requests at t=0; systems {at_offline}"}
+                      if any(be_offline(r) for r in rates) else {}),
                    "max_num_seqs": be.MAX_NUM_SEQS, "max_num_batched_tokens": be.MAX_NUM_BATCHED_TOKENS,
                    "max_batch_size (dynamic, static, hf-static)": be.MAX_BATCH_SIZE, "block_size": be.BLOCK_SIZE,
                    "kv_cache_bytes": be.KV_CACHE_BYTES, "max_model_len": runner.max_model_len,

@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from benchmarks.report import DEFAULT_SYSTEMS, check_floors, kafka_timeout_s, p99_e2e, parse_systems
+from benchmarks.report import (DEFAULT_SYSTEMS, check_floors, kafka_timeout_s, offline_systems, p99_e2e,
+                               parse_systems)
 from benchmarks.trace import Trace, TraceConfig, TraceRequest
 
 
@@ -121,6 +122,15 @@ def test_systems_parsing_accepts_kafka_and_defaults_to_every_system():
     assert parse_systems(" continuous, kafka ,,continuous") == ["continuous", "kafka"]
     with pytest.raises(ValueError, match="unknown systems"):
         parse_systems("continuous,kafak")
+
+
+def test_offline_point_skips_hf_static_unless_named():
+    systems = list(DEFAULT_SYSTEMS)
+    assert offline_systems(systems, None) == [s for s in systems if s != "hf-static"]
+    assert offline_systems(systems, "hf-cb,continuous") == ["continuous", "hf-cb"]  # in the sweep's order
+    assert offline_systems(["continuous", "static"], None) == ["continuous", "static"]
+    with pytest.raises(ValueError, match="not in --systems"):
+        offline_systems(["continuous"], "continuous,hf-cb")
 
 
 def test_kafka_timeout_is_generous():
