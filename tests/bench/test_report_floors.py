@@ -115,6 +115,18 @@ def test_floors_need_both_systems_and_overhead_comes_last():
     assert check_floors([_point("static", 1.0, 20.0), _point("hf-cb", 1.0, 20.0)], None) == []
 
 
+def test_paged_kv_floor_before_overhead():
+    kv = {"kv_budget_bytes": 256 * 2**20, "contiguous_max_len_capacity": 5, "paged_capacity_at_trace_lengths": 46,
+          "paged_observed_max_concurrent": 48}
+    overhead = {"overhead_fraction": {"median": 0.02}, "num_running": 64}
+    floors = check_floors([], overhead, kv_capacity=kv)
+    assert [f["check"] for f in floors] == ["paged / contiguous max-length KV: requests that fit",
+                                            "engine overhead at 64 running"]
+    assert floors[0]["value"] == pytest.approx(9.2) and floors[0]["pass"] and "48 ran at once" in floors[0]["note"]
+    kv.update(paged_capacity_at_trace_lengths=14)
+    assert not check_floors([], None, kv_capacity=kv)[0]["pass"]
+
+
 def test_systems_parsing_accepts_kafka_and_defaults_to_every_system():
     assert "kafka" in DEFAULT_SYSTEMS and set(DEFAULT_SYSTEMS) >= {"continuous", "dynamic", "static", "hf-static",
                                                                    "hf-cb"}
