@@ -30,7 +30,8 @@ Floors (check_floors): continuous vs static at every rate (2x output tok/s, 1/3 
 issue #7's form, continuous's sustained output tok/s (its own p99 under 10 s) >= 2x static's at the highest rate
 where static's p99 e2e stays under 10 s (all requests, and short requests alone); continuous vs
 hf-cb 1.5x output tok/s at saturation (the highest rate both ran: the offline point); kafka vs continuous 0.90x output tok/s at
-every rate (issue #5); engine overhead at most 10%.
+every rate (issue #5); paged KV >= 3x the requests of max-length contiguous reservation in the same budget;
+engine overhead at most 10%. `--rerender DIR` recomputes floors, report.md and plots from DIR/results.json.
 
 The time estimate (20 requests of the cpu profile, 3 rates, 6 systems, 3 repetitions: 76 min measured; the
 48-request offline point, 5 systems, 3 repetitions: ~20-25 min) comes from per-run wall times measured on a
