@@ -120,23 +120,31 @@ def render_plots(results: dict, out_dir: Path) -> list[Path]:
     paths.append(_save(fig, out_dir / "latency_vs_throughput.png"))
 
     finite = sorted({p["rate"] for p in results["points"] if p["rate"] is not None})
+    has_offline = any(p["rate"] is None for p in results["points"])
+    # The offline point (every request at t=0) sits right of the highest rate, on a tick of its own.
+    offline_x = 1.25 * finite[-1] if finite else 1.0
+
+    def x_of(rate: float | None) -> float:
+        return offline_x if rate is None else rate
+
     fig, ax = plt.subplots(figsize=(6, 4))
     for s, points in by_system.items():
-        pts = sorted((p for p in points if p["rate"] is not None), key=lambda p: p["rate"])
+        pts = sorted(points, key=lambda p: x_of(p["rate"]))
         stats = [p["summary"].get("short_e2e_p99") for p in pts]
         ys = [st["median"] if st and st.get("n") else math.nan for st in stats]
         err = [[y - (st["min"] if st and st.get("n") else y) for y, st in zip(ys, stats)],
                [(st["max"] if st and st.get("n") else y) - y for y, st in zip(ys, stats)]]
-        ax.errorbar([p["rate"] for p in pts], ys, yerr=err, marker="o", capsize=3, label=s)
+        ax.errorbar([x_of(p["rate"]) for p in pts], ys, yerr=err, marker="o", capsize=3, label=s)
     ax.set(xlabel="arrival rate (req/s)", ylabel="short-request e2e p99 (s)", title="short p99 vs rate")
-    if finite:
+    ticks = finite + ([offline_x] if has_offline else [])
+    if ticks:
+        ax.set_xticks(ticks, [rate_label(r) for r in finite] + (["offline"] if has_offline else []))
         ax.set_yscale("log")
     ax.legend()
     paths.append(_save(fig, out_dir / "short_p99_vs_rate.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    labels = [rate_label(r) for r in finite] + (["offline"] if any(p["rate"] is None for p in results["points"])
-                                                else [])
+    labels = [rate_label(r) for r in finite] + (["offline"] if has_offline else [])
     sampled = [s for s in systems if any(not math.isnan(med(p, "kv_utilisation_mean")) for p in by_system[s])]
     width = 0.8 / max(1, len(sampled))
     for i, s in enumerate(sampled):
