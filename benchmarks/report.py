@@ -1,6 +1,6 @@
 """`make bench`: sweep arrival rates for every system on one trace per rate, repeat, and write a report.
 
-    python -m benchmarks.report                 # full sweep (~100 min on an idle 2-core CPU)
+    python -m benchmarks.report                 # full sweep (~110 min on an idle 2-core CPU)
     python -m benchmarks.report --quick         # smoke run, a few minutes
     python -m benchmarks.report --systems continuous,static --rates 0.5,1,0 --reps 3
 
@@ -28,9 +28,9 @@ offline point out unless --offline-systems names it (6 min per repetition there,
 
 Floors (check_floors): continuous vs static at every rate (2x output tok/s, 1/3 of the short e2e p99) and, in
 issue #7's form, continuous's sustained output tok/s (its own p99 under 10 s) >= 2x static's at the highest rate
-where static's p99 e2e stays under 10 s (all requests, and short requests alone); continuous vs
-hf-cb 1.5x output tok/s at saturation (the highest rate both ran: the offline point); kafka vs continuous 0.90x output tok/s at
-every rate (issue #5); paged KV >= 3x the requests of max-length contiguous reservation in the same budget;
+where static's p99 e2e stays under 10 s (all requests, and short requests alone); continuous vs hf-cb 1.5x
+output tok/s at saturation (the highest rate both ran: the offline point); kafka vs continuous 0.90x output
+tok/s at every rate (issue #5); paged KV >= 3x the requests of max-length contiguous reservation in the same budget;
 engine overhead at most 10%. `--rerender DIR` recomputes floors, report.md and plots from DIR/results.json.
 
 The time estimate (20 requests of the cpu profile, 3 rates, 6 systems, 3 repetitions: 76 min measured; the
@@ -161,7 +161,7 @@ def offline_systems(systems: list[str], named: str | None) -> list[str]:
 
 
 def check_floors(points: list[dict], overhead: dict | None, systems: list[str] | None = None,
-                 kv_capacity: dict | None = None) -> list[dict]:
+                 kv_capacity: dict | None = None, offline: list[str] | None = None) -> list[dict]:
     """The floors, from the medians over repetitions (a point with rate None ran offline, the highest load):
 
     - continuous/static output tok/s >= 2 and short e2e p99 <= 1/3 of static's, at every rate where both ran;
@@ -169,8 +169,9 @@ def check_floors(points: list[dict], overhead: dict | None, systems: list[str] |
       short requests' p99; recorded as failed, value None, where no rate qualifies;
     - continuous/hf-cb output tok/s >= 1.5 at saturation: the highest rate where both ran (offline, when
       both ran it);
-    - kafka/continuous output tok/s >= 0.90 (issue #5) at every rate where both ran; with `systems` naming kafka,
-      a rate where continuous ran but no kafka run completed is recorded as failed;
+    - kafka/continuous output tok/s >= 0.90 (issue #5) at every rate where both ran; with `systems` naming kafka
+      (`offline` for the offline point, when given), a rate where continuous ran but no kafka run completed is
+      recorded as failed;
     - paged KV holds >= 3x the requests of max-length contiguous reservation in the same KV budget (requests
       of the trace's lengths in whole blocks, against max_model_len each);
     - engine overhead <= 10% (last)."""
@@ -207,11 +208,11 @@ def check_floors(points: list[dict], overhead: dict | None, systems: list[str] |
             value = tok_s_ratio("kafka", "continuous", rate)
             floors.append({"check": kafka_check, "rate": rate, "value": value, "floor": f">= {KAFKA_FLOOR:g}",
                            "pass": value >= KAFKA_FLOOR, "note": "issue #5"})
-        elif systems and "kafka" in systems:
+        elif "kafka" in ((offline if rate is None and offline is not None else systems) or ()):
             floors.append({"check": kafka_check, "rate": rate, "value": None, "floor": f">= {KAFKA_FLOOR:g}",
                            "pass": False, "note": "no Kafka run completed at this rate"})
-    if kv_capacity and kv_capacity.get("contiguous_max_len_capacity"):
-        kv = kv_capacity
+    kv = kv_capacity
+    if kv and kv.get("contiguous_max_len_capacity"):
         value = ratio(kv["paged_capacity_at_trace_lengths"], kv["contiguous_max_len_capacity"])
         observed = kv.get("paged_observed_max_concurrent")
         floors.append({"check": "paged / contiguous max-length KV: requests that fit", "rate": "–", "value": value,
@@ -406,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         "environment": env,
         "config": {"model": args.model, "profile": profile, "num_requests": num_requests, "reps": reps,
                    "seed": args.seed, "systems": systems, "rates": rates,
-                   **({"offline point": f"{offline_requests} requests at t=0; systems {at_offline}"}
+                   **({"offline_requests": offline_requests, "offline_systems": at_offline}
                       if any(be_offline(r) for r in rates) else {}),
                    "max_num_seqs": be.MAX_NUM_SEQS, "max_num_batched_tokens": be.MAX_NUM_BATCHED_TOKENS,
                    "max_batch_size (dynamic, static, hf-static)": be.MAX_BATCH_SIZE, "block_size": be.BLOCK_SIZE,
@@ -426,8 +427,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def write_report(results: dict, out_dir: Path) -> None:
     """Floors from the measured points, then results.json, report.md and the plots."""
-    results["floors"] = check_floors(results["points"], results["overhead"], results["config"]["systems"],
-                                     results.get("kv_capacity"))
+    config = results["config"]
+    results["floors"] = check_floors(results["points"], results["overhead"], config["systems"],
+                                     results.get("kv_capacity"), config.get("offline_systems"))
     results = finite_or_none(results)
     (out_dir / "results.json").write_text(json.dumps(results, indent=1, allow_nan=False))
     (out_dir / "report.md").write_text(render_markdown(results))

@@ -105,6 +105,13 @@ def test_kafka_floor_at_every_rate_where_both_ran():
     floors = _named(check_floors(points, None, systems=["continuous", "kafka"]), "kafka/continuous")
     assert [(f["rate"], f["value"], f["pass"]) for f in floors] == [
         (1.0, pytest.approx(0.95), True), (2.0, None, False), (None, pytest.approx(25 / 30), False)]
+    # An offline point that kafka was not chosen for (--offline-systems) is no failure.
+    points = [_point("continuous", 1.0, 20.0), _point("kafka", 1.0, 19.0), _point("continuous", None, 30.0)]
+    floors = _named(check_floors(points, None, systems=["continuous", "kafka"], offline=["continuous"]),
+                    "kafka/continuous")
+    assert [(f["rate"], f["pass"]) for f in floors] == [(1.0, True)]
+    floors = _named(check_floors(points, None, systems=["continuous", "kafka"]), "kafka/continuous")
+    assert [(f["rate"], f["pass"]) for f in floors] == [(1.0, True), (None, False)]
 
 
 def test_floors_need_both_systems_and_overhead_comes_last():
