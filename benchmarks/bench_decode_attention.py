@@ -24,9 +24,8 @@ from pathlib import Path
 from benchmarks import bench_engine as be
 from benchmarks.stats import median_min_max
 from benchmarks.trace import PROFILES
-from worker.engine.api import EngineRequest
+from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.engine import LLMEngine
-from worker.engine.request import SamplingParams
 from worker.model.torch_attention import DECODE_PADDING, TorchAttention
 
 

@@ -29,9 +29,8 @@ from pathlib import Path
 from benchmarks.run_result import RequestRecord, RunResult, compute_metrics
 from benchmarks.trace import Trace, TraceConfig, generate_trace, max_request_len
 from worker.config import EngineSettings
-from worker.engine.api import EngineRequest
+from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.engine import LLMEngine
-from worker.engine.request import SamplingParams
 from worker.model.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -94,7 +93,7 @@ def run_engine(engine: LLMEngine, trace: Trace, system: str) -> RunResult:
             num_added += 1
         next_arrival = start + requests[num_added].arrival_s if num_added < len(requests) else None
         if next_arrival is None and not flushed:
-            engine.flush()  # static: the trace is over, a partial last batch may start
+            engine.set_input_ended()  # static: the trace is over, a partial last batch may start
             flushed = True
         if not engine.has_unfinished():
             if next_arrival is None:

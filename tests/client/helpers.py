@@ -13,9 +13,8 @@ from schemas.decode import encode
 from schemas.request import GenerationRequest
 from schemas.result import FinalRecord, StreamChunk, Usage
 from worker.config import KafkaSettings
-from worker.engine.api import EngineRequest
+from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.instant import expected_text
-from worker.engine.request import SamplingParams
 
 
 def instant_text(request: GenerationRequest) -> str:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from worker.config import EngineSettings
 from worker.engine.outputs import RequestUpdate, SchedulerOutput
-from worker.engine.request import Request, RequestStatus, SamplingParams
+from worker.engine.api import SamplingParams
+from worker.engine.request import Request, RequestStatus
 from worker.engine.scheduler import Scheduler
 
 VOCAB_SIZE = 101
@@ -145,7 +146,12 @@ class Simulation:
         self.added.append(request)
 
     def step(self) -> None:
+        due = self.scheduler.wake_time(self.now)
         output, updates = step(self.scheduler, self.runner, self.now)
+        # The engine thread sleeps while wake_time is in the future: schedule() must then have had nothing to do,
+        # and when it is due, schedule() must do something (or the thread would spin).
+        did_something = not output.is_empty or bool(output.deadline_dropped)
+        assert did_something == (due is not None and due <= self.now), (due, self.now, output)
         for request in output.deadline_dropped:
             assert request.status is RequestStatus.FINISHED_DEADLINE and request.first_scheduled_time is None
             assert request.deadline is not None and request.deadline <= self.now
@@ -165,12 +171,12 @@ class Simulation:
             self.finished_by_caller.add(request.request_id)
             assert request.status is status and request.block_ids == []
 
-    def flush(self) -> None:
-        self.scheduler.flush()
+    def end_input(self) -> None:
+        self.scheduler.set_input_ended()
 
     def drain(self) -> None:
         """Drive to completion; every request finishes, with the fake greedy model's own continuation."""
-        self.scheduler.flush()
+        self.scheduler.set_input_ended()
         for _ in range(5000):
             if not self.scheduler.has_unfinished():
                 break

@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from worker.config import EngineSettings
-from worker.engine.api import EngineRequest
+from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.engine import LLMEngine
-from worker.engine.request import SamplingParams
 
 
 def make_trace(num_requests: int = 16, seed: int = 0) -> list[tuple[int, EngineRequest]]:
@@ -44,7 +43,7 @@ def run_trace(engine: LLMEngine, trace: list[tuple[int, EngineRequest]]) -> dict
             tokens[request.request_id] = []
             assert engine.add_request(request) == []
         if not pending:
-            engine.flush()
+            engine.set_input_ended()
         for out in engine.step():
             tokens[out.request_id] += out.new_token_ids
             if out.finished:

@@ -46,7 +46,7 @@ def test_dynamic_forms_a_batch_when_full_and_runs_it_to_completion():
     for i in range(2):
         scheduler.add_request(make_request(f"m{i}", 4, 3 + i, arrival_time=0.1 * i))
     assert scheduler.schedule(0.5).is_empty
-    assert scheduler.wake_time() == 1.0  # the oldest one's window closes
+    assert scheduler.wake_time(0.5) == 1.0  # the oldest one's window closes
     scheduler.add_request(make_request("m2", 4, 5, arrival_time=0.6))
     output, _ = step(scheduler, runner, now=0.6)
     assert scheduled_ids(output) == ["m0", "m1", "m2"]
@@ -57,7 +57,8 @@ def test_dynamic_forms_a_batch_when_full_and_runs_it_to_completion():
         output, _ = step(scheduler, runner, now=now)
         assert "urgent" not in scheduled_ids(output)  # nobody joins a batch in flight
         now += 1.0
-    assert scheduler.wake_time() == 1.7  # urgent has been waiting since 0.7, alone
+    assert scheduler.wake_time(1.5) == 1.7  # urgent has been waiting since 0.7, alone
+    assert scheduler.wake_time(now) == now  # its window closed: due now
     output, _ = step(scheduler, runner, now=now)
     assert scheduled_ids(output) == ["urgent"]
 
@@ -93,12 +94,12 @@ def test_batch_members_get_chunked_prefill_and_outsiders_wait():
     run_to_completion(scheduler, runner, now=10.0)
 
 
-def test_static_batches_in_arrival_order_wait_until_full_and_flush_starts_the_rest():
+def test_static_batches_in_arrival_order_wait_until_full_and_the_end_of_input_starts_the_rest():
     scheduler = make_scheduler(policy="static", max_batch_size=2)
     runner = FakeRunner(64, 4)
     scheduler.add_request(make_request("a", 4, 3, arrival_time=0.0, priority=2))
     assert scheduler.schedule(100.0).is_empty  # not full, however long it waits
-    assert scheduler.wake_time() is None
+    assert scheduler.wake_time(100.0) is None  # only more requests or the end of input can start it
     scheduler.add_request(make_request("b", 4, 3, arrival_time=1.0, priority=1))
     scheduler.add_request(make_request("c", 4, 3, arrival_time=2.0, priority=0))
     output, _ = step(scheduler, runner, now=2.0)
@@ -114,7 +115,9 @@ def test_static_batches_in_arrival_order_wait_until_full_and_flush_starts_the_re
         output, _ = step(scheduler, runner, now=7.0)
         assert set(scheduled_ids(output)) <= {"c", "d"}
     assert scheduler.schedule(8.0).is_empty and scheduler.num_waiting == 1
-    scheduler.flush()  # no more requests expected: the partial batch starts
+    assert scheduler.wake_time(8.0) is None
+    scheduler.set_input_ended()  # no more requests expected: the partial batch starts
+    assert scheduler.wake_time(8.0) == 8.0
     assert scheduled_ids(scheduler.schedule(8.0)) == ["e"]
 
 
@@ -135,7 +138,7 @@ def random_scheduler(rng: random.Random, policy: str):
 
 @pytest.mark.parametrize("policy", ["continuous", "dynamic", "static"])
 def test_random_operation_sequences(policy):
-    """Seeded random add / step / finish / abort / flush / clock sequences: the scheduler and block pool
+    """Seeded random add / step / finish / abort / end of input / clock sequences: the scheduler and block pool
     invariants hold after every operation, and every request finishes with the fake model's own
     continuation however it was batched, preempted, cached or evicted."""
     totals = Counter()
@@ -143,7 +146,7 @@ def test_random_operation_sequences(policy):
         rng = random.Random(seed)
         sim = Simulation(random_scheduler(rng, policy))
         for _ in range(rng.randint(1, 60)):
-            op = rng.choices(["add", "step", "clock", "finish", "flush"], weights=[4, 8, 2, 1, 0.2])[0]
+            op = rng.choices(["add", "step", "clock", "finish", "end_input"], weights=[4, 8, 2, 1, 0.2])[0]
             if op == "add":
                 deadline = rng.uniform(0, 0.1) if rng.random() < 0.2 else None
                 shape = (rng.randint(0, 24), rng.randint(0, 10), rng.randint(1, 8), rng.randint(0, 2))
@@ -154,8 +157,8 @@ def test_random_operation_sequences(policy):
                 sim.advance_clock(rng.uniform(0, 0.05))
             elif op == "finish" and sim.added:
                 sim.finish(rng.randrange(len(sim.added)), abort=rng.random() < 0.5)
-            elif op == "flush":
-                sim.flush()
+            elif op == "end_input":
+                sim.end_input()
             sim.scheduler.check_invariants()
         sim.drain()
         totals["preemptions"] += sim.scheduler.num_preemptions
@@ -200,8 +203,8 @@ class RandomOperations(RuleBasedStateMachine):
         self.sim.finish(index, abort)
 
     @rule()
-    def flush(self):
-        self.sim.flush()
+    def end_input(self):
+        self.sim.end_input()
 
     @invariant()
     def invariants_hold(self):

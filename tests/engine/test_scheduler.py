@@ -1,7 +1,8 @@
 import pytest
 
 from tests.engine.fake_runner import FakeRunner, make_request, make_scheduler, next_token, run_to_completion, step
-from worker.engine.request import RequestStatus, SamplingParams
+from worker.engine.api import SamplingParams
+from worker.engine.request import RequestStatus
 
 
 def solo_output(prompt_token_ids: list[int], num_tokens: int) -> list[int]:
@@ -199,7 +200,7 @@ def test_deadline_drops_waiting_requests_only():
     for request in (running, late, on_time):
         scheduler.add_request(request)
     step(scheduler, runner, now=0.5)
-    assert scheduler.wake_time() == 5.0
+    assert scheduler.wake_time(0.5) == 0.5  # "running" runs at every step
     output, _ = step(scheduler, runner, now=4.9)
     assert output.deadline_dropped == []
     output, _ = step(scheduler, runner, now=5.0)  # deadline <= now: dropped

@@ -9,9 +9,8 @@ import pytest
 
 from tests.engine.test_engine_correctness import hf_reference, run_trace
 from worker.config import EngineSettings
-from worker.engine.api import EngineRequest
+from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.engine import LLMEngine
-from worker.engine.request import SamplingParams
 
 # Prefill chunks, a prefix-cache hit (r2 repeats r0's first 32 tokens) and decode-only steps.
 PROMPTS = {

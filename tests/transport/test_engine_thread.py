@@ -1,10 +1,10 @@
 """The engine thread: outputs reach asyncio, aborts work, a crashing engine fails requests, not the thread."""
 
 import asyncio
+import time
 
-from worker.engine.api import EngineRequest
+from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.instant import InstantEngine, expected_text
-from worker.engine.request import SamplingParams
 from worker.transport.engine_thread import EngineThread
 
 
@@ -75,4 +75,63 @@ async def test_engine_exception_fails_in_flight_requests_and_thread_keeps_servin
     results = await collect(outputs, {"after"})
     assert results["after"][1].finish_reason == "length"
     assert thread.alive
+    thread.stop()
+
+
+class WindowEngine(InstantEngine):
+    """Holds its waiting requests until a window closes (like the dynamic policy) or input ends (static)."""
+
+    def __init__(self, window_s: float | None) -> None:
+        super().__init__()
+        self.window_s = window_s
+        self.opened_at: float | None = None
+        self.input_ended = False
+        self.num_step_calls = 0
+
+    def add_request(self, request):
+        self.opened_at = self.opened_at or time.monotonic()
+        return super().add_request(request)
+
+    def wake_time(self):
+        if self._running:
+            return time.monotonic()
+        if not self._waiting:
+            return None
+        if self.input_ended:
+            return time.monotonic()
+        return None if self.window_s is None else self.opened_at + self.window_s
+
+    def set_input_ended(self, ended=True):
+        self.input_ended = ended
+
+    def step(self):
+        self.num_step_calls += 1
+        return super().step() if self.wake_time() is not None and self.wake_time() <= time.monotonic() else []
+
+
+async def test_the_thread_sleeps_until_the_wake_time_instead_of_polling():
+    outputs: asyncio.Queue = asyncio.Queue()
+    engine = WindowEngine(window_s=0.3)
+    thread = EngineThread(engine, asyncio.get_running_loop(), outputs)
+    thread.start()
+    start = time.monotonic()
+    thread.add(request("w", n=2))
+    results = await collect(outputs, {"w"})
+    assert results["w"][1].finish_reason == "length"
+    assert time.monotonic() - start >= 0.29  # not before the window closed
+    assert engine.num_step_calls <= 4  # two tokens, plus at most a spurious wake or two: no busy wait
+    thread.stop()
+
+
+async def test_the_end_of_input_starts_work_that_waits_for_it():
+    outputs: asyncio.Queue = asyncio.Queue()
+    engine = WindowEngine(window_s=None)  # like a static batch that is not full: waits for more or the end
+    thread = EngineThread(engine, asyncio.get_running_loop(), outputs)
+    thread.start()
+    thread.add(request("s", n=2))
+    await asyncio.sleep(0.2)
+    assert outputs.empty() and engine.num_step_calls == 0
+    thread.set_input_ended(True)
+    results = await collect(outputs, {"s"})
+    assert results["s"][1].finish_reason == "length"
     thread.stop()

@@ -11,7 +11,36 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from worker.engine.request import SamplingParams
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 means no top-k cut."""
+    seed: int | None = None
+    """Per-request seed: the same seed gives the same tokens whatever else is in the batch."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Besides the model's EOS token ids; the stop token is not part of the output text."""
+    stop: tuple[str, ...] = ()
+    """Stop strings; generation ends before them and they are not emitted."""
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
 
 
 @dataclass(slots=True)
@@ -80,5 +109,13 @@ class Engine(Protocol):
 
     def stats(self) -> EngineStats: ...
 
-    def predict_step_time(self, num_tokens: int) -> float:
-        """Seconds one step of num_tokens batched tokens is expected to take (online estimate)."""
+    def wake_time(self) -> float | None:
+        """When step() next has something to do without new input (time.monotonic() seconds): now or earlier
+        when it has work now; a later time when nothing can run until then (a batch window closing, a waiting
+        request's deadline passing); None when nothing can run until a request arrives or input ends. The
+        engine thread steps when this is due and otherwise sleeps until it or a new command, never polls."""
+
+    def set_input_ended(self, ended: bool = True) -> None:
+        """End of input: True when no more requests are expected for now (a trace is over, or the Kafka
+        consumer has caught up with its partitions), so a static batch may start with fewer than
+        max_batch_size members; False when requests flow again."""

@@ -129,17 +129,14 @@ class LLMEngine:
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
         return [self._final(request) for request in self.scheduler.abort(request_ids)]
 
-    def flush(self) -> None:
-        """No more requests are coming (end of a trace): lets the static policy start a partial batch."""
-        self.scheduler.flush()
+    def set_input_ended(self, ended: bool = True) -> None:
+        self.scheduler.set_input_ended(ended)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def wake_time(self) -> float | None:
-        """When a step may have work again without new requests (a batch window closing, a deadline passing)
-        while the scheduler has nothing runnable now; the engine thread sleeps until then."""
-        return self.scheduler.wake_time()
+        return self.scheduler.wake_time(time.monotonic())
 
     # ---- one step -----------------------------------------------------------------------------------
 
@@ -217,16 +214,13 @@ class LLMEngine:
             step_time_per_token_s=per_token,
         )
 
-    def predict_step_time(self, num_tokens: int) -> float:
-        return self.step_time.predict(num_tokens)
-
     def generate(self, requests: list[EngineRequest]) -> dict[str, Completion]:
         """Run requests to completion (all known up front) and gather each one's tokens and text."""
         completions = {r.request_id: Completion(r.request_id) for r in requests}
         pending = []
         for request in requests:
             pending += self.add_request(request)
-        self.flush()
+        self.set_input_ended()
         while True:
             for out in pending:
                 done = completions[out.request_id]

@@ -131,8 +131,12 @@ class InstantEngine:
             step_time_base_s=self.step_time_s,
         )
 
-    def predict_step_time(self, num_tokens: int) -> float:
-        return self.step_time_s
+    def wake_time(self) -> float | None:
+        """Every waiting request is admitted at the next step (continuous batching, no windows)."""
+        return time.monotonic() if self.has_unfinished() else None
+
+    def set_input_ended(self, ended: bool = True) -> None:
+        """No batch ever waits to fill here: nothing to do."""
 
     def _output(self, state: _Running, token_ids, text, finish_reason, now) -> RequestOutput:
         return RequestOutput(

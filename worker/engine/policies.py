@@ -11,7 +11,8 @@ dynamic     When no batch is in flight, a batch forms from the first max_batch_s
             until every member has finished.
 static      Fixed batches in arrival order, priority ignored: when no batch is in flight, a batch forms from the
             first max_batch_size waiting requests by arrival once max_batch_size requests wait or, after
-            flush() (no more requests expected, e.g. the end of a trace), from whatever waits. Runs to
+            set_input_ended() (no more requests expected for now: the end of a trace, or a Kafka consumer that caught
+            up with its partitions), from whatever waits. Runs to
             completion like dynamic.
 Members of a batch are admitted under the same token budget, block and max_num_seqs limits as any request
 (chunked prefill), so a batch may need several steps to be fully running; a preempted member stays a member
@@ -100,8 +101,8 @@ class AdmissionPolicy:
     name: PolicyName
     max_batch_size: int
     batch_window_s: float
-    drain: bool = False
-    """static: set by Scheduler.flush(); partial batches may start."""
+    input_ended: bool = False
+    """static: set by Scheduler.set_input_ended(); partial batches may start."""
     batch: list[Request] = field(default_factory=list)
     """dynamic, static: members of the batch in flight, in queue order at formation (finished ones are pruned
     at the next candidates() call)."""
@@ -144,4 +145,14 @@ class AdmissionPolicy:
             oldest = waiting.oldest_arrival_time()
             assert oldest is not None
             return now - oldest >= self.batch_window_s
-        return self.drain
+        return self.input_ended
+
+    def has_candidates(self, waiting: WaitingQueue, now: float) -> bool:
+        """Whether candidates(waiting, now) would name anyone; no side effects (the engine thread asks this to
+        decide between stepping and sleeping)."""
+        if self.name == "continuous":
+            return bool(waiting)
+        members = [request for request in self.batch if not request.is_finished]
+        if members:
+            return any(request.request_id in waiting for request in members)
+        return self._batch_due(waiting, now)

@@ -10,36 +10,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-
-@dataclass(slots=True, frozen=True)
-class SamplingParams:
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    """0 means greedy."""
-    top_p: float = 1.0
-    top_k: int = 0
-    """0 means no top-k cut."""
-    seed: int | None = None
-    """Per-request seed: the same seed gives the same tokens whatever else is in the batch."""
-    stop_token_ids: tuple[int, ...] = ()
-    """Besides the model's EOS token ids; the stop token is not part of the output text."""
-    stop: tuple[str, ...] = ()
-    """Stop strings; generation ends before them and they are not emitted."""
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        if self.temperature < 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0 or self.top_k == 1
+from worker.engine.api import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -63,9 +63,13 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def wake_time(self) -> float | None:
-        """When schedule() may next have something to do without new requests while it has nothing now: a
-        dynamic window closing or a waiting request's deadline passing. None if neither is pending."""
+    def wake_time(self, now: float) -> float | None:
+        """When schedule() next has something to do without new requests: `now` when it has work now (a
+        running request, or a waiting one the policy would admit); otherwise the earlier of a dynamic window
+        closing and a waiting request's deadline passing; None when neither is pending (nothing to do, or a
+        static batch waiting to fill until more requests arrive or input ends)."""
+        if self.running or self.policy.has_candidates(self.waiting, now):
+            return now
         times = (self.policy.batch_due_time(self.waiting), self.waiting.earliest_deadline())
         return min((t for t in times if t is not None), default=None)
 
@@ -104,9 +108,10 @@ class Scheduler:
                 finished.append(request)
         return finished
 
-    def flush(self, drain: bool = True) -> None:
-        """static policy: no more requests are expected, so a partial batch may start (until flush(False))."""
-        self.policy.drain = drain
+    def set_input_ended(self, ended: bool = True) -> None:
+        """static policy: True when no more requests are expected for now, so a partial batch may start;
+        False when requests flow again (batches wait to fill)."""
+        self.policy.input_ended = ended
 
     # ---- one step -----------------------------------------------------------------------------------
 

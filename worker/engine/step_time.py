@@ -46,7 +46,3 @@ class StepTimeModel:
         slope = max(slope, 0.0)
         base = max(mean_y - slope * mean_x, 0.0)
         return base, slope
-
-    def predict(self, num_tokens: int) -> float:
-        base, per_token = self.coefficients()
-        return base + per_token * num_tokens

@@ -1,9 +1,11 @@
 """Runs an Engine in its own thread and connects it to the asyncio loop.
 
 The engine is synchronous and may hold the GIL-free parts of a forward pass for tens of milliseconds; the
-Kafka loop must keep heartbeating meanwhile, so the engine never runs on the loop. Commands go in through a
-thread-safe queue; each step's outputs come back as one list through `loop.call_soon_threadsafe` into an
-asyncio.Queue. The thread blocks on its command queue only when the engine has no unfinished work.
+Kafka loop must keep heartbeating meanwhile, so the engine never runs on the loop. Commands (add, abort, end
+of input) go in through a thread-safe queue; each step's outputs come back as one list through
+`loop.call_soon_threadsafe` into an asyncio.Queue. The thread steps while the engine's `wake_time()` is due
+and otherwise blocks on its command queue until the next command or the wake time (a dynamic batch window
+closing, a waiting deadline): it never polls an engine that has nothing to run.
 
 An exception inside the engine must not leave a dead thread and clients waiting on silence: the thread logs
 it, tries to abort the affected requests in the engine, answers each with an `error`/`internal` output, and
@@ -32,6 +34,11 @@ class _Add:
 @dataclass(slots=True)
 class _Abort:
     request_ids: list[str]
+
+
+@dataclass(slots=True)
+class _InputEnded:
+    ended: bool
 
 
 _STOP = object()
@@ -64,6 +71,10 @@ class EngineThread:
         if request_ids:
             self._commands.put(_Abort(list(request_ids)))
 
+    def set_input_ended(self, ended: bool) -> None:
+        """Engine.set_input_ended, from the loop: the transport says whether its consumer has caught up."""
+        self._commands.put(_InputEnded(ended))
+
     def stop(self, timeout: float | None = 10.0) -> None:
         self._commands.put(_STOP)
         self._thread.join(timeout)
@@ -81,7 +92,8 @@ class EngineThread:
         while True:
             outputs: list[RequestOutput] = []
             try:
-                command = self._commands.get(block=not self.engine.has_unfinished())
+                wait_s = self._seconds_until_due()
+                command = self._commands.get(block=wait_s != 0.0, timeout=wait_s)
             except queue.Empty:
                 command = None
             while command is not None:
@@ -93,7 +105,7 @@ class EngineThread:
                     command = self._commands.get_nowait()
                 except queue.Empty:
                     command = None
-            if self.engine.has_unfinished():
+            if self._seconds_until_due() == 0.0:
                 outputs += self._step()
             self._deliver(outputs)
             try:
@@ -101,7 +113,21 @@ class EngineThread:
             except Exception:  # noqa: BLE001 - stats are advisory; a broken stats() must not stop serving
                 log.exception("engine.stats() failed")
 
+    def _seconds_until_due(self) -> float | None:
+        """0.0 when a step has work now; else how long until it may (None: until a command arrives)."""
+        try:
+            wake = self.engine.wake_time()
+        except Exception:  # noqa: BLE001 - a broken wake_time must not stop serving: step and let step() fail
+            log.exception("engine.wake_time() failed")
+            return 0.0 if self.engine.has_unfinished() else None
+        if wake is None:
+            return None
+        return max(0.0, wake - time.monotonic())
+
     def _apply(self, command) -> list[RequestOutput]:
+        if isinstance(command, _InputEnded):
+            self.engine.set_input_ended(command.ended)
+            return []
         if isinstance(command, _Add):
             rid = command.request.request_id
             try:
