@@ -19,7 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "schema": ("schemas.export", "write the JSON Schemas of the wire records"),
     "model": ("worker.model.pull", "provision the default model (SmolLM2-135M-Instruct) or list models"),
     "config": ("worker.config_cli", "print the effective configuration or the settings table"),
-    "serve": ("worker.transport.serve", "consume requests from Kafka, generate, stream results (the worker)"),
+    "serve": ("worker.serve", "consume requests from Kafka, generate, stream results (the worker)"),
     "generate": ("producer_examples.generate", "send one prompt and stream the answer (example client)"),
     "loadgen": ("producer_examples.loadgen", "Poisson load by priority; throughput and latency percentiles"),
     "demo": ("producer_examples.demo", "start a broker and a worker, stream a few answers, then overload it"),

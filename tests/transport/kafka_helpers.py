@@ -113,7 +113,7 @@ class Collector:
 
 @contextlib.asynccontextmanager
 async def running_worker(kafka: KafkaSettings, settings: WorkerSettings, engine, **kwargs):
-    from worker.transport.serve import Worker
+    from worker.transport.worker import Worker
 
     worker = Worker(kafka, settings, engine, **kwargs)
     task = asyncio.create_task(worker.run())

@@ -99,6 +99,6 @@ async def test_hostile_records_never_stop_the_worker(kafka_topics, tiny_model_pa
             await produce(kafka, [(0, encode(GenerationRequest(id="after", prompt="still there?")), "after")])
             await collector.wait_until(lambda r: "after" in r.finals, 20)
             assert not worker.stopping.is_set()
-            assert worker.intake.num_dead_letters >= 300
+            assert worker.answers.num_dead_letters >= 300
             await asyncio.sleep(0.5)
             assert worker.tracker.num_pending() == 0  # every hostile offset counted as done

@@ -40,7 +40,7 @@ async def test_partitions_pause_when_the_queue_fills_and_resume_when_it_drains(k
             stop.set()
             await sampler
             assert worker.consumer.paused() == set()
-            assert worker.intake.max_local_waiting_seen <= settings.max_waiting + settings.max_poll_records
+            assert worker.queue.max_num_waiting_seen <= settings.max_waiting + settings.max_poll_records
         statuses = collector.results.statuses
     assert any(s for s in seen), "the consumer never paused a partition"
     first_paused = next(i for i, s in enumerate(seen) if s)
@@ -79,7 +79,7 @@ async def test_overload_keeps_urgent_deadlines_and_sheds_the_rest(kafka_topics):
         async with running_worker(kafka, settings, engine, max_num_seqs=8) as worker:
             await produce_paced(kafka, ticks, tick_s=0.1)
             await collector.wait_until(lambda r: all(i in r.finals for i in all_ids), 50)
-            assert worker.intake.max_local_waiting_seen <= settings.max_waiting + settings.max_poll_records
+            assert worker.queue.max_num_waiting_seen <= settings.max_waiting + settings.max_poll_records
         results = collector.results
     for rid in all_ids:
         assert len(results.finals[rid]) == 1, rid

@@ -40,8 +40,8 @@ async def test_order_acks_and_recovery_after_a_refused_batch(kafka_topics):
         publisher.publish_nowait(kafka.result_topic, b"k0", b"x" * (2 * 1024 * 1024), lambda: acked.append(-1))
         await publisher.wait_acked(20)
         group_done = []
-        await publisher.publish_all([(kafka.result_topic, b"k1", f"{100 + j}".encode()) for j in range(3)],
-                                    lambda: group_done.append(True))
+        publisher.publish_group_nowait([(kafka.result_topic, b"k1", f"{100 + j}".encode()) for j in range(3)],
+                                       lambda: group_done.append(True))
         for i in range(103, 200):
             publisher.publish_nowait(kafka.result_topic, f"k{i % 7}".encode(), f"{i}".encode(), lambda i=i: acked.append(i))
         assert await publisher.wait_acked(30)

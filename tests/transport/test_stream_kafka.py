@@ -10,8 +10,8 @@ import pytest
 from schemas.request import GenerationRequest, SamplingSpec
 from worker.engine.api import EngineRequest
 from worker.engine.instant import InstantEngine
-from worker.transport.streaming import engine_request
-from worker.transport.results import Pending
+from worker.transport.dispatcher import to_engine_request
+from worker.transport.local_queue import QueuedRequest
 from tests.transport.kafka_helpers import Collector, produce_requests, running_worker, worker_settings
 
 pytestmark = pytest.mark.kafka
@@ -29,9 +29,9 @@ def direct_texts(engine, requests: list[EngineRequest]) -> dict[str, str]:
 
 
 def as_engine_request(request: GenerationRequest) -> EngineRequest:
-    pending = Pending(request=request, partition=0, offset=0, priority=0, attempt=0,
-                      timestamp_ms=int(time.time() * 1000), deadline_ms=None, reply_topic="", num_prompt_tokens=1)
-    engine_req = engine_request(pending)
+    queued = QueuedRequest(request=request, partition=0, offset=0, priority=0, attempt=0,
+                           timestamp_ms=int(time.time() * 1000), deadline_ms=None, reply_topic="", num_prompt_tokens=1)
+    engine_req = to_engine_request(queued)
     engine_req.request_id = request.id
     return engine_req
 

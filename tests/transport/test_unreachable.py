@@ -6,14 +6,14 @@ import logging
 from worker.broker.local import free_port
 from worker.config import KafkaSettings
 from worker.engine.instant import InstantEngine
-from worker.transport.serve import Worker
+from worker.transport.worker import Worker
 from tests.transport.kafka_helpers import worker_settings
 
 
 async def test_worker_waits_for_an_unreachable_broker_and_exits_zero_on_stop(caplog):
     kafka = KafkaSettings(bootstrap_servers=f"127.0.0.1:{free_port()}")
     worker = Worker(kafka, worker_settings(), InstantEngine())
-    caplog.set_level(logging.WARNING, logger="worker.transport.serve")
+    caplog.set_level(logging.WARNING, logger="worker.transport.worker")
     task = asyncio.create_task(worker.run())
     await asyncio.sleep(3.0)
     assert not task.done()  # still trying, not crashed

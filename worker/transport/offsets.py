@@ -12,7 +12,7 @@ Pure Python, no aiokafka: partitions are any hashable key (the transport uses To
 from __future__ import annotations
 
 import heapq
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 
@@ -60,9 +60,6 @@ class OffsetTracker:
     def revoke(self, partition: Hashable) -> None:
         self._partitions.pop(partition, None)
 
-    def partitions(self) -> list[Hashable]:
-        return list(self._partitions)
-
     def track(self, partition: Hashable, offset: int) -> bool:
         """A record was consumed; it stays pending until `done`. False for a refetch of a done offset."""
         state = self._partitions.get(partition)
@@ -76,9 +73,10 @@ class OffsetTracker:
         state = self._partitions.get(partition)
         return state.done(offset) if state is not None else False
 
-    def is_pending(self, partition: Hashable, offset: int) -> bool:
-        state = self._partitions.get(partition)
-        return state is not None and offset in state.pending
+    def on_acked(self, partition: Hashable, offset: int) -> Callable[[], None]:
+        """The acknowledgement callback of the records that answer one request record: marks it done. Every
+        final record (engine or not) and dead-letter record is published with one of these."""
+        return lambda: self.done(partition, offset)
 
     def watermark(self, partition: Hashable) -> int | None:
         state = self._partitions.get(partition)

@@ -30,11 +30,13 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 from aiokafka.partitioner import DefaultPartitioner
 
+from worker.transport.aiokafka_compat import fail_unsent_batches
+
 log = logging.getLogger(__name__)
 
 Record = tuple[str, bytes | None, bytes]
 """(topic, key, value)"""
-_Pending = tuple[str, bytes | None, bytes, Callable[[], None], int]
+_BufferedRecord = tuple[str, bytes | None, bytes, Callable[[], None], int]
 """(topic, key, value, on_acked, sequence number that restores publish order after a failure)"""
 
 MAX_BUFFERED = 50_000
@@ -58,14 +60,13 @@ class Publisher:
         self.num_producer_resets = 0
         self._partitioner = DefaultPartitioner()
         self._partitions: dict[str, tuple[float, list[int]]] = {}
-        self._buffer: list[_Pending] = []
+        self._buffer: list[_BufferedRecord] = []
         self._wake = asyncio.Event()
         self._drained = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
         self._num_unacked = 0
         self._flusher: asyncio.Task | None = None
-        self.num_failed_deliveries = 0
         self.retry_backoff_s = 0.5
 
     async def start(self) -> None:
@@ -86,11 +87,7 @@ class Publisher:
         self.publish_nowait(topic, key, value, on_acked)
         await self.wait_room()
 
-    async def publish_all(self, records: list[Record], on_acked: Callable[[], None] | None = None) -> None:
-        self.publish_all_nowait(records, on_acked)
-        await self.wait_room()
-
-    def publish_all_nowait(self, records: list[Record], on_acked: Callable[[], None] | None = None) -> None:
+    def publish_group_nowait(self, records: list[Record], on_acked: Callable[[], None] | None = None) -> None:
         """Buffer records that answer one thing together: `on_acked` runs once, after the last is acknowledged."""
         remaining = [len(records)]
 
@@ -148,8 +145,8 @@ class Publisher:
                     log.warning("cannot hand records to the producer (%r); retrying in %.1fs", exc, self.retry_backoff_s)
                     await asyncio.sleep(self.retry_backoff_s)
 
-    async def _send(self, records: list[_Pending]) -> None:
-        groups: dict[tuple[str, int], list[_Pending]] = defaultdict(list)
+    async def _send(self, records: list[_BufferedRecord]) -> None:
+        groups: dict[tuple[str, int], list[_BufferedRecord]] = defaultdict(list)
         for record in records:
             groups[(record[0], await self._partition_of(record[0], record[1]))].append(record)
         handed: set[int] = set()
@@ -170,27 +167,27 @@ class Publisher:
                     chunk = group[start:end]
                     future = await self._producer.send_batch(batch, topic, partition=partition)
                     handed.update(r[4] for r in chunk)
-                    generation = self.num_producer_resets
-                    future.add_done_callback(lambda f, c=chunk, g=generation: self._on_done(f, c, g))
+                    producer_epoch = self.num_producer_resets
+                    future.add_done_callback(lambda f, c=chunk, e=producer_epoch: self._on_done(f, c, e))
                     start = end
         except BaseException:
             # Whatever was not handed to the producer goes back, in order; what was handed has its callback.
             self._buffer = sorted([r for r in records if r[4] not in handed] + self._buffer, key=lambda r: r[4])
             raise
 
-    def _on_done(self, future: asyncio.Future, chunk: list[_Pending], generation: int) -> None:
+    def _on_done(self, future: asyncio.Future, chunk: list[_BufferedRecord], producer_epoch: int) -> None:
+        """`producer_epoch`: num_producer_resets when the batch was sent; failures of a producer that was
+        already replaced must not replace the new one."""
         exc = None if future.cancelled() else future.exception()
         if isinstance(exc, MessageSizeTooLargeError):
             # The broker's message.max.bytes is below the batch: resending the same bytes fails forever. The
             # idempotent producer's sequence now has a gap the broker will not accept: replace it too.
-            self.num_failed_deliveries += 1
             log.error("broker refused %d records for %s as too large; dropped", len(chunk), chunk[0][0])
-            if generation == self.num_producer_resets:
+            if producer_epoch == self.num_producer_resets:
                 self._needs_new_producer = True
                 self._wake.set()
         elif future.cancelled() or exc is not None:
-            self.num_failed_deliveries += 1
-            if generation == self.num_producer_resets:
+            if producer_epoch == self.num_producer_resets:
                 log.warning("delivery of %d records to %s failed (%r); retrying with a new producer",
                             len(chunk), chunk[0][0], exc)
                 self._needs_new_producer = True
@@ -215,9 +212,8 @@ class Publisher:
             await asyncio.wait_for(old.stop(), 10.0)
         except Exception:  # noqa: BLE001 - nothing of the old producer is needed any more
             log.debug("stopping the old producer failed", exc_info=True)
-        # A dead sender leaves its batches unresolved; failing them sends their records back to the buffer
-        # (aiokafka has no public call for this).
-        old._message_accumulator.fail_all(KafkaError("producer replaced"))
+        # A dead sender leaves its batches unresolved; failing them sends their records back to the buffer.
+        fail_unsent_batches(old, KafkaError("producer replaced"))
         await asyncio.sleep(0)  # let those failure callbacks run before anything new is sent
         while True:
             self._producer = AIOKafkaProducer(**self._producer_kwargs)

@@ -1,0 +1,52 @@
+"""aiokafka's private state that worker/transport/aiokafka_compat.py reads: these fail when a new aiokafka
+release moves it, before a worker would fail in production."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.errors import KafkaError
+
+from worker.transport.aiokafka_compat import fail_unsent_batches, group_generation
+
+
+async def test_an_unstarted_consumer_has_no_group_coordinator_yet():
+    consumer = AIOKafkaConsumer(bootstrap_servers="127.0.0.1:1", group_id="g")
+    with pytest.raises(RuntimeError, match="not started"):
+        group_generation(consumer)
+
+
+async def test_a_producer_holds_an_accumulator_whose_batches_can_be_failed():
+    producer = AIOKafkaProducer(bootstrap_servers="127.0.0.1:1")
+    fail_unsent_batches(producer, KafkaError("test"))  # nothing pending: a no-op, but every name must exist
+    await producer.stop()
+
+
+@pytest.mark.kafka
+async def test_the_group_generation_is_read_after_a_join_and_grows_with_each_rebalance(kafka_topics):
+    kafka = kafka_topics
+    def consumer() -> AIOKafkaConsumer:
+        return AIOKafkaConsumer(kafka.request_topic, **kafka.client_kwargs(), group_id=f"{kafka.group_id}-compat",
+                                session_timeout_ms=6000, heartbeat_interval_ms=1000)
+
+    first = consumer()
+    await first.start()
+    try:
+        async with asyncio.timeout(30):
+            while not first.assignment():
+                await first.getmany(timeout_ms=100)
+        generation = group_generation(first)
+        assert generation >= 1
+        second = consumer()
+        await second.start()
+        try:
+            async with asyncio.timeout(30):
+                while group_generation(first) == generation or not second.assignment():
+                    await asyncio.gather(first.getmany(timeout_ms=100), second.getmany(timeout_ms=100))
+            assert group_generation(first) == group_generation(second) > generation
+        finally:
+            await second.stop()
+    finally:
+        await first.stop()

@@ -1,0 +1,226 @@
+"""The intake, dispatcher and answers against in-memory Kafka clients: what is queued, what is answered at
+once and how, what enters the engine in which order, and which offsets become committable."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from aiokafka import TopicPartition
+
+from schemas.limits import DEFAULT_LIMITS
+from worker.config import KafkaSettings, WorkerSettings
+from worker.engine.api import EngineStats
+from worker.transport.admission import Admission
+from worker.transport.answers import Answers
+from worker.transport.dispatcher import Dispatcher
+from worker.transport.intake import Intake
+from worker.transport.load_control import LoadControl
+from worker.transport.backpressure import Backpressure
+from worker.transport.local_queue import LocalQueue
+from worker.transport.metrics import WorkerMetrics
+from worker.transport.offsets import OffsetTracker
+from worker.transport.shedding import CompletionRate, Shedder
+from worker.transport.streamer import Streamer
+from tests.transport.fakes import TOPIC, FakeConsumer, FakeEngineThread, FakePublisher, request_bytes, request_partition
+
+KAFKA = KafkaSettings(num_priorities=3, partitions_per_priority=2, allowed_reply_topics=["replies.ok"])
+
+
+def build(**settings_overrides) -> SimpleNamespace:
+    """The parts as Worker._build wires them, around fake clients and a fake engine thread."""
+    settings = WorkerSettings(metrics_port=0, worker_id="w-test", **settings_overrides)
+    consumer, publisher, engine = FakeConsumer(), FakePublisher(), FakeEngineThread()
+    tracker, rate, metrics = OffsetTracker(), CompletionRate(), WorkerMetrics.create()
+    queue = LocalQueue(KAFKA.num_priorities, settings.max_waiting)
+    answers = Answers(publisher, tracker, metrics, settings.worker_id, KAFKA.result_topic, KAFKA.dead_letter_topic)
+    admission = Admission(KAFKA.result_topic, frozenset(KAFKA.allowed_reply_topics), list(settings.itl_target_ms))
+    streamer = Streamer(publisher, tracker, metrics, rate, settings.worker_id, KAFKA.num_priorities, 0.0)
+    dispatcher = Dispatcher(queue, streamer, engine, admission, answers, max_in_engine=4)
+    intake = Intake(consumer, tracker, queue, answers, admission, rate, lambda: engine.stats,
+                    num_priorities=KAFKA.num_priorities, num_partitions=KAFKA.num_request_partitions,
+                    result_topic=KAFKA.result_topic, max_poll_records=settings.max_poll_records, limits=DEFAULT_LIMITS)
+    load_control = LoadControl(Shedder(list(settings.max_queue_time_s), KAFKA.num_priorities),
+                               Backpressure.from_settings(settings, KAFKA.num_priorities), rate)
+    all_partitions = {TopicPartition(TOPIC, p) for p in range(KAFKA.num_request_partitions)}
+    intake.on_assigned(all_partitions, group_generation=7)
+    return SimpleNamespace(consumer=consumer, publisher=publisher, engine=engine, tracker=tracker, queue=queue,
+                           intake=intake, dispatcher=dispatcher, streamer=streamer, load_control=load_control,
+                           rate=rate, answers=answers)
+
+
+def send(w, priority: int, request_id: str, value: bytes | None = None, timestamp_ms: int | None = None, **fields):
+    tp = request_partition(KAFKA, priority, request_id)
+    ts = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
+    offset = w.consumer.append(tp, request_bytes(request_id, **fields) if value is None else value,
+                               request_id.encode(), ts)
+    return tp, offset
+
+
+async def test_requests_enter_the_engine_most_urgent_first_within_the_cap():
+    w = build()
+    for i in range(3):
+        send(w, 2, f"low-{i}")
+    for i in range(3):
+        send(w, 0, f"urgent-{i}")
+    send(w, 1, "mid-0")
+    await w.intake.fetch_once()
+    assert len(w.queue) == 7
+    w.dispatcher.admit()
+    assert [r.request_id.split("#")[0] for r in w.engine.added] == ["urgent-0", "urgent-1", "urgent-2", "mid-0"]
+    added = w.engine.added[0]
+    assert added.request_id == "urgent-0#7@" + added.request_id.split("@")[1]  # attempt = group generation
+    assert added.priority == 0 and len(w.queue) == 3 and len(w.streamer) == 4
+
+
+async def test_bad_records_are_dead_lettered_and_answered_when_their_id_is_readable():
+    w = build()
+    tp_bad, off_bad = send(w, 1, "bad", value=b'{"id": "bad", "prompt": 5}')
+    tp_junk, off_junk = send(w, 1, "junk", value=b"\xff\x00not json")
+    await w.intake.fetch_once()
+    assert len(w.queue) == 0 and w.answers.num_dead_letters == 2
+    dead = w.publisher.dead_letters()
+    assert sorted(d.offset for d in dead) == sorted([off_bad, off_junk])
+    assert w.publisher.finals()["bad"].status == "error"  # the id was readable: the producer gets a final
+    assert w.tracker.num_pending() == 2  # not done before Kafka acknowledged what was written
+    w.publisher.ack_all()
+    assert w.tracker.num_pending() == 0
+    await w.intake.commit()
+    assert w.consumer.commits[-1] == {tp: w.tracker.watermark(tp) for tp in {tp_bad, tp_junk}}
+
+
+async def test_reply_topic_not_allowed_is_answered_on_the_result_topic():
+    w = build()
+    send(w, 0, "sneaky", reply_topic="somewhere.else")
+    send(w, 0, "fine", reply_topic="replies.ok")
+    await w.intake.fetch_once()
+    final = w.publisher.finals(KAFKA.result_topic)["sneaky"]
+    assert (final.status, final.reason) == ("error", "reply_topic_not_allowed")
+    assert not [r for r in w.publisher.records if r[0] == "somewhere.else"]
+    assert [q.request.id for q in w.queue] == ["fine"] and next(iter(w.queue)).reply_topic == "replies.ok"
+
+
+async def test_a_deadline_that_passed_is_rejected_at_fetch_and_in_the_local_queue():
+    w = build()
+    now_ms = int(time.time() * 1000)
+    send(w, 1, "late", timestamp_ms=now_ms - 5_000, timeout_ms=1_000)
+    send(w, 1, "soon", deadline_ms=now_ms + 150)
+    await w.intake.fetch_once()
+    assert w.publisher.finals()["late"].reason == "deadline"
+    assert [q.request.id for q in w.queue] == ["soon"]
+    time.sleep(0.2)
+    w.dispatcher.admit()
+    assert w.publisher.finals()["soon"].reason == "deadline" and w.engine.added == []
+
+
+async def test_load_decisions_shed_pause_and_resume():
+    w = build(max_queue_time_s=[10.0, 100.0, 1.0], priority_backlog_threshold=2, pause_dwell_s=0.0)
+    w.rate.record(1, 0.0)
+    w.rate.record(1, 1.0)  # about one request per second
+    for i in range(3):
+        send(w, 2, f"low-{i}")
+    await w.intake.fetch_once()
+    for i in range(4):
+        send(w, 0, f"urgent-{i}")  # unread: lag of priority 0 is 4
+    lag = await w.intake.lag_by_priority()
+    assert lag == [4, 0, 0]
+    decision = w.load_control.decide(lag, w.queue.num_waiting_by_priority(), 0.0, now=10.0)
+    assert decision.newly_shed == {2} and decision.backlog_by_priority == [4, 0, 3]  # 7 s > 1 s; 4 s < 100 s
+    assert 2 not in decision.pause_reasons  # shed, so not paused: consuming it is what drains it
+    assert decision.pause_reasons == {1: "priority_backlog"} and not decision.input_ended
+    w.intake.apply(decision)
+    finals = w.publisher.finals()
+    assert {f"low-{i}" for i in range(3)} <= set(finals) and all(finals[f"low-{i}"].reason == "shed" for i in range(3))
+    assert "priority 2 shed" in finals["low-0"].message
+    assert {tp.partition for tp in w.consumer.paused()} == {2, 3}  # priority 1's partitions
+    send(w, 2, "low-late")
+    await w.intake.fetch_once()
+    assert w.publisher.finals()["low-late"].reason == "shed"  # answered at fetch while shed
+    # The urgent backlog drains: everything resumes.
+    w.dispatcher.admit()
+    decision = w.load_control.decide(await w.intake.lag_by_priority(), w.queue.num_waiting_by_priority(), 0.0, 20.0)
+    w.intake.apply(decision)
+    assert decision.pause_reasons == {} and w.consumer.paused() == set()
+
+
+async def test_a_full_local_queue_fetches_only_shed_priorities():
+    w = build(max_waiting=2, resume_waiting=1)
+    for i in range(3):
+        send(w, 1, f"mid-{i}")
+    await w.intake.fetch_once()
+    assert len(w.queue) == 3  # one poll may overshoot by its records
+    send(w, 0, "urgent")
+    w.consumer.getmany_calls.clear()
+    await w.intake.fetch_once()  # no room and nothing shed: no fetch at all
+    assert w.consumer.getmany_calls == [] and len(w.queue) == 3
+
+
+async def test_the_end_of_input_follows_lag_and_the_local_queue():
+    w = build()
+    decision = w.load_control.decide([0, 0, 0], [0, 0, 0], 0.0, 0.0)
+    w.dispatcher.set_input_ended(decision.input_ended)
+    send(w, 1, "a")
+    decision = w.load_control.decide(await w.intake.lag_by_priority(), w.queue.num_waiting_by_priority(), 0.0, 0.1)
+    w.dispatcher.set_input_ended(decision.input_ended)
+    await w.intake.fetch_once()
+    decision = w.load_control.decide(await w.intake.lag_by_priority(), w.queue.num_waiting_by_priority(), 0.0, 0.2)
+    w.dispatcher.set_input_ended(decision.input_ended)  # still waiting locally: not ended
+    w.dispatcher.admit()
+    decision = w.load_control.decide(await w.intake.lag_by_priority(), w.queue.num_waiting_by_priority(), 0.0, 0.3)
+    w.dispatcher.set_input_ended(decision.input_ended)
+    w.dispatcher.set_input_ended(decision.input_ended)  # unchanged: not sent again
+    assert w.engine.input_ended == [True, False, True]
+
+
+async def test_revoked_partitions_lose_their_queued_requests_and_records_of_an_old_generation_are_skipped():
+    w = build()
+    tp_a, _ = send(w, 1, "a")
+    tp_b, _ = send(w, 2, "b")
+    await w.intake.fetch_once()
+    w.intake.on_revoked({tp_a})
+    assert [q.request.id for q in w.queue] == ["b"] and tp_a not in w.intake.assigned
+    # A rebalance while one poll asks priority after priority: records the poll got before it (priority 1,
+    # generation 7) are not handled; those returned by the call that saw it belong to the new generation.
+    tp_c1, _ = send(w, 1, "c1")
+    tp_c2, _ = send(w, 2, "c2")
+    w.intake.on_assigned({tp_c1, tp_b}, group_generation=7)
+    original = w.consumer.getmany
+
+    async def getmany_with_rebalance(*parts, **kwargs):
+        if tp_b in parts:
+            w.intake.on_assigned({tp_c1, tp_b}, group_generation=8)
+        return await original(*parts, **kwargs)
+
+    w.consumer.getmany = getmany_with_rebalance
+    await w.intake.fetch_once()
+    assert sorted(q.request.id for q in w.queue) == ["b", "c2"]
+    assert [q.attempt for q in w.queue if q.request.id == "c2"] == [8]
+    assert w.tracker.next_offset(tp_c1) is None  # untracked: the watermark cannot pass it
+
+
+async def test_stop_fetching_pauses_everything_and_later_decisions_do_not_resume():
+    w = build(pause_dwell_s=0.0)
+    w.intake.stop_fetching()
+    assert w.consumer.paused() == w.intake.assigned
+    w.intake.apply(w.load_control.decide([0, 0, 0], [0, 0, 0], 0.0, 1.0))
+    assert w.consumer.paused() == w.intake.assigned
+
+
+def test_the_engine_request_carries_sampling_deadline_and_arrival_on_the_monotonic_clock():
+    from schemas.request import GenerationRequest, SamplingSpec
+    from worker.transport.dispatcher import to_engine_request
+    from worker.transport.local_queue import QueuedRequest
+
+    now_ms = int(time.time() * 1000)
+    request = GenerationRequest(id="x", prompt="hi", max_new_tokens=7,
+                                sampling=SamplingSpec(temperature=0.5, top_k=3, seed=11, stop=["."]))
+    queued = QueuedRequest(request=request, partition=TopicPartition(TOPIC, 3), offset=9, priority=1, attempt=4,
+                           timestamp_ms=now_ms - 2_000, deadline_ms=now_ms + 5_000, reply_topic="r",
+                           num_prompt_tokens=1)
+    engine_request = to_engine_request(queued)
+    assert engine_request.request_id == "x#4@3:9"
+    assert (engine_request.sampling.max_new_tokens, engine_request.sampling.top_k) == (7, 3)
+    assert engine_request.sampling.seed == 11 and engine_request.sampling.stop == (".",)
+    assert abs(engine_request.deadline - time.monotonic() - 5.0) < 0.1
+    assert abs(time.monotonic() - engine_request.arrival_time - 2.0) < 0.1
+    assert EngineStats().num_running == 0

@@ -1,0 +1,63 @@
+"""`llm-worker serve`: the worker process. Builds the engine named by the settings and runs a
+`worker.transport.worker.Worker` around it until SIGTERM/SIGINT.
+
+The one module that knows both sides: the transport only sees the `Engine` protocol (worker/engine/api.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+
+from worker.config import EngineSettings, KafkaSettings, WorkerSettings
+from worker.config_cli import masked_dump
+from worker.engine.api import Engine
+from worker.transport.worker import Worker
+
+log = logging.getLogger(__name__)
+
+
+def build_engine(kind: str, engine_settings: EngineSettings, instant_step_ms: float) -> Engine:
+    if kind == "instant":
+        from worker.engine.instant import InstantEngine
+
+        return InstantEngine(max_num_seqs=engine_settings.max_num_seqs, step_time_s=instant_step_ms / 1000.0)
+    from worker.engine.engine import LLMEngine
+
+    return LLMEngine(engine_settings)
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="model folder or provisioned name (ENGINE_MODEL)")
+    parser.add_argument("--policy", choices=["continuous", "dynamic", "static"], help="batching policy (ENGINE_POLICY)")
+    parser.add_argument("--bootstrap", help="Kafka bootstrap servers (KAFKA_BOOTSTRAP_SERVERS)")
+    parser.add_argument("--group", help="consumer group (KAFKA_GROUP_ID)")
+    parser.add_argument("--metrics-port", type=int, help="Prometheus port, 0 disables (WORKER_METRICS_PORT)")
+    parser.add_argument("--worker-id", help="name in status and final records (WORKER_WORKER_ID)")
+    parser.add_argument("--engine", choices=["llm", "instant"], default="llm",
+                        help="llm: the model; instant: model-free, for plumbing benchmarks")
+    parser.add_argument("--instant-step-ms", type=float, default=0.0, help="instant engine: emulated step time")
+
+
+def run(args: argparse.Namespace) -> int:
+    kafka_over = {k: v for k, v in (("bootstrap_servers", args.bootstrap), ("group_id", args.group)) if v}
+    worker_over = {k: v for k, v in (("metrics_port", args.metrics_port), ("worker_id", args.worker_id))
+                   if v is not None}
+    engine_over = {k: v for k, v in (("model", args.model), ("policy", args.policy)) if v}
+    kafka, settings, engine_settings = KafkaSettings(**kafka_over), WorkerSettings(**worker_over), EngineSettings(**engine_over)
+    if args.engine == "llm":
+        log.info("engine configuration: %s", json.dumps(masked_dump(engine_settings), default=str))
+    engine = build_engine(args.engine, engine_settings, args.instant_step_ms)
+    return asyncio.run(_serve(kafka, settings, engine, engine_settings))
+
+
+async def _serve(kafka, settings, engine, engine_settings: EngineSettings) -> int:
+    worker = Worker(kafka, settings, engine, max_num_seqs=engine_settings.max_num_seqs,
+                    max_num_batched_tokens=engine_settings.max_num_batched_tokens)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, worker.stop)
+    return await worker.run()

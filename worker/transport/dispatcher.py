@@ -1,0 +1,83 @@
+"""Into the engine: move requests from the local queue to the engine thread, most urgent first, while fewer
+than `max_in_engine` are in it; convert each wire request to the engine's `EngineRequest` on the way; tell the
+engine when input has ended for now (the consumer caught up), so a static batch may start partial.
+
+A request whose deadline passed while it waited locally is answered here instead (`rejected`/`deadline`). A
+less urgent request is held back while admitting it would slow a more urgent running one past its
+inter-token latency target (admission.py); the ones behind it wait too, so priorities hold.
+"""
+
+from __future__ import annotations
+
+import time
+
+from worker.engine.api import EngineRequest, EngineStats, SamplingParams
+from worker.transport.admission import Admission, Verdict
+from worker.transport.answers import Answers
+from worker.transport.engine_thread import EngineThread
+from worker.transport.local_queue import LocalQueue, QueuedRequest
+from worker.transport.streamer import Streamer
+
+
+def to_engine_request(queued: QueuedRequest) -> EngineRequest:
+    """The engine's view of a wire request: sampling, priority, and times on the engine's monotonic clock."""
+    req = queued.request
+    s = req.sampling
+    sampling = SamplingParams(
+        max_new_tokens=req.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
+        stop_token_ids=tuple(s.stop_token_ids) if s.stop_token_ids else (), stop=tuple(s.stop) if s.stop else (),
+        ignore_eos=s.ignore_eos,
+    )
+    now_mono, now_ms = time.monotonic(), time.time() * 1000.0
+    deadline = None if queued.deadline_ms is None else now_mono + (queued.deadline_ms - now_ms) / 1000.0
+    return EngineRequest(
+        request_id=queued.engine_id,
+        prompt=req.prompt,
+        messages=[{"role": m.role, "content": m.content} for m in req.messages] if req.messages else None,
+        prompt_token_ids=list(req.prompt_token_ids) if req.prompt_token_ids is not None else None,
+        sampling=sampling,
+        priority=queued.priority,
+        deadline=deadline,
+        # The record's Kafka timestamp, so the engine orders by when the client asked, not when we fetched.
+        arrival_time=now_mono - max(0.0, now_ms - queued.timestamp_ms) / 1000.0,
+    )
+
+
+class Dispatcher:
+    def __init__(
+        self, queue: LocalQueue, streamer: Streamer, engine: EngineThread, admission: Admission, answers: Answers,
+        max_in_engine: int,
+    ) -> None:
+        self.queue = queue
+        self.streamer = streamer
+        self.engine = engine
+        self.admission = admission
+        self.answers = answers
+        self.max_in_engine = max_in_engine
+        self.draining = False
+        """Set at shutdown: nothing more enters the engine."""
+        self._input_ended: bool | None = None
+
+    def admit(self) -> None:
+        if self.draining:
+            return
+        stats: EngineStats = self.engine.stats
+        for priority in range(len(self.streamer.num_open_by_priority)):
+            while len(self.streamer) < self.max_in_engine and (queued := self.queue.head(priority)) is not None:
+                if queued.deadline_ms is not None and time.time() * 1000.0 >= queued.deadline_ms:
+                    self.queue.pop(priority)
+                    self.answers.reject_queued(queued, Verdict(
+                        "rejected", "deadline", "deadline passed while waiting in the local queue"))
+                    continue
+                if not self.admission.may_enter_batch(priority, queued.num_prompt_tokens,
+                                                      self.streamer.num_open_by_priority, stats):
+                    return  # less urgent requests would slow the same urgent ones even more: hold them all
+                self.queue.pop(priority)
+                self.streamer.open(queued)
+                self.engine.add(to_engine_request(queued))
+
+    def set_input_ended(self, ended: bool) -> None:
+        """The consumer caught up (True) or has records to read again (False); passed on when it changes."""
+        if ended != self._input_ended:
+            self._input_ended = ended
+            self.engine.set_input_ended(ended)

@@ -1,0 +1,43 @@
+"""The worker's Kafka clients: the request consumer (manual commits, the priority assignor) and its rebalance
+listener. The result producer is publisher.py's."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+
+from worker.config import KafkaSettings, WorkerSettings
+from worker.transport.assignor import PriorityRoundRobinAssignor
+
+
+def make_consumer(kafka: KafkaSettings, settings: WorkerSettings) -> AIOKafkaConsumer:
+    return AIOKafkaConsumer(
+        **kafka.client_kwargs(),
+        group_id=kafka.group_id,
+        client_id=settings.worker_id,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        partition_assignment_strategy=(PriorityRoundRobinAssignor(kafka.num_priorities),),
+        max_poll_records=settings.max_poll_records,
+        session_timeout_ms=int(settings.session_timeout_s * 1000),
+        heartbeat_interval_ms=max(100, int(settings.session_timeout_s * 1000) // 4),
+    )
+
+
+class RebalanceListener(ConsumerRebalanceListener):
+    """Forwards aiokafka's rebalance callbacks (which run inside getmany, on the loop) to the worker."""
+
+    def __init__(
+        self,
+        on_revoked: Callable[[set[TopicPartition]], Awaitable[None]],
+        on_assigned: Callable[[set[TopicPartition]], None],
+    ) -> None:
+        self._on_revoked = on_revoked
+        self._on_assigned = on_assigned
+
+    async def on_partitions_revoked(self, revoked) -> None:
+        await self._on_revoked(set(revoked))
+
+    async def on_partitions_assigned(self, assigned) -> None:
+        self._on_assigned(set(assigned))

@@ -1,0 +1,64 @@
+"""Load control: from each priority's consumer lag, the local queue and the engine's KV usage, decide which
+priorities are shed and which are paused, and whether input has ended for now. It returns a `LoadDecision`;
+the intake applies it (pause/resume, answering newly shed requests), the dispatcher passes the end of input
+to the engine and the status reporter publishes it. Pure: no aiokafka, no clock of its own.
+
+Backlog of a priority = its lag plus its requests waiting in the local queue. Shedding is decided before
+pausing: a shed priority is never paused, because its records are answered at once and consuming them is
+what drains its lag.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from worker.transport.backpressure import Backpressure, LoadSnapshot
+from worker.transport.shedding import CompletionRate, ShedDecision, Shedder
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, frozen=True)
+class LoadDecision:
+    lag_by_priority: list[int]
+    backlog_by_priority: list[int]
+    shed: ShedDecision
+    newly_shed: frozenset[int]
+    """Priorities shed now that were not at the previous decision: their waiting requests are answered."""
+    pause_reasons: dict[int, str]
+    """priority -> "queue" | "kv" | "priority_backlog" for every priority whose partitions are to be paused."""
+    input_ended: bool
+    """Nothing unread in the assigned partitions and nothing waiting locally: the consumer has caught up."""
+
+    @property
+    def shed_priorities(self) -> frozenset[int]:
+        return self.shed.shed_priorities
+
+    def shed_message(self, priority: int) -> str:
+        return self.shed.message(priority)
+
+
+class LoadControl:
+    def __init__(self, shedder: Shedder, backpressure: Backpressure, rate: CompletionRate) -> None:
+        self.shedder = shedder
+        self.backpressure = backpressure
+        self.rate = rate
+        self._shed_before: frozenset[int] = frozenset()
+
+    def decide(
+        self, lag_by_priority: list[int], waiting_by_priority: list[int], kv_usage: float, now: float
+    ) -> LoadDecision:
+        backlog = [lag + waiting for lag, waiting in zip(lag_by_priority, waiting_by_priority)]
+        shed = self.shedder.decide(backlog, self.rate)
+        newly_shed = shed.shed_priorities - self._shed_before
+        self._shed_before = shed.shed_priorities
+        if newly_shed:
+            log.warning("shedding priorities %s: %s", sorted(shed.shed_priorities),
+                        [shed.message(p) for p in sorted(shed.shed_priorities)])
+        pauses = self.backpressure.decide(LoadSnapshot(sum(waiting_by_priority), kv_usage, backlog), now)
+        pause_reasons = {p: r for p, r in pauses.reasons.items() if p not in shed.shed_priorities}
+        return LoadDecision(
+            lag_by_priority=list(lag_by_priority), backlog_by_priority=backlog, shed=shed, newly_shed=newly_shed,
+            pause_reasons=pause_reasons, input_ended=sum(backlog) == 0,
+        )

@@ -1,0 +1,99 @@
+"""The worker's local queue: decoded, admitted requests waiting to enter the engine, one FIFO per priority.
+
+Here a request can still be shed, rejected on its deadline or overtaken by a more urgent one; the engine
+sees it only when the dispatcher (dispatcher.py) moves it in. Pure: partitions are opaque hashable keys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass
+
+from schemas.request import GenerationRequest
+
+
+@dataclass(slots=True)
+class QueuedRequest:
+    """A decoded request record and where it came from."""
+
+    request: GenerationRequest
+    partition: Hashable
+    """The TopicPartition it came from."""
+    offset: int
+    priority: int
+    attempt: int
+    timestamp_ms: int
+    """The record's Kafka timestamp (epoch ms)."""
+    deadline_ms: int | None
+    reply_topic: str
+    num_prompt_tokens: int
+    """Estimated (admission.estimate_prompt_tokens): the tokenizer lives in the engine."""
+    engine_id: str = ""
+    """"<wire id>#<attempt>@<partition>:<offset>": unique in the engine even for a duplicate wire id."""
+
+    def __post_init__(self) -> None:
+        if not self.engine_id:
+            partition = getattr(self.partition, "partition", self.partition)
+            self.engine_id = f"{self.request.id}#{self.attempt}@{partition}:{self.offset}"
+
+
+class LocalQueue:
+    """Per-priority FIFOs with a `space` event that is set whenever fewer than `max_waiting` requests wait."""
+
+    def __init__(self, num_priorities: int, max_waiting: int) -> None:
+        self.max_waiting = max_waiting
+        self._by_priority: list[deque[QueuedRequest]] = [deque() for _ in range(num_priorities)]
+        self.space = asyncio.Event()
+        self.space.set()
+        self.max_num_waiting_seen = 0
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._by_priority)
+
+    def num_waiting(self, priority: int) -> int:
+        return len(self._by_priority[priority])
+
+    def num_waiting_by_priority(self) -> list[int]:
+        return [len(q) for q in self._by_priority]
+
+    def push(self, queued: QueuedRequest) -> None:
+        self._by_priority[queued.priority].append(queued)
+        self.max_num_waiting_seen = max(self.max_num_waiting_seen, len(self))
+        if len(self) >= self.max_waiting:
+            self.space.clear()
+
+    def head(self, priority: int) -> QueuedRequest | None:
+        queue = self._by_priority[priority]
+        return queue[0] if queue else None
+
+    def pop(self, priority: int) -> QueuedRequest:
+        queued = self._by_priority[priority].popleft()
+        self._note_space()
+        return queued
+
+    def pop_all(self, priority: int) -> list[QueuedRequest]:
+        taken = list(self._by_priority[priority])
+        self._by_priority[priority].clear()
+        self._note_space()
+        return taken
+
+    def drop_partitions(self, partitions: set) -> int:
+        """Forget the requests of partitions this worker no longer owns; returns how many."""
+        num_dropped = 0
+        for queue in self._by_priority:
+            kept = [q for q in queue if q.partition not in partitions]
+            num_dropped += len(queue) - len(kept)
+            queue.clear()
+            queue.extend(kept)
+        self._note_space()
+        return num_dropped
+
+    def __iter__(self) -> Iterator[QueuedRequest]:
+        for queue in self._by_priority:
+            yield from queue
+
+    def _note_space(self) -> None:
+        if len(self) < self.max_waiting:
+            self.space.set()

@@ -1,0 +1,88 @@
+"""What the worker tells about its load: Prometheus gauges at every control tick, and a `WorkerStatus` record
+on the status topic every status_interval_s (queue depth, KV usage, lag, paused partitions and shedding per
+priority, recent throughput), so producers can slow down a priority that is shed or paused."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from schemas.decode import encode
+from schemas.status import PriorityStatus, Throughput, WorkerStatus
+from worker.engine.api import EngineStats
+from worker.transport.load_control import LoadDecision
+from worker.transport.metrics import WorkerMetrics
+from worker.transport.publisher import Publisher
+
+
+@dataclass(slots=True, frozen=True)
+class LoadView:
+    """One control tick's picture of the worker, gathered from its parts."""
+
+    decision: LoadDecision
+    stats: EngineStats
+    waiting_by_priority: list[int]
+    """Requests in the local queue."""
+    paused_by_priority: list[list[int]]
+    """Paused request partitions, by priority."""
+    assigned_partitions: list[int]
+    num_completed: int
+    """Requests finished by the engine since start (for the throughput figures)."""
+    num_output_tokens: int
+
+
+class StatusReporter:
+    def __init__(self, publisher: Publisher, metrics: WorkerMetrics, worker_id: str, status_topic: str) -> None:
+        self.publisher = publisher
+        self.metrics = metrics
+        self.worker_id = worker_id
+        self.status_topic = status_topic
+        self._last_status = (time.monotonic(), 0, 0)
+
+    def update_metrics(self, view: LoadView) -> None:
+        m, stats = self.metrics, view.stats
+        m.num_requests_waiting.set(sum(view.waiting_by_priority) + stats.num_waiting)
+        m.num_requests_running.set(stats.num_running)
+        m.kv_cache_usage.set(stats.kv_usage)
+        m.prefix_cache_hit_rate.set(stats.prefix_cache_hit_rate)
+        m.num_preemptions.set(stats.num_preemptions)
+        if stats.last_step_num_seqs:
+            m.batch_size.observe(stats.last_step_num_seqs)
+        for p, backlog in enumerate(view.decision.backlog_by_priority):
+            m.consumer_lag.labels(priority=str(p)).set(backlog)
+            m.paused_partitions.labels(priority=str(p)).set(len(view.paused_by_priority[p]))
+
+    def build_status(self, view: LoadView) -> WorkerStatus:
+        decision, stats = view.decision, view.stats
+        now = time.monotonic()
+        then, num_done_then, num_tokens_then = self._last_status
+        elapsed = max(now - then, 1e-6)
+        throughput = Throughput(
+            tokens_per_s=(view.num_output_tokens - num_tokens_then) / elapsed,
+            requests_per_s=(view.num_completed - num_done_then) / elapsed,
+        )
+        self._last_status = (now, view.num_completed, view.num_output_tokens)
+        priorities = [
+            PriorityStatus(
+                priority=p, lag=decision.backlog_by_priority[p], num_waiting=view.waiting_by_priority[p],
+                paused_partitions=sorted(view.paused_by_priority[p]), shed=p in decision.shed_priorities,
+                est_wait_s=decision.shed.est_wait_s[p],
+            )
+            for p in range(len(view.waiting_by_priority))
+        ]
+        return WorkerStatus(
+            worker_id=self.worker_id,
+            ts_ms=int(time.time() * 1000),
+            num_waiting=sum(view.waiting_by_priority) + stats.num_waiting,
+            num_running=stats.num_running,
+            kv_usage=min(1.0, max(0.0, stats.kv_usage)),
+            priorities=priorities,
+            throughput=throughput,
+            shedding=bool(decision.shed_priorities),
+            paused_partitions=sorted(p for parts in view.paused_by_priority for p in parts),
+            assigned_partitions=sorted(view.assigned_partitions),
+        )
+
+    async def publish(self, view: LoadView) -> None:
+        status = self.build_status(view)
+        await self.publisher.publish(self.status_topic, status.worker_id.encode(), encode(status))

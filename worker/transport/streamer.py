@@ -1,0 +1,154 @@
+"""From engine outputs to result records: chunks (one per engine step, or coalesced over chunk_interval_ms),
+then exactly one final record per request and attempt, whose acknowledgement marks the request record's
+offset done.
+
+Holds one `RequestStream` per request in the engine, the one place that knows which engine request belongs to
+which Kafka record. Closing a stream early (revocation, shutdown past the drain timeout) silences it: later
+outputs for that engine id are dropped, so nothing more is published for a partition this worker no longer
+owns.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from schemas.decode import encode
+from schemas.result import StreamChunk
+from worker.engine.api import RequestOutput
+from worker.transport.local_queue import QueuedRequest
+from worker.transport.metrics import WorkerMetrics
+from worker.transport.offsets import OffsetTracker
+from worker.transport.publisher import Publisher
+from worker.transport.records import final_for_output
+from worker.transport.shedding import CompletionRate
+
+
+@dataclass(slots=True)
+class RequestStream:
+    """A request in the engine: the tokens and text it generated so far, and what was already sent."""
+
+    queued: QueuedRequest
+    seq: int = 0
+    """The next chunk's sequence number (= chunks sent so far)."""
+    token_ids: list[int] = field(default_factory=list)
+    text_parts: list[str] = field(default_factory=list)
+    num_unsent_tokens: int = 0
+    unsent_text: list[str] = field(default_factory=list)
+    last_flush: float = field(default_factory=time.monotonic)
+
+    def add(self, out: RequestOutput) -> None:
+        self.token_ids += out.new_token_ids
+        self.num_unsent_tokens += len(out.new_token_ids)
+        if out.text_delta:
+            self.text_parts.append(out.text_delta)
+            self.unsent_text.append(out.text_delta)
+
+    def take_chunk(self, now: float) -> StreamChunk | None:
+        """The tokens since the last chunk as one StreamChunk; None when there is nothing new."""
+        if self.num_unsent_tokens == 0 and not self.unsent_text:
+            return None
+        chunk = StreamChunk(
+            id=self.queued.request.id,
+            attempt=self.queued.attempt,
+            seq=self.seq,
+            token_ids=self.token_ids[len(self.token_ids) - self.num_unsent_tokens:],
+            text="".join(self.unsent_text),
+        )
+        self.seq += 1
+        self.num_unsent_tokens = 0
+        self.unsent_text = []
+        self.last_flush = now
+        return chunk
+
+
+class Streamer:
+    def __init__(
+        self, publisher: Publisher, tracker: OffsetTracker, metrics: WorkerMetrics, rate: CompletionRate,
+        worker_id: str, num_priorities: int, chunk_interval_ms: float,
+    ) -> None:
+        self.publisher = publisher
+        self.tracker = tracker
+        self.metrics = metrics
+        self.rate = rate
+        self.worker_id = worker_id
+        self.chunk_interval_s = chunk_interval_ms / 1000.0
+        self.streams: dict[str, RequestStream] = {}
+        """By engine request id: every request handed to the engine and not yet finished."""
+        self.num_open_by_priority = [0] * num_priorities
+        self.num_completed = 0
+        self.num_output_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self.streams)
+
+    def open(self, queued: QueuedRequest) -> None:
+        self.streams[queued.engine_id] = RequestStream(queued)
+        self.num_open_by_priority[queued.priority] += 1
+
+    def close_where(self, predicate: Callable[[QueuedRequest], bool]) -> list[str]:
+        """Silence the streams whose request matches; returns their engine ids (for the engine's abort)."""
+        ids = [eid for eid, stream in self.streams.items() if predicate(stream.queued)]
+        for eid in ids:
+            self.num_open_by_priority[self.streams.pop(eid).queued.priority] -= 1
+        return ids
+
+    async def handle(self, outputs: list[RequestOutput]) -> None:
+        touched: dict[str, RequestStream] = {}
+        finals: list[tuple[RequestStream, RequestOutput]] = []
+        for out in outputs:
+            stream = self.streams.get(out.request_id)
+            if stream is None:
+                continue  # closed early: its partition is someone else's now
+            stream.add(out)
+            if out.finished:
+                finals.append((stream, out))
+                del self.streams[out.request_id]
+                self.num_open_by_priority[stream.queued.priority] -= 1
+            else:
+                touched[out.request_id] = stream
+        now = time.monotonic()
+        for stream in touched.values():
+            if stream.queued.request.stream and now - stream.last_flush >= self.chunk_interval_s:
+                self._send_chunk(stream, now)
+        for stream, out in finals:
+            self._finish(stream, out, now)
+        if finals:
+            self.rate.record(len(finals), now)
+        await self.publisher.wait_room()
+
+    def _send_chunk(self, stream: RequestStream, now: float) -> None:
+        chunk = stream.take_chunk(now)
+        if chunk is not None:
+            self.publisher.publish_nowait(stream.queued.reply_topic, chunk.id.encode(), encode(chunk))
+
+    def _finish(self, stream: RequestStream, out: RequestOutput, now: float) -> None:
+        queued = stream.queued
+        if queued.request.stream:
+            self._send_chunk(stream, now)
+        final = final_for_output(
+            queued.request.id, queued.attempt, queued.timestamp_ms, queued.request.metadata, out,
+            stream.token_ids, "".join(stream.text_parts), stream.seq, self.worker_id,
+        )
+        self.num_completed += 1
+        self.num_output_tokens += len(stream.token_ids)
+        self._observe(final, queued.priority)
+        self.publisher.publish_nowait(queued.reply_topic, final.id.encode(), encode(final),
+                                      self.tracker.on_acked(queued.partition, queued.offset))
+
+    def _observe(self, final, priority: int) -> None:
+        m = self.metrics
+        t = final.timings
+        if final.status == "completed":
+            m.completed_for(priority).inc()
+        else:
+            m.rejected_for(final.reason).inc()
+        if t.ttft_ms is not None:
+            m.time_to_first_token.observe(t.ttft_ms / 1000.0)
+        if t.queue_ms is not None:
+            m.request_queue_time.observe(t.queue_ms / 1000.0)
+        if t.e2e_ms is not None:
+            m.e2e_request_latency.observe(t.e2e_ms / 1000.0)
+        if t.tokens_per_s:
+            m.inter_token_latency.observe(1.0 / t.tokens_per_s)

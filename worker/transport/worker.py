@@ -1,0 +1,244 @@
+"""The worker: connects to Kafka, builds its parts around the clients, runs their loops, shuts down cleanly.
+
+The path of one request (README "Architecture"): Intake.fetch_once → decode → admission → LocalQueue →
+Dispatcher.admit → EngineThread → Streamer.handle → Publisher → OffsetTracker → Intake.commit. Answers that
+bypass the engine go Intake → Answers → Publisher → OffsetTracker.
+
+Tasks on one asyncio loop: intake (fetch, decode, check, queue; then admit into the engine), outputs (engine
+outputs -> chunks and finals; then admit, since room was made), commits (every commit_interval_s), control
+(every 100 ms: lag -> load decision -> pause/shed/end of input; a status record every status_interval_s).
+The engine runs in its own thread.
+
+Shutdown on SIGTERM/SIGINT: stop fetching, pause every partition, let in-flight requests finish for up to
+drain_timeout_s, abort the rest (their offsets stay uncommitted, so they are redelivered), wait for every
+record's acknowledgement, commit, leave the group, exit 0. A broker that cannot be reached is retried with
+backoff, at start and while running; nothing is dropped meanwhile.
+
+Rebalance. On revocation the revoked partitions' safe offsets are committed, their requests are aborted in
+the engine and dropped from the local queue, and nothing more is published for them; the new owner serves
+them again under a higher attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import KafkaError
+
+from schemas.limits import DEFAULT_LIMITS, Limits
+from worker.config import KafkaSettings, WorkerSettings
+from worker.config_cli import masked_dump
+from worker.engine.api import Engine
+from worker.transport.admission import Admission
+from worker.transport.aiokafka_compat import group_generation
+from worker.transport.answers import Answers
+from worker.transport.backpressure import Backpressure
+from worker.transport.dispatcher import Dispatcher
+from worker.transport.engine_thread import EngineThread
+from worker.transport.intake import Intake
+from worker.transport.kafka_clients import RebalanceListener, make_consumer
+from worker.transport.load_control import LoadControl
+from worker.transport.local_queue import LocalQueue
+from worker.transport.metrics import WorkerMetrics
+from worker.transport.offsets import OffsetTracker
+from worker.transport.publisher import Publisher
+from worker.transport.shedding import CompletionRate, Shedder
+from worker.transport.status_report import LoadView, StatusReporter
+from worker.transport.streamer import Streamer
+
+log = logging.getLogger(__name__)
+CONTROL_INTERVAL_S = 0.1
+
+
+class Worker:
+    def __init__(self, kafka: KafkaSettings, settings: WorkerSettings, engine: Engine, *, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 512, limits: Limits = DEFAULT_LIMITS) -> None:
+        self.kafka, self.settings, self.limits, self.engine = kafka, settings, limits, engine
+        self.max_in_engine = settings.max_engine_inflight or 2 * max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.metrics = WorkerMetrics.create()
+        self.stopping = asyncio.Event()
+        self.started = asyncio.Event()
+        self.closing = False
+        """Set at the end of shutdown: the background loops exit at their next turn even if a library call
+        inside them swallowed the cancellation (a shutdown once hung in the control loop that way)."""
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    # -- wiring --------------------------------------------------------------------------------------------
+    def _build(self, consumer: AIOKafkaConsumer, publisher: Publisher) -> None:
+        """Every part, once the Kafka clients exist; each gets only what it uses."""
+        kafka, settings = self.kafka, self.settings
+        self.consumer, self.publisher = consumer, publisher
+        self.tracker = OffsetTracker()
+        self.rate = CompletionRate()
+        self.outputs: asyncio.Queue = asyncio.Queue()
+        self.engine_thread = EngineThread(self.engine, asyncio.get_running_loop(), self.outputs)
+        self.queue = LocalQueue(kafka.num_priorities, settings.max_waiting)
+        self.answers = Answers(publisher, self.tracker, self.metrics, settings.worker_id, kafka.result_topic,
+                               kafka.dead_letter_topic)
+        admission = Admission(kafka.result_topic, frozenset(kafka.allowed_reply_topics), list(settings.itl_target_ms),
+                              self.max_num_batched_tokens)
+        self.streamer = Streamer(publisher, self.tracker, self.metrics, self.rate, settings.worker_id,
+                                 kafka.num_priorities, settings.chunk_interval_ms)
+        self.dispatcher = Dispatcher(self.queue, self.streamer, self.engine_thread, admission, self.answers,
+                                     self.max_in_engine)
+        self.intake = Intake(
+            consumer, self.tracker, self.queue, self.answers, admission, self.rate, lambda: self.engine_thread.stats,
+            num_priorities=kafka.num_priorities, num_partitions=kafka.num_request_partitions,
+            result_topic=kafka.result_topic, max_poll_records=settings.max_poll_records, limits=self.limits,
+        )
+        self.load_control = LoadControl(Shedder(list(settings.max_queue_time_s), kafka.num_priorities),
+                                        Backpressure.from_settings(settings, kafka.num_priorities), self.rate)
+        self.reporter = StatusReporter(publisher, self.metrics, settings.worker_id, kafka.status_topic)
+
+    async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
+        if not self.started.is_set():
+            return  # the first join of a starting worker: nothing is owned yet
+        await self.intake.commit(revoked)
+        ids = self.streamer.close_where(lambda queued: queued.partition in revoked)
+        self.engine_thread.abort(ids)
+        self.intake.on_revoked(revoked)
+        log.info("revoked %s; aborted %d in-flight requests", sorted(tp.partition for tp in revoked), len(ids))
+
+    def _on_assigned(self, assigned: set[TopicPartition]) -> None:
+        self.intake.on_assigned(assigned, group_generation(self.consumer))
+
+    async def _connect(self) -> bool:
+        """Create the clients and the parts, subscribe, start; retried with backoff until Kafka answers."""
+        backoff = 0.5
+        while not self.stopping.is_set():
+            publisher, consumer = Publisher(self.kafka.client_kwargs()), make_consumer(self.kafka, self.settings)
+            # Built before start: the first assignment may arrive inside start(), and its listener needs them.
+            self._build(consumer, publisher)
+            try:
+                await publisher.start()
+                consumer.subscribe([self.kafka.request_topic],
+                                   listener=RebalanceListener(self._on_revoked, self._on_assigned))
+                await consumer.start()
+                return True
+            except KafkaError as exc:
+                log.warning("cannot reach Kafka at %s (%r); retrying in %.1fs",
+                            self.kafka.bootstrap_servers, exc, backoff)
+                for client in (consumer, publisher):
+                    try:
+                        await client.stop()
+                    except Exception:  # noqa: BLE001 - half-started clients may fail to stop; nothing to keep
+                        pass
+                try:
+                    await asyncio.wait_for(self.stopping.wait(), backoff)
+                except asyncio.TimeoutError:
+                    pass
+                backoff = min(backoff * 2, 10.0)
+        return False
+
+    # -- running -------------------------------------------------------------------------------------------
+    async def run(self) -> int:
+        log.info("effective configuration: %s", json.dumps(
+            {"kafka": masked_dump(self.kafka), "worker": masked_dump(self.settings)}, default=str))
+        metrics_server = self.metrics.serve(self.settings.metrics_port) if self.settings.metrics_port else None
+        if not await self._connect():
+            return 0
+        self.engine_thread.start()
+        tasks = [asyncio.create_task(coro) for coro in (self._output_loop(), self._commit_loop(), self._control_loop())]
+        intake_task = asyncio.create_task(self._intake_loop())
+        self.started.set()
+        await self.stopping.wait()
+        log.info("stopping: draining %d in-flight requests (up to %.0fs)", len(self.streamer),
+                 self.settings.drain_timeout_s)
+        await self._shutdown(intake_task, tasks)
+        if metrics_server is not None:
+            metrics_server.shutdown()
+        log.info("stopped")
+        return 0
+
+    async def _shutdown(self, intake_task: asyncio.Task, tasks: list[asyncio.Task]) -> None:
+        self.dispatcher.draining = True
+        intake_task.cancel()
+        await asyncio.gather(intake_task, return_exceptions=True)
+        self.intake.stop_fetching()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.drain_timeout_s
+        while len(self.streamer) and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        abandoned = self.streamer.close_where(lambda queued: True)
+        if abandoned:
+            log.warning("drain timeout: %d requests abandoned; they stay uncommitted and will be redelivered",
+                        len(abandoned))
+            self.engine_thread.abort(abandoned)
+        if not await self.publisher.wait_acked(timeout_s=30.0):
+            log.warning("some records were not acknowledged before shutdown; their offsets stay uncommitted")
+        await self.intake.commit()
+        self.closing = True
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.consumer.stop()
+        await self.publisher.stop()
+        self.engine_thread.stop()
+
+    async def _intake_loop(self) -> None:
+        backoff = 0.1
+        while not self.stopping.is_set():
+            try:
+                await self.intake.fetch_once()
+                self.dispatcher.admit()
+                await self.publisher.wait_room()
+                backoff = 0.1
+            except KafkaError as exc:
+                log.warning("fetch failed (%r); retrying in %.1fs", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the loop must outlive any one bad record or state
+                log.exception("intake error; continuing")
+                await asyncio.sleep(0.1)
+
+    async def _output_loop(self) -> None:
+        while not self.closing:
+            batch = await self.outputs.get()
+            while not self.outputs.empty():
+                batch += self.outputs.get_nowait()
+            try:
+                await self.streamer.handle(batch)
+                self.dispatcher.admit()
+            except Exception:  # noqa: BLE001 - publishing must go on for the other requests
+                log.exception("output handling failed")
+
+    async def _commit_loop(self) -> None:
+        while not self.closing:
+            await asyncio.sleep(self.settings.commit_interval_s)
+            await self.intake.commit()
+
+    async def _control_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_status = loop.time()
+        while not self.closing:
+            try:
+                view = await self._control_tick()
+                if loop.time() >= next_status:
+                    next_status = loop.time() + self.settings.status_interval_s
+                    await self.reporter.publish(view)
+            except Exception:  # noqa: BLE001
+                log.exception("load control failed")
+            await asyncio.sleep(CONTROL_INTERVAL_S)
+
+    async def _control_tick(self) -> LoadView:
+        """Measure, decide, apply: lag -> LoadDecision -> intake (shed, pause) and engine (end of input)."""
+        stats = self.engine_thread.stats
+        waiting = self.queue.num_waiting_by_priority()
+        decision = self.load_control.decide(await self.intake.lag_by_priority(), waiting, stats.kv_usage,
+                                            time.monotonic())
+        self.intake.apply(decision)
+        self.dispatcher.set_input_ended(decision.input_ended)
+        view = LoadView(decision, stats, self.queue.num_waiting_by_priority(), self.intake.paused_by_priority(),
+                        [tp.partition for tp in self.intake.assigned], self.streamer.num_completed,
+                        self.streamer.num_output_tokens)
+        self.reporter.update_metrics(view)
+        return view
