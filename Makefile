@@ -44,8 +44,8 @@ broker-status: $(INSTALL_STAMP)
 	$(BIN)/llm-worker broker status
 
 # ---- demo and bench ------------------------------------------------------------------------------------
-# Rate sweep of every system on SmolLM2-135M (~30-40 min on an idle 2-core CPU); writes
-# benchmarks/results/<date>/. BENCH_ARGS passes options, e.g. make bench BENCH_ARGS=--quick.
+# Rate sweep of every system on SmolLM2-135M, 3 repetitions (~110 min on an idle 2-core CPU: the last full run
+# took 111 min); writes benchmarks/results/<date>/. BENCH_ARGS passes options, e.g. make bench BENCH_ARGS=--quick.
 bench: setup
 	$(BIN)/python -m benchmarks.report $(BENCH_ARGS)
 

@@ -21,11 +21,12 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import bench_engine as be
+from benchmarks.settings import DEFAULT_MODEL, bench_max_model_len, engine_settings, set_threads
 from benchmarks.stats import median_min_max
 from benchmarks.trace import PROFILES
 from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.engine import LLMEngine
+from worker.model.runner import ModelRunner
 from worker.model.torch_attention import DECODE_PADDING, TorchAttention
 
 
@@ -39,7 +40,7 @@ def prompt_lengths(num_seqs: int, seed: int) -> list[int]:
 def decode_step_times(runner, lengths: list[int], padding: float, steps: int, seed: int) -> list[float]:
     backend = TorchAttention(decode_padding=padding)
     runner.backend = runner.model.backend = backend
-    settings = be.engine_settings("continuous", runner.max_model_len, max_num_seqs=len(lengths))
+    settings = engine_settings("continuous", runner.max_model_len, max_num_seqs=len(lengths))
     engine = LLMEngine(settings, runner=runner)
     rng = random.Random(seed)
     for i, n in enumerate(lengths):
@@ -61,7 +62,7 @@ def decode_step_times(runner, lengths: list[int], padding: float, steps: int, se
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--num-seqs", type=int, default=64)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--reps", type=int, default=3)
@@ -69,10 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    threads = be.set_threads(args.threads)
+    threads = set_threads(args.threads)
     # Room for every request's context: the bench's usual 256 MiB holds ~5,800 tokens.
-    runner = be.ModelRunner(args.model, be.engine_settings("continuous", be.bench_max_model_len("cpu"),
-                                                           kv_cache_bytes=1024**3))
+    runner = ModelRunner(args.model, engine_settings("continuous", bench_max_model_len("cpu"), kv_cache_bytes=1024**3))
     lengths = prompt_lengths(args.num_seqs, args.seed)
     settings = {"grouped": DECODE_PADDING, "one padded group": math.inf}
     medians: dict[str, list[float]] = {name: [] for name in settings}

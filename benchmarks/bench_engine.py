@@ -9,7 +9,7 @@ Systems (all on one model instance per family, loaded once per process):
   hf-cb       transformers' continuous batching manager (benchmarks/hf_systems.py)
 
 Every LLMEngine run gets a fresh scheduler and block pool over the same ModelRunner (weights and KV
-memory), with the same limits for every policy (see `engine_settings`). Requests ignore EOS, so each
+memory), with the same limits for every policy (benchmarks/settings.py). Requests ignore EOS, so each
 produces exactly the output length the trace says. Arrivals are open-loop: a request that arrives while a
 step runs is added after it, with its arrival time set to when it arrived, so queueing counts in latency.
 
@@ -26,103 +26,104 @@ import statistics
 import time
 from pathlib import Path
 
+from benchmarks.hf_systems import HFBaselines
 from benchmarks.run_result import RequestRecord, RunResult, compute_metrics
-from benchmarks.trace import Trace, TraceConfig, generate_trace, max_request_len
-from worker.config import EngineSettings
+from benchmarks.settings import (ALL_SYSTEMS, DEFAULT_MODEL, ENGINE_POLICIES, MAX_NUM_SEQS, engine_settings,
+                                 load_runner, min_token_id, set_threads)
+from benchmarks.trace import Trace, TraceConfig, generate_trace
 from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.engine import LLMEngine
 from worker.model.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
-ENGINE_POLICIES = ("continuous", "dynamic", "static")
-HF_SYSTEMS = ("hf-static", "hf-cb")
-ALL_SYSTEMS = ENGINE_POLICIES + HF_SYSTEMS
-
-# Shared by every system (transformers' ones take the equivalents): documented in benchmarks/README.md.
-MAX_NUM_SEQS = 64
-MAX_NUM_BATCHED_TOKENS = 512
-MAX_BATCH_SIZE = 16
-BLOCK_SIZE = 16
-KV_CACHE_BYTES = 256 * 1024**2
-
-
-def engine_settings(policy: str, max_model_len: int, **overrides) -> EngineSettings:
-    """Identical limits for every policy; prefix caching off (random prompts share nothing anyway, and a
-    repeated trace must not hit the previous repetition's cache)."""
-    values = dict(
-        policy=policy, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-        max_batch_size=MAX_BATCH_SIZE, block_size=BLOCK_SIZE, kv_cache_bytes=KV_CACHE_BYTES,
-        max_model_len=max_model_len, enable_prefix_caching=False, device="cpu", dtype="float32",
-    )
-    values.update(overrides)
-    return EngineSettings(**values)
-
-
-def min_token_id(tokenizer) -> int:
-    """First id above every special token: prompts are drawn from the ordinary vocabulary."""
-    return max(tokenizer.all_special_ids + list(tokenizer.added_tokens_decoder)) + 1
-
 
 # ---- LLMEngine replay ---------------------------------------------------------------------------------
 
 
-def _sleep_until(deadline: float | None, cap: float = 0.05) -> None:
-    delay = cap if deadline is None else min(cap, deadline - time.monotonic())
-    if delay > 0:
-        time.sleep(delay)
+class _Replay:
+    """One real-time replay of a trace against an LLMEngine: arrivals in, outputs recorded, KV sampled."""
+
+    def __init__(self, engine: LLMEngine, trace: Trace) -> None:
+        self.engine = engine
+        self.requests = trace.requests
+        self.records = {r.request_id: RequestRecord(r.request_id, r.kind, r.priority, r.arrival_s,
+                                                    r.num_prompt_tokens) for r in self.requests}
+        self.num_added = 0
+        self.kv_util: list[float] = []
+        """Per step: KV tokens held by running requests / slots in their blocks."""
+        self.kv_usage: list[float] = []
+        """Per step: fraction of the block pool in use."""
+        self.max_running = 0
+        self.start = time.monotonic()
+
+    @property
+    def next_arrival(self) -> float | None:
+        """Monotonic time of the next request still to add; None once the trace is over."""
+        if self.num_added == len(self.requests):
+            return None
+        return self.start + self.requests[self.num_added].arrival_s
+
+    def add_arrived(self) -> None:
+        """Adds every request whose arrival time has passed, with that arrival time (queueing counts in its
+        latency); the last one also ends the input, so a static batch may start partial."""
+        if self.num_added == len(self.requests):
+            return
+        now = time.monotonic()
+        while self.num_added < len(self.requests) and self.next_arrival <= now:
+            r = self.requests[self.num_added]
+            sampling = SamplingParams(max_new_tokens=r.max_new_tokens, ignore_eos=True)
+            request = EngineRequest(r.request_id, prompt_token_ids=r.prompt_token_ids, sampling=sampling,
+                                    priority=r.priority, arrival_time=self.start + r.arrival_s)
+            for out in self.engine.add_request(request):  # rejected at once
+                self.records[out.request_id].error = out.error_code or out.finish_reason
+            self.num_added += 1
+        if self.num_added == len(self.requests):
+            self.engine.set_input_ended()
+
+    def step(self) -> None:
+        """One engine step (wake_time() was due, so the scheduler has running or admissible requests and the
+        step runs the model), its finished requests recorded and the KV cache sampled after it."""
+        for out in self.engine.step():
+            if out.finished:
+                record = self.records[out.request_id]
+                record.num_output_tokens = out.num_output_tokens
+                record.first_token_s = None if out.first_token_time is None else out.first_token_time - self.start
+                record.finish_s = out.finish_time - self.start
+                if out.finish_reason not in ("length", "stop"):
+                    record.error = out.error_code or out.finish_reason
+        scheduler = self.engine.scheduler
+        running = scheduler.running
+        self.max_running = max(self.max_running, len(running))
+        held = sum(r.num_computed_tokens for r in running)
+        allocated = sum(len(r.block_ids) for r in running) * scheduler.block_size
+        if allocated:
+            self.kv_util.append(held / allocated)
+        self.kv_usage.append(scheduler.kv_usage)
 
 
 def run_engine(engine: LLMEngine, trace: Trace, system: str) -> RunResult:
-    requests = trace.requests
-    records = {r.request_id: RequestRecord(r.request_id, r.kind, r.priority, r.arrival_s, r.num_prompt_tokens)
-               for r in requests}
-    scheduler, block_size = engine.scheduler, engine.scheduler.block_size
-    kv_util, kv_usage, max_running = [], [], 0
-    start = time.monotonic()
-    num_added, flushed = 0, False
+    """Replays `trace` in real time through the Engine contract (worker/engine/api.py), as the worker's engine
+    thread drives it (worker/transport/engine_thread.py): add what has arrived, step while wake_time() is
+    due, otherwise sleep until the earlier of wake_time() and the next arrival. A request arriving while a
+    step runs is added after it, with its arrival time, so queueing counts in latency (open loop)."""
+    replay = _Replay(engine, trace)
     while True:
-        now = time.monotonic()
-        while num_added < len(requests) and start + requests[num_added].arrival_s <= now:
-            r = requests[num_added]
-            sampling = SamplingParams(max_new_tokens=r.max_new_tokens, ignore_eos=True)
-            for out in engine.add_request(EngineRequest(r.request_id, prompt_token_ids=r.prompt_token_ids,
-                                                        sampling=sampling, priority=r.priority,
-                                                        arrival_time=start + r.arrival_s)):
-                records[out.request_id].error = out.error_code or out.finish_reason
-            num_added += 1
-        next_arrival = start + requests[num_added].arrival_s if num_added < len(requests) else None
-        if next_arrival is None and not flushed:
-            engine.set_input_ended()  # static: the trace is over, a partial last batch may start
-            flushed = True
-        if not engine.has_unfinished():
-            if next_arrival is None:
-                break
-            _sleep_until(next_arrival, cap=1.0)
+        replay.add_arrived()
+        wake = engine.wake_time()
+        if wake is not None and wake <= time.monotonic():
+            replay.step()
             continue
-        steps_before = engine.num_steps
-        for out in engine.step():
-            record = records[out.request_id]
-            if out.finished:
-                record.num_output_tokens = out.num_output_tokens
-                record.first_token_s = None if out.first_token_time is None else out.first_token_time - start
-                record.finish_s = out.finish_time - start
-                if out.finish_reason not in ("length", "stop"):
-                    record.error = out.error_code or out.finish_reason
-        if engine.num_steps == steps_before:  # nothing runnable: a batch still forming
-            wakes = [t for t in (engine.wake_time(), next_arrival) if t is not None]
-            _sleep_until(min(wakes) if wakes else None)
-            continue
-        running = scheduler.running
-        max_running = max(max_running, len(running))
-        held = sum(r.num_computed_tokens for r in running)
-        allocated = sum(len(r.block_ids) for r in running) * block_size
-        if allocated:
-            kv_util.append(held / allocated)
-        kv_usage.append(scheduler.kv_usage)
-    wall = time.monotonic() - start
+        wakes = [t for t in (wake, replay.next_arrival) if t is not None]
+        if not wakes:  # nothing can run and nothing more arrives
+            if engine.has_unfinished():
+                raise RuntimeError(f"{system}: unfinished requests, but wake_time() is None after the input ended")
+            break
+        time.sleep(max(0.0, min(wakes) - time.monotonic()))
+    wall = time.monotonic() - replay.start
     stats = engine.stats()
-    return RunResult(system, trace.config.rate, list(records.values()), wall, kv_util, kv_usage, max_running,
+    return RunResult(system, trace.config.rate, list(replay.records.values()), wall, replay.kv_util,
+                     replay.kv_usage, replay.max_running,
                      extra={"num_steps": stats.num_steps, "num_preemptions": stats.num_preemptions})
 
 
@@ -140,6 +141,23 @@ def measure_overhead(runner: ModelRunner, num_seqs: int = 64, prompt_len: int = 
 
     runner.execute is wrapped from outside (engine.py is not touched): everything else in step() (schedule,
     building the flat batch, sampling, update, detokenizing, outputs) counts as engine overhead."""
+    engine = _engine_decoding(runner, num_seqs, prompt_len, num_steps, seed)
+    step_s, forward_s = _time_decode_steps(engine, runner, num_steps)
+    outside = [s - f for s, f in zip(step_s, forward_s)]
+    return {
+        "num_running": num_seqs,
+        "num_steps": num_steps,
+        "step_s_median": statistics.median(step_s),
+        "forward_s_median": statistics.median(forward_s),
+        "outside_forward_s_median": statistics.median(outside),
+        "overhead_fraction": sum(outside) / sum(step_s),
+        "overhead_fraction_median_step": statistics.median(o / s for o, s in zip(outside, step_s)),
+    }
+
+
+def _engine_decoding(runner: ModelRunner, num_seqs: int, prompt_len: int, num_steps: int, seed: int) -> LLMEngine:
+    """A continuous engine with `num_seqs` requests of `prompt_len` prompt tokens prefilled and decoding, each
+    with room for `num_steps` more decode steps."""
     settings = engine_settings("continuous", runner.max_model_len, max_num_seqs=num_seqs)
     engine = LLMEngine(settings, runner=runner)
     low = min_token_id(engine.tokenizer)
@@ -156,7 +174,13 @@ def measure_overhead(runner: ModelRunner, num_seqs: int = 64, prompt_len: int = 
         if len(running) == num_seqs and all(r.num_output_tokens >= 2 for r in running):
             break
     assert engine.scheduler.num_running == num_seqs, (engine.scheduler.num_running, num_seqs)
+    return engine
 
+
+def _time_decode_steps(engine: LLMEngine, runner: ModelRunner, num_steps: int) -> tuple[list[float], list[float]]:
+    """Seconds of each of `num_steps` whole steps, and of the model forward inside each; every request that
+    runs at the start keeps running throughout."""
+    num_running = engine.scheduler.num_running
     execute = runner.execute
     forward_s: list[float] = []
 
@@ -174,19 +198,10 @@ def measure_overhead(runner: ModelRunner, num_seqs: int = 64, prompt_len: int = 
             t0 = time.perf_counter()
             engine.step()
             step_s.append(time.perf_counter() - t0)
-            assert engine.scheduler.num_running == num_seqs
+            assert engine.scheduler.num_running == num_running
     finally:
         del runner.execute  # back to the class method
-    outside = [s - f for s, f in zip(step_s, forward_s)]
-    return {
-        "num_running": num_seqs,
-        "num_steps": num_steps,
-        "step_s_median": statistics.median(step_s),
-        "forward_s_median": statistics.median(forward_s),
-        "outside_forward_s_median": statistics.median(outside),
-        "overhead_fraction": sum(outside) / sum(step_s),
-        "overhead_fraction_median_step": statistics.median(o / s for o, s in zip(outside, step_s)),
-    }
+    return step_s, forward_s
 
 
 # ---- KV memory: paged vs contiguous reservation ---------------------------------------------------------
@@ -217,33 +232,9 @@ def kv_capacity(runner: ModelRunner, trace: Trace, observed_max_concurrent: int 
 # ---- command line -------------------------------------------------------------------------------------
 
 
-def bench_max_model_len(profile: str) -> int:
-    """The engine's max_model_len: a power of two (at least 1024) that the profile's longest request fits;
-    it is also what a contiguous-cache system would reserve per request."""
-    return max(1024, 1 << (max_request_len(profile) - 1).bit_length())
-
-
-def set_threads(threads: int | None) -> int:
-    """torch intra-op threads for every system. None: one thread when the machine is already oversubscribed
-    (1-minute load >= cores: OpenMP workers then spin against other processes and a step slows ~8x), else
-    torch's default."""
-    import os
-
-    import torch
-
-    if threads is None:
-        threads = 1 if os.getloadavg()[0] >= (os.cpu_count() or 1) else torch.get_num_threads()
-    torch.set_num_threads(threads)
-    return threads
-
-
-def load_runner(model: str, profile: str) -> ModelRunner:
-    return ModelRunner(model, engine_settings("continuous", bench_max_model_len(profile)))
-
-
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--systems", default=",".join(ALL_SYSTEMS))
     parser.add_argument("--rate", type=float, default=2.0, help="requests/s; 0 = all at t=0 (offline)")
     parser.add_argument("--num-requests", type=int, default=40)
@@ -255,15 +246,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated running-request counts to measure decode step time and overhead at "
                              "(e.g. 1,16,64: how step time scales with the batch on this machine)")
     parser.add_argument("--out", type=Path, help="write the metrics as JSON here")
-    parser.add_argument("--threads", type=int, help="torch threads (default: see set_threads)")
+    parser.add_argument("--threads", type=int, help="torch threads (default: see settings.set_threads)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
-    print(f"torch threads: {set_threads(args.threads)}", flush=True)
-
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = set(systems) - set(ALL_SYSTEMS)
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = set(args.systems) - set(ALL_SYSTEMS)
     if unknown:
         parser.error(f"unknown systems {sorted(unknown)}; choose from {ALL_SYSTEMS}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    print(f"torch threads: {set_threads(args.threads)}", flush=True)
     runner = load_runner(args.model, args.profile)
     if args.trace:
         trace = Trace.load(args.trace)
@@ -271,19 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         trace = generate_trace(TraceConfig(rate=args.rate, num_requests=args.num_requests, profile=args.profile,
                                            seed=args.seed, min_token_id=min_token_id(runner.tokenizer),
                                            vocab_size=runner.vocab_size))
-    results = {"runs": [], "kv_capacity": None, "overhead": None}
-    hf = None
-    for system in systems:
-        if system in ENGINE_POLICIES:
-            run = run_engine_policy(runner, system, trace)
-        else:
-            from benchmarks.hf_systems import HFBaselines
-
-            hf = hf or HFBaselines(runner.model_path)
-            run = hf.run(system, trace)
-        metrics = compute_metrics(run)
-        results["runs"].append(metrics)
-        print(format_run(metrics), flush=True)
+    results = {"runs": run_systems(runner, args.systems, trace), "kv_capacity": None, "overhead": None}
     observed = max((m["max_concurrent"] for m in results["runs"] if m["system"] in ENGINE_POLICIES), default=None)
     results["kv_capacity"] = kv_capacity(runner, trace, observed)
     print(json.dumps(results["kv_capacity"], indent=1))
@@ -296,6 +279,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     return 0
+
+
+def run_systems(runner: ModelRunner, systems: list[str], trace: Trace) -> list[dict]:
+    """Each system's metrics on `trace`, printed as they come; transformers' models load on first use."""
+    runs, hf = [], None
+    for system in systems:
+        if system in ENGINE_POLICIES:
+            run = run_engine_policy(runner, system, trace)
+        else:
+            hf = hf or HFBaselines(runner.model_path)
+            run = hf.run(system, trace)
+        runs.append(compute_metrics(run))
+        print(format_run(runs[-1]), flush=True)
+    return runs
 
 
 def format_run(m: dict) -> str:

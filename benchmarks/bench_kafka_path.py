@@ -39,15 +39,23 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+from benchmarks.bench_engine import run_engine_policy
+from benchmarks.floors import KAFKA_FLOOR
+from benchmarks.run_result import RequestRecord, RunResult, compute_metrics, records_to_json
+from benchmarks.settings import DEFAULT_MODEL, engine_settings, load_runner, min_token_id, set_threads
+from benchmarks.trace import Trace, TraceConfig, TraceRequest, generate_trace, is_offline
+from schemas.decode import decode_result, decode_status, encode
+from schemas.priority import partition_for
+from schemas.request import GenerationRequest, SamplingSpec
+from schemas.result import FinalRecord, StreamChunk
+from worker.broker.topics import ensure_topics
+from worker.config import KafkaSettings
+from worker.model.runner import ModelRunner
+
 REPO = Path(__file__).resolve().parents[1]
 
-from benchmarks import bench_engine as be  # noqa: E402
-from benchmarks.run_result import RequestRecord, RunResult, compute_metrics, records_to_json  # noqa: E402
-from benchmarks.trace import Trace, TraceConfig, TraceRequest, generate_trace, is_offline  # noqa: E402
-from schemas.result import FinalRecord, StreamChunk  # noqa: E402
-
-FLOOR = 0.90
-"""Kafka-path output tok/s / in-process output tok/s must stay at or above this (the issue's floor)."""
 NO_SHEDDING = "[1000000.0, 1000000.0, 1000000.0]"
 
 
@@ -105,14 +113,14 @@ def compare(inproc: list[dict], kafka: list[dict]) -> dict:
     med_k = statistics.median(m["output_tokens_per_s"] for m in kafka) if kafka else math.nan
     ratio = med_k / med_i if med_i and not math.isnan(med_i) else math.nan
     return {"inproc_tok_s_median": med_i, "kafka_tok_s_median": med_k, "ratio_of_medians": ratio,
-            "ratio_per_rep": pairs, "floor": FLOOR, "meets_floor": bool(ratio >= FLOOR)}
+            "ratio_per_rep": pairs, "floor": KAFKA_FLOOR, "meets_floor": bool(ratio >= KAFKA_FLOOR)}
 
 
 # ---- Kafka path -----------------------------------------------------------------------------------------
 
 
 def worker_env(kafka, model: str, max_model_len: int, threads: int) -> dict[str, str]:
-    s = be.engine_settings("continuous", max_model_len)
+    s = engine_settings("continuous", max_model_len)
     env = dict(os.environ)
     env.update({
         "KAFKA_BOOTSTRAP_SERVERS": kafka.bootstrap_servers, "KAFKA_REQUEST_TOPIC": kafka.request_topic,
@@ -132,52 +140,92 @@ def worker_env(kafka, model: str, max_model_len: int, threads: int) -> dict[str,
 
 async def run_kafka(bootstrap: str, trace: Trace, warmup: Trace, *, model: str, max_model_len: int, threads: int,
                     stream: bool, timeout_s: float, log_dir: Path) -> RunResult:
-    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+    """One measured replay of `trace` through fresh topics and a fresh worker subprocess, after the worker
+    has joined its group and served `warmup`; the worker is stopped on every exit."""
+    run = await _KafkaRun.start(bootstrap, log_dir, stream)
+    run.start_worker(worker_env(run.kafka, model, max_model_len, threads))
+    reader = asyncio.create_task(run.read_loop())
+    try:
+        started = time.monotonic()
+        await run.wait_for(run.ready.is_set, "worker ready (status with every partition assigned)", 300)
+        ready_s = time.monotonic() - started
+        await run.replay(warmup, "warm-up finals", 120)
+        tracker = await run.replay(trace, "every final record", timeout_s)
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        exit_code = await run.stop()
+    ttfts = list(tracker.worker_ttft_ms.values())
+    return RunResult("kafka", trace.config.rate, list(tracker.records.values()), tracker.last_final_s,
+                     extra={"worker_ready_s": ready_s, "worker_exit_code": exit_code, "stream": stream,
+                            "worker_ttft_ms_p50": statistics.median(ttfts) if ttfts else None,
+                            "worker_log": str(run.log_path)})
 
-    from schemas.decode import decode_result, decode_status, encode
-    from schemas.priority import partition_for
-    from schemas.request import GenerationRequest, SamplingSpec
-    from worker.broker.topics import ensure_topics
-    from worker.config import KafkaSettings
 
-    suffix = uuid.uuid4().hex[:8]
-    kafka = KafkaSettings(bootstrap_servers=bootstrap, request_topic=f"kp.requests.{suffix}",
-                          result_topic=f"kp.results.{suffix}", dead_letter_topic=f"kp.dlq.{suffix}",
-                          status_topic=f"kp.status.{suffix}", group_id=f"kp-{suffix}")
-    states = await ensure_topics(kafka)
-    num_partitions = kafka.num_request_partitions
-    consumer = AIOKafkaConsumer(**kafka.client_kwargs(), group_id=None, enable_auto_commit=False,
-                                auto_offset_reset="earliest")
-    await consumer.start()
-    tps = [TopicPartition(kafka.result_topic, p) for p in range(states[kafka.result_topic].num_partitions)]
-    tps += [TopicPartition(kafka.status_topic, p) for p in range(states[kafka.status_topic].num_partitions)]
-    consumer.assign(tps)
-    producer = AIOKafkaProducer(**kafka.client_kwargs(), linger_ms=0)
-    await producer.start()
-    log_path = log_dir / f"worker-{suffix}.log"
-    log = open(log_path, "wb")
-    proc = subprocess.Popen([str(REPO / ".venv/bin/llm-worker"), "serve"], cwd=REPO, stdout=log, stderr=log,
-                            env=worker_env(kafka, model, max_model_len, threads))
-    clock = {"t0": time.monotonic()}
-    trackers: list[ResultTracker] = []
-    ready = asyncio.Event()
+class _KafkaRun:
+    """The client side of one Kafka run: fresh topics, a producer of requests, a consumer of the result and
+    status topics, and the `llm-worker serve` subprocess, whose output goes to a log file in log_dir."""
 
-    async def read_loop() -> None:
+    def __init__(self, kafka: KafkaSettings, num_result_partitions: int, num_status_partitions: int, log_path: Path,
+                 stream: bool) -> None:
+        self.kafka = kafka
+        self.stream = stream
+        self.consumer = AIOKafkaConsumer(**kafka.client_kwargs(), group_id=None, enable_auto_commit=False,
+                                         auto_offset_reset="earliest")
+        self.partitions = [TopicPartition(kafka.result_topic, p) for p in range(num_result_partitions)]
+        self.partitions += [TopicPartition(kafka.status_topic, p) for p in range(num_status_partitions)]
+        self.producer = AIOKafkaProducer(**kafka.client_kwargs(), linger_ms=0)
+        self.log_path = log_path
+        self.log = None
+        self.proc: subprocess.Popen | None = None
+        self.ready = asyncio.Event()
+        """Set once a status record lists every request partition: the worker has joined its group."""
+        self.tracker: ResultTracker | None = None
+        """The replay whose results are awaited; records of any other run's ids are ignored."""
+        self.t0 = time.monotonic()
+        """When the current replay's first request was sent: its records' times count from here."""
+
+    @classmethod
+    async def start(cls, bootstrap: str, log_dir: Path, stream: bool) -> "_KafkaRun":
+        suffix = uuid.uuid4().hex[:8]
+        kafka = KafkaSettings(bootstrap_servers=bootstrap, request_topic=f"kp.requests.{suffix}",
+                              result_topic=f"kp.results.{suffix}", dead_letter_topic=f"kp.dlq.{suffix}",
+                              status_topic=f"kp.status.{suffix}", group_id=f"kp-{suffix}")
+        states = await ensure_topics(kafka)
+        run = cls(kafka, states[kafka.result_topic].num_partitions, states[kafka.status_topic].num_partitions,
+                  log_dir / f"worker-{suffix}.log", stream)
+        await run.consumer.start()
+        run.consumer.assign(run.partitions)
+        await run.producer.start()
+        return run
+
+    def start_worker(self, env: dict[str, str]) -> None:
+        self.log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen([str(REPO / ".venv/bin/llm-worker"), "serve"], cwd=REPO, stdout=self.log,
+                                     stderr=self.log, env=env)
+
+    async def read_loop(self) -> None:
         while True:
-            batches = await consumer.getmany(timeout_ms=50, max_records=5000)
+            batches = await self.consumer.getmany(timeout_ms=50, max_records=5000)
             now = time.monotonic()
             for tp, msgs in batches.items():
                 for msg in msgs:
-                    if tp.topic == kafka.status_topic:
+                    if tp.topic == self.kafka.status_topic:
                         status = decode_status(msg.value)
-                        if len(status.assigned_partitions) >= num_partitions:
-                            ready.set()
-                        continue
-                    record = decode_result(msg.value)
-                    for tracker in trackers:
-                        tracker.on_record(record, now - clock["t0"])
+                        if len(status.assigned_partitions) >= self.kafka.num_request_partitions:
+                            self.ready.set()
+                    elif self.tracker is not None:
+                        self.tracker.on_record(decode_result(msg.value), now - self.t0)
 
-    async def send(requests: list[TraceRequest], start: float) -> None:
+    async def replay(self, trace: Trace, what: str, limit_s: float) -> ResultTracker:
+        """Sends the trace's requests at their arrival times and waits up to `limit_s` for every final."""
+        tracker = ResultTracker.for_trace(trace.requests)
+        self.tracker, self.t0 = tracker, time.monotonic()
+        await self.send(trace.requests, self.t0)
+        await self.wait_for(lambda: tracker.done, what, limit_s)
+        return tracker
+
+    async def send(self, requests: list[TraceRequest], start: float) -> None:
         futures = []
         for r in requests:
             delay = start + r.arrival_s - time.monotonic()
@@ -185,57 +233,41 @@ async def run_kafka(bootstrap: str, trace: Trace, warmup: Trace, *, model: str, 
                 await asyncio.sleep(delay)
             req = GenerationRequest(id=r.request_id, prompt_token_ids=r.prompt_token_ids,
                                     max_new_tokens=r.max_new_tokens, sampling=SamplingSpec(ignore_eos=True),
-                                    priority=r.priority, stream=stream)
-            partition = partition_for(r.priority, r.request_id, num_partitions, kafka.num_priorities)
-            futures.append(await producer.send(kafka.request_topic, encode(req), key=r.request_id.encode(),
-                                               partition=partition))
+                                    priority=r.priority, stream=self.stream)
+            partition = partition_for(r.priority, r.request_id, self.kafka.num_request_partitions,
+                                      self.kafka.num_priorities)
+            futures.append(await self.producer.send(self.kafka.request_topic, encode(req),
+                                                    key=r.request_id.encode(), partition=partition))
         await asyncio.gather(*futures)
 
-    async def wait_for(predicate, what: str, limit_s: float) -> None:
+    async def wait_for(self, predicate, what: str, limit_s: float) -> None:
         deadline = time.monotonic() + limit_s
         while not predicate():
-            if proc.poll() is not None:
-                raise RuntimeError(f"worker exited with {proc.returncode} while waiting for {what}; log {log_path}")
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited with {self.proc.returncode} while waiting for {what}; "
+                                   f"log {self.log_path}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{what} not reached in {limit_s:.0f}s; worker log {log_path}")
+                raise TimeoutError(f"{what} not reached in {limit_s:.0f}s; worker log {self.log_path}")
             await asyncio.sleep(0.02)
 
-    reader = asyncio.create_task(read_loop())
-    exit_code = None
-    try:
-        started = time.monotonic()
-        await wait_for(ready.is_set, "worker ready (status with every partition assigned)", 300)
-        ready_s = time.monotonic() - started
-        warm = ResultTracker.for_trace(warmup.requests)
-        trackers.append(warm)
-        await send(warmup.requests, time.monotonic())
-        await wait_for(lambda: warm.done, "warm-up finals", 120)
-        tracker = ResultTracker.for_trace(trace.requests)
-        trackers[:] = [tracker]
-        clock["t0"] = time.monotonic()
-        await send(trace.requests, clock["t0"])
-        await wait_for(lambda: tracker.done, "every final record", timeout_s)
-        wall = tracker.last_final_s
-    finally:
-        reader.cancel()
-        await asyncio.gather(reader, return_exceptions=True)
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                exit_code = await asyncio.to_thread(proc.wait, 60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                exit_code = await asyncio.to_thread(proc.wait)
-        else:
-            exit_code = proc.returncode
-        log.close()
-        await producer.stop()
-        await consumer.stop()
-    ttfts = list(tracker.worker_ttft_ms.values())
-    return RunResult("kafka", trace.config.rate, list(tracker.records.values()), wall,
-                     extra={"worker_ready_s": ready_s, "worker_exit_code": exit_code, "stream": stream,
-                            "worker_ttft_ms_p50": statistics.median(ttfts) if ttfts else None,
-                            "worker_log": str(log_path)})
+    async def stop(self) -> int | None:
+        """Stops the worker (SIGTERM, then SIGKILL after 60 s) and the clients; returns the worker's exit code."""
+        exit_code = None
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+                try:
+                    exit_code = await asyncio.to_thread(self.proc.wait, 60)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    exit_code = await asyncio.to_thread(self.proc.wait)
+            else:
+                exit_code = self.proc.returncode
+        if self.log is not None:
+            self.log.close()
+        await self.producer.stop()
+        await self.consumer.stop()
+        return exit_code
 
 
 # ---- driver (also used by benchmarks/report.py) ---------------------------------------------------------
@@ -312,34 +344,55 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--rate", type=float, default=0.0, help="requests/s; 0 = all at t=0 (offline)")
     parser.add_argument("--num-requests", type=int, default=24)
     parser.add_argument("--profile", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--threads", type=int, help="torch threads for both paths (default: bench_engine.set_threads)")
+    parser.add_argument("--threads", type=int, help="torch threads for both paths (default: settings.set_threads)")
     parser.add_argument("--no-stream", action="store_true", help="final records only (TTFT then = final)")
     parser.add_argument("--bootstrap", help="use this broker instead of starting a local one")
     parser.add_argument("--timeout-s", type=float, default=600)
     parser.add_argument("--out-dir", type=Path)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     load_before = list(os.getloadavg())
-    threads = be.set_threads(args.threads)
+    threads = set_threads(args.threads)
     print(f"torch threads {threads}; load {load_before[0]:.2f}", flush=True)
     out_dir = args.out_dir or REPO / "benchmarks" / "results" / f"{time.strftime('%Y-%m-%d')}-kafka-path"
     out_dir.mkdir(parents=True, exist_ok=True)
-    runner = be.load_runner(args.model, args.profile)
-    low = be.min_token_id(runner.tokenizer)
+    runner = load_runner(args.model, args.profile)
+    low = min_token_id(runner.tokenizer)
     trace = generate_trace(TraceConfig(rate=math.inf if args.rate <= 0 else args.rate,
                                        num_requests=args.num_requests, profile=args.profile, seed=args.seed,
                                        min_token_id=low, vocab_size=runner.vocab_size))
     warmup = warmup_trace(low, runner.vocab_size)
     trace.save(out_dir / "trace.json")
+    inproc, kafka = run_abba(args, runner, trace, warmup, threads)
+    comparison = compare(inproc, kafka)
+    result = {
+        "environment": {"num_cpus": os.cpu_count(), "torch_threads": threads, "load_before": load_before,
+                        "load_after": list(os.getloadavg()), "model": args.model, "python": sys.version.split()[0]},
+        "config": {"rate": None if is_offline(trace.config.rate) else args.rate, "num_requests": args.num_requests,
+                   "profile": args.profile, "seed": args.seed, "reps": args.reps, "stream": not args.no_stream,
+                   "engine": json.loads(engine_settings("continuous", runner.max_model_len).model_dump_json())},
+        "comparison": comparison, "inproc": inproc, "kafka": kafka,
+    }
+    (out_dir / "results.json").write_text(json.dumps(result, indent=1, default=str))
+    write_report(out_dir, args, argv, trace, threads, load_before, inproc, kafka, comparison)
+    print(f"written to {out_dir}")
+    return 0
 
+
+def run_abba(args: argparse.Namespace, runner: ModelRunner, trace: Trace, warmup: Trace,
+             threads: int) -> tuple[list[dict], list[dict]]:
+    """Every repetition's metrics in-process and through Kafka, each printed as a table row when done."""
     inproc, kafka = [], []
     with kafka_session(args.bootstrap, prefix="bench-kafka-path-") as session:
         for rep in range(args.reps):
@@ -347,41 +400,31 @@ def main(argv: list[str] | None = None) -> int:
             # machine's load then weighs on both paths alike.
             for system in ("inproc", "kafka") if rep % 2 == 0 else ("kafka", "inproc"):
                 if system == "inproc":
-                    be.run_engine_policy(runner, "continuous", warmup)
-                    run = be.run_engine_policy(runner, "continuous", trace)
-                    m = compute_metrics(run)
-                    m["records"] = records_to_json(run)
-                    inproc.append(m)
+                    run_engine_policy(runner, "continuous", warmup)
+                    run = run_engine_policy(runner, "continuous", trace)
                 else:
                     run = asyncio.run(run_kafka(session.bootstrap, trace, warmup, model=args.model,
                                                 max_model_len=runner.max_model_len, threads=threads,
                                                 stream=not args.no_stream, timeout_s=args.timeout_s,
                                                 log_dir=session.tmp))
-                    m = compute_metrics(run)
-                    m["records"] = records_to_json(run)
-                    kafka.append(m)
+                m = compute_metrics(run)
+                m["records"] = records_to_json(run)
+                (inproc if system == "inproc" else kafka).append(m)
                 m.update(system=system, rep=rep, load_at_end=os.getloadavg()[0])
                 print(table([summary_row(m)]).splitlines()[-1], flush=True)
     # Worker logs are kept only for a failed run: the results hold everything a good one showed.
     for m in kafka:
         m.pop("worker_log", None)
+    return inproc, kafka
 
-    comparison = compare(inproc, kafka)
-    rows = [summary_row(m) for pair in zip(inproc, kafka) for m in pair]
-    settings = be.engine_settings("continuous", runner.max_model_len)
-    result = {
-        "environment": {"num_cpus": os.cpu_count(), "torch_threads": threads, "load_before": load_before,
-                        "load_after": list(os.getloadavg()), "model": args.model, "python": sys.version.split()[0]},
-        "config": {"rate": None if is_offline(trace.config.rate) else args.rate, "num_requests": args.num_requests,
-                   "profile": args.profile, "seed": args.seed, "reps": args.reps, "stream": not args.no_stream,
-                   "engine": json.loads(settings.model_dump_json())},
-        "comparison": comparison, "inproc": inproc, "kafka": kafka,
-    }
-    (out_dir / "results.json").write_text(json.dumps(result, indent=1, default=str))
-    md = table(rows)
+
+def write_report(out_dir: Path, args: argparse.Namespace, argv: list[str] | None, trace: Trace, threads: int,
+                 load_before: list[float], inproc: list[dict], kafka: list[dict], comparison: dict) -> None:
+    """report.md: the per-repetition table and the ratio against the floor; printed too."""
+    md = table([summary_row(m) for pair in zip(inproc, kafka) for m in pair])
     verdict = "meets" if comparison["meets_floor"] else "BELOW"
     summary = (f"Kafka / in-process output tok/s (ratio of medians): **{comparison['ratio_of_medians']:.3f}** "
-               f"({verdict} the {FLOOR} floor); per repetition: "
+               f"({verdict} the {KAFKA_FLOOR} floor); per repetition: "
                + ", ".join(f"{r:.3f}" for r in comparison["ratio_per_rep"]))
     rate = "offline (all at t=0)" if is_offline(trace.config.rate) else f"{args.rate} req/s"
     (out_dir / "report.md").write_text(
@@ -394,8 +437,6 @@ def main(argv: list[str] | None = None) -> int:
         f"`.venv/bin/python -m benchmarks.bench_kafka_path {' '.join(argv if argv is not None else sys.argv[1:])}`\n")
     print(md)
     print(summary)
-    print(f"written to {out_dir}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from benchmarks import bench_engine as be
 from benchmarks.run_result import RequestRecord, RunResult
+from benchmarks.settings import BLOCK_SIZE, KV_CACHE_BYTES, MAX_BATCH_SIZE, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
 from benchmarks.trace import Trace, TraceRequest
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class HFBaselines:
 
     # ---- static batches with padding ------------------------------------------------------------------
 
-    def run_static(self, trace: Trace, batch_size: int = be.MAX_BATCH_SIZE) -> RunResult:
+    def run_static(self, trace: Trace, batch_size: int = MAX_BATCH_SIZE) -> RunResult:
         requests, records = trace.requests, _records(trace)
         queue: deque[TraceRequest] = deque()
         kv_util: list[float] = []
@@ -121,10 +121,10 @@ class HFBaselines:
     def _cb_manager(self):
         from transformers import ContinuousBatchingConfig, GenerationConfig
 
-        budget = self.kv_budget_tokens or be.KV_CACHE_BYTES // self._bytes_per_token()
+        budget = self.kv_budget_tokens or KV_CACHE_BYTES // self._bytes_per_token()
         cb_config = ContinuousBatchingConfig(
-            page_size=be.BLOCK_SIZE, num_blocks=budget // be.BLOCK_SIZE,
-            max_batch_tokens=be.MAX_NUM_BATCHED_TOKENS, max_requests_per_batch=be.MAX_NUM_SEQS,
+            page_size=BLOCK_SIZE, num_blocks=budget // BLOCK_SIZE,
+            max_batch_tokens=MAX_NUM_BATCHED_TOKENS, max_requests_per_batch=MAX_NUM_SEQS,
             allow_block_sharing=False, use_cuda_graph=False, use_async_batching=False, auto_switch_to_flash=False,
         )
         gen_config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=self.pad_id, max_new_tokens=16)

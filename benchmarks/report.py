@@ -26,12 +26,12 @@ The offline point's trace holds --offline-requests requests (default 48), more t
 alone, which measures their latency, not the throughput a system sustains with a queue. hf-static sits the
 offline point out unless --offline-systems names it (6 min per repetition there, and no floor reads it).
 
-Floors (check_floors): continuous vs static at every rate (2x output tok/s, 1/3 of the short e2e p99) and, in
-issue #7's form, continuous's sustained output tok/s (its own p99 under 10 s) >= 2x static's at the highest rate
-where static's p99 e2e stays under 10 s (all requests, and short requests alone); continuous vs hf-cb 1.5x
-output tok/s at saturation (the highest rate both ran: the offline point); kafka vs continuous 0.90x output
-tok/s at every rate (issue #5); paged KV >= 3x the requests of max-length contiguous reservation in the same budget;
-engine overhead at most 10%. `--rerender DIR` recomputes floors, report.md and plots from DIR/results.json.
+Floors (benchmarks/floors.py): continuous vs static at every rate (2x output tok/s, 1/3 of the short e2e
+p99) and, in issue #7's form, continuous's sustained output tok/s (its own p99 under 10 s) >= 2x static's at the
+highest rate where static's p99 e2e stays under 10 s (all requests, and short requests alone); continuous vs
+hf-cb 1.5x output tok/s at saturation (the highest rate both ran: the offline point); kafka vs continuous 0.90x
+output tok/s at every rate (issue #5); paged KV >= 3x the requests of max-length contiguous reservation in the
+same budget; engine overhead at most 10%. `--rerender DIR` recomputes floors, report.md and plots from DIR/results.json.
 
 The time estimate (20 requests of the cpu profile, 3 rates, 6 systems, 3 repetitions: 76 min measured; the
 48-request offline point, 5 systems, 3 repetitions: ~20-25 min) comes from per-run wall times measured on a
@@ -56,19 +56,24 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks import bench_engine as be
-from benchmarks.bench_kafka_path import FLOOR as KAFKA_FLOOR
+from benchmarks.bench_engine import format_run, kv_capacity, measure_overhead, run_engine_policy
 from benchmarks.bench_kafka_path import kafka_session, run_kafka, warmup_trace
+from benchmarks.floors import check_floors
+from benchmarks.hf_systems import HFBaselines
 from benchmarks.render import rate_label, render_markdown, render_plots
 from benchmarks.run_result import compute_metrics
-from benchmarks.stats import median_min_max, ratio
-from benchmarks.trace import Trace, TraceConfig, generate_trace
+from benchmarks.settings import (ALL_SYSTEMS, BLOCK_SIZE, DEFAULT_MODEL, ENGINE_POLICIES, HF_SYSTEMS, KV_CACHE_BYTES,
+                                 MAX_BATCH_SIZE, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, load_runner, min_token_id,
+                                 set_threads)
+from benchmarks.stats import median_min_max
+from benchmarks.trace import Trace, TraceConfig, generate_trace, is_offline
+from worker.model.runner import ModelRunner
 
 RESULTS_DIR = Path(__file__).parent / "results"
+"""Where a sweep writes, in a folder named after the date, unless --out-dir names another."""
 SHARED_NOTE = "The machine was shared with other processes: figures are noisy and slower than on an idle machine. "
-DEFAULT_SYSTEMS = be.ALL_SYSTEMS + ("kafka",)
+DEFAULT_SYSTEMS = ALL_SYSTEMS + ("kafka",)
 """What `make bench` measures: the engine policies, transformers' baselines and the Kafka path."""
-STATIC_P99_LIMIT_S = 10.0
 OFFLINE_REQUESTS = 48
 """Requests in the offline (saturation) point's trace; see the module docstring."""
 OFFLINE_SKIPS = ("hf-static",)
@@ -129,26 +134,6 @@ def kafka_timeout_s(trace: Trace, walls: Sequence[float] = ()) -> float:
     return max(300.0, 10 * max([trace.duration_s, *walls]))
 
 
-def _median(summary: dict, key: str) -> float:
-    stat = summary.get(key)
-    value = stat.get("median") if stat else None
-    return math.nan if value is None else value
-
-
-def _rate_order(rate: float | None) -> float:
-    return math.inf if rate is None else rate  # None: offline, beyond every finite rate
-
-
-def p99_e2e(summary: dict) -> float:
-    """Median p99 end-to-end latency over all requests; where that was not recorded, the worse of short and
-    long (both must stay under a limit)."""
-    value = _median(summary, "all_e2e_p99")
-    if not math.isnan(value):
-        return value
-    values = [v for v in (_median(summary, f"{kind}_e2e_p99") for kind in ("short", "long")) if not math.isnan(v)]
-    return max(values, default=math.nan)
-
-
 def offline_systems(systems: list[str], named: str | None) -> list[str]:
     """Who runs the offline point: the systems named (each must be in the sweep), else the sweep's systems
     less OFFLINE_SKIPS."""
@@ -160,97 +145,12 @@ def offline_systems(systems: list[str], named: str | None) -> list[str]:
     return [s for s in systems if s in chosen]
 
 
-def check_floors(points: list[dict], overhead: dict | None, systems: list[str] | None = None,
-                 kv_capacity: dict | None = None, offline: list[str] | None = None) -> list[dict]:
-    """The floors, from the medians over repetitions (a point with rate None ran offline, the highest load):
-
-    - continuous/static output tok/s >= 2 and short e2e p99 <= 1/3 of static's, at every rate where both ran;
-    - issue #7's form of the throughput floor (see _slo_floor), once for the all-requests p99 and once for
-      short requests' p99; recorded as failed, value None, where no rate qualifies;
-    - continuous/hf-cb output tok/s >= 1.5 at saturation: the highest rate where both ran (offline, when
-      both ran it);
-    - kafka/continuous output tok/s >= 0.90 (issue #5) at every rate where both ran; with `systems` naming kafka
-      (`offline` for the offline point, when given), a rate where continuous ran but no kafka run completed is
-      recorded as failed;
-    - paged KV holds >= 3x the requests of max-length contiguous reservation in the same KV budget (requests
-      of the trace's lengths in whole blocks, against max_model_len each);
-    - engine overhead <= 10% (last)."""
-    by = {(p["system"], p["rate"]): p["summary"] for p in points}
-
-    def rates_with(*names: str) -> list[float | None]:
-        rates = {rate for (_, rate) in by}
-        return sorted((r for r in rates if all((n, r) in by for n in names)), key=_rate_order)
-
-    def tok_s_ratio(num: str, den: str, rate: float | None) -> float:
-        return ratio(_median(by[(num, rate)], "output_tokens_per_s"), _median(by[(den, rate)], "output_tokens_per_s"))
-
-    floors = []
-    with_static = rates_with("continuous", "static")
-    for rate in with_static:
-        tput = tok_s_ratio("continuous", "static", rate)
-        floors.append({"check": "continuous/static output tok/s", "rate": rate, "value": tput, "floor": ">= 2",
-                       "pass": tput >= 2, "note": "issue #3"})
-        p99 = ratio(_median(by[("continuous", rate)], "short_e2e_p99"), _median(by[("static", rate)], "short_e2e_p99"))
-        floors.append({"check": "continuous/static short e2e p99", "rate": rate, "value": p99, "floor": "<= 0.333",
-                       "pass": p99 <= 1 / 3, "note": "issue #3"})
-    if with_static:
-        for label, p99_of in (("p99 e2e", p99_e2e), ("short p99 e2e", lambda m: _median(m, "short_e2e_p99"))):
-            floors.append(_slo_floor(by, with_static, rates_with("continuous"), label, p99_of))
-    with_hf_cb = rates_with("continuous", "hf-cb")
-    if with_hf_cb:
-        rate = with_hf_cb[-1]
-        tput = tok_s_ratio("continuous", "hf-cb", rate)
-        floors.append({"check": "continuous/hf-cb output tok/s at saturation", "rate": rate, "value": tput,
-                       "floor": ">= 1.5", "pass": tput >= 1.5, "note": "saturation: the highest rate where both ran"})
-    kafka_check = "kafka/continuous output tok/s"
-    for rate in rates_with("continuous"):
-        if ("kafka", rate) in by:
-            value = tok_s_ratio("kafka", "continuous", rate)
-            floors.append({"check": kafka_check, "rate": rate, "value": value, "floor": f">= {KAFKA_FLOOR:g}",
-                           "pass": value >= KAFKA_FLOOR, "note": "issue #5"})
-        elif "kafka" in ((offline if rate is None and offline is not None else systems) or ()):
-            floors.append({"check": kafka_check, "rate": rate, "value": None, "floor": f">= {KAFKA_FLOOR:g}",
-                           "pass": False, "note": "no Kafka run completed at this rate"})
-    kv = kv_capacity
-    if kv and kv.get("contiguous_max_len_capacity"):
-        value = ratio(kv["paged_capacity_at_trace_lengths"], kv["contiguous_max_len_capacity"])
-        observed = kv.get("paged_observed_max_concurrent")
-        floors.append({"check": "paged / contiguous max-length KV: requests that fit", "rate": "–", "value": value,
-                       "floor": ">= 3", "pass": value >= 3,
-                       "note": f"{kv['paged_capacity_at_trace_lengths']} vs {kv['contiguous_max_len_capacity']} in "
-                               f"{kv['kv_budget_bytes'] / 2**20:.0f} MiB"
-                               + (f"; {observed} ran at once in the sweep" if observed else "")})
-    if overhead:
-        value = overhead["overhead_fraction"]["median"]
-        floors.append({"check": f"engine overhead at {overhead['num_running']} running", "rate": "–",
-                       "value": value, "floor": "<= 0.10", "pass": value <= 0.10})
-    return floors
+# ---- the sweep ----------------------------------------------------------------------------------------
 
 
-def _slo_floor(by: dict, with_static: list, with_continuous: list, label: str, p99_of) -> dict:
-    """Issue #7: r* = the highest rate where static keeps its p99 (`p99_of`) under the limit; continuous's
-    sustained throughput (its highest output tok/s at a rate where its own p99 stays under the same limit)
-    must be >= 2x static's output tok/s at r*. Comparing both at r* itself would say nothing: below
-    saturation every system's throughput is the offered load."""
-    check = f"continuous sustained / static output tok/s, {label} < {STATIC_P99_LIMIT_S:g} s"
-    under = [r for r in with_static if p99_of(by[("static", r)]) < STATIC_P99_LIMIT_S]
-    if not under:
-        return {"check": check, "rate": "–", "value": None, "floor": ">= 2", "pass": False,
-                "note": f"static {label} ≥ {STATIC_P99_LIMIT_S:g} s at every rate measured"}
-    rate = under[-1]
-    sustained = [(_median(by[("continuous", r)], "output_tokens_per_s"), r) for r in with_continuous
-                 if p99_of(by[("continuous", r)]) < STATIC_P99_LIMIT_S]
-    if not sustained:
-        return {"check": check, "rate": rate, "value": None, "floor": ">= 2", "pass": False,
-                "note": f"continuous {label} ≥ {STATIC_P99_LIMIT_S:g} s at every rate measured"}
-    best, best_rate = max(sustained, key=lambda x: x[0])
-    value = ratio(best, _median(by[("static", rate)], "output_tokens_per_s"))
-    return {"check": check, "rate": rate, "value": value, "floor": ">= 2", "pass": value >= 2,
-            "note": f"static at {rate_label(rate)} req/s ({label} {p99_of(by[('static', rate)]):.2f} s) vs "
-                    f"continuous at {rate_label(best_rate)} req/s"}
-
-
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The options, with the defaults that depend on --quick filled in and --systems / --offline-systems
+    parsed into lists (the systems of the sweep, and those that run the offline point)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny lengths, few requests, 1 repetition")
     parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
@@ -267,162 +167,213 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated systems that run the offline point (default: --systems less "
                              f"{','.join(OFFLINE_SKIPS)})")
     parser.add_argument("--profile", help="trace length profile (default cpu; tiny with --quick)")
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, help="torch threads (default: see bench_engine.set_threads)")
+    parser.add_argument("--threads", type=int, help="torch threads (default: see settings.set_threads)")
     parser.add_argument("--out-dir", type=Path)
     parser.add_argument("--rerender", type=Path, metavar="RESULTS_DIR",
                         help="measure nothing: recompute the floors, report.md and plots from RESULTS_DIR/results.json")
     args = parser.parse_args(argv)
     if args.rerender:
-        return rerender(args.rerender)
-    reps = args.reps or (1 if args.quick else 3)
-    num_requests = args.num_requests or (6 if args.quick else 20)
-    offline_requests = args.offline_requests or (num_requests if args.quick else OFFLINE_REQUESTS)
-    profile = args.profile or ("tiny" if args.quick else "cpu")
+        return args
+    args.reps = args.reps or (1 if args.quick else 3)
+    args.num_requests = args.num_requests or (6 if args.quick else 20)
+    args.offline_requests = args.offline_requests or (args.num_requests if args.quick else OFFLINE_REQUESTS)
+    args.profile = args.profile or ("tiny" if args.quick else "cpu")
     try:
-        systems = parse_systems(args.systems)
-        at_offline = offline_systems(systems, args.offline_systems)
+        args.systems = parse_systems(args.systems)
+        args.offline_systems = offline_systems(args.systems, args.offline_systems)
     except ValueError as exc:
         parser.error(str(exc))
-    notes = []
-    if "kafka" in systems:
-        notes.append("kafka: the continuous policy behind the whole Kafka path: a LocalBroker started once for the "
-                     "sweep, and per run fresh topics and one `llm-worker serve` subprocess with the same engine "
-                     "settings and torch threads, shedding off, which joins its group and serves a 2-request "
-                     "warm-up before the trace is sent; latencies are read on the client (TTFT = first stream "
-                     "chunk); KV columns are not sampled. The broker, client and worker share the CPUs.")
-    date = datetime.date.today().isoformat()
-    out_dir = args.out_dir or RESULTS_DIR / (date + ("-quick" if args.quick else ""))
-    (out_dir / "traces").mkdir(parents=True, exist_ok=True)
+    return args
 
-    threads = be.set_threads(args.threads)
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.rerender:
+        return rerender(args.rerender)
+    out_dir = args.out_dir or RESULTS_DIR / (datetime.date.today().isoformat() + ("-quick" if args.quick else ""))
+    (out_dir / "traces").mkdir(parents=True, exist_ok=True)
+    threads = set_threads(args.threads)
     env = environment(threads)
     say(f"torch threads {threads}; load {env['load_before'][0]:.2f}; writing to {out_dir}")
-    runner = be.load_runner(args.model, profile)
-    hf = None
-    if any(s in be.HF_SYSTEMS for s in systems):
-        from benchmarks.hf_systems import HFBaselines
+    sweep = Sweep(args, threads, load_runner(args.model, args.profile))
+    # One broker for the whole sweep, started before the warm-up so that every measured run (calibration
+    # included) shares the machine with it; stopped on every exit, Ctrl-C included (kafka_session).
+    with kafka_session(prefix="bench-report-") if "kafka" in args.systems else contextlib.nullcontext() as kafka:
+        sweep.kafka = kafka
+        if kafka is not None:
+            say(f"Kafka broker at {kafka.bootstrap}; broker data and worker logs in {kafka.tmp}")
+        sweep.warm_up()
+        rates, calibration = sweep.choose_rates()
+        traces = {rate: sweep.trace_at(rate) for rate in rates}
+        for rate, trace in traces.items():
+            trace.save(out_dir / "traces" / f"rate_{rate:g}.json")
+        sweep.run_repetitions(rates, traces)
+    if not sweep.kafka_failed:  # the logs went with the temporary folder
+        for ms in sweep.runs.values():
+            for m in ms:
+                m.pop("worker_log", None)
+    overhead_runs = ([measure_overhead(sweep.runner, num_steps=4 if args.quick else 16) for _ in range(args.reps)]
+                     if "continuous" in args.systems else [])
+    overhead = summarize_overhead(overhead_runs)
+    env["load_after"] = list(os.getloadavg())
+    results = {
+        "environment": env,
+        "config": sweep_config(args, rates, sweep.runner.max_model_len),
+        "calibration": calibration,
+        "noise_note": noise_note(env, sweep.runs, args.reps),
+        "points": [{"system": s, "rate": None if is_offline(r) else r, "summary": summarize(ms), "runs": ms}
+                   for (s, r), ms in sweep.runs.items()],
+        "kv_capacity": kv_capacity(sweep.runner, traces[rates[0]], sweep.max_concurrent()),
+        "overhead": overhead,
+        "overhead_runs": overhead_runs,
+        "notes": sweep.notes,
+    }
+    write_report(results, out_dir)
+    return 0
 
-        hf = HFBaselines(runner.model_path)
-    low = be.min_token_id(runner.tokenizer)
 
-    def trace_at(rate: float, size: int = num_requests) -> Trace:
-        return generate_trace(TraceConfig(rate=rate, num_requests=size, profile=profile, seed=args.seed,
-                                          min_token_id=low, vocab_size=runner.vocab_size))
+class Sweep:
+    """Runs the systems on traces and keeps what they measured: the metrics of every run by (system, rate),
+    and the notes for the report."""
 
-    kafka_warmup = warmup_trace(low, runner.vocab_size)
-    runs: dict[tuple[str, float], list[dict]] = {}
+    def __init__(self, args: argparse.Namespace, threads: int, runner: ModelRunner) -> None:
+        self.args = args
+        self.threads = threads
+        self.runner = runner
+        self.hf = HFBaselines(runner.model_path) if any(s in HF_SYSTEMS for s in args.systems) else None
+        self.min_token_id = min_token_id(runner.tokenizer)
+        self.kafka_warmup = warmup_trace(self.min_token_id, runner.vocab_size)
+        self.kafka = None
+        """The KafkaSession while the sweep runs kafka, else None."""
+        self.kafka_failed = False
+        """Set by the first failed Kafka run: no Kafka run follows it."""
+        self.runs: dict[tuple[str, float], list[dict]] = {}
+        self.notes: list[str] = []
+        if "kafka" in args.systems:
+            self.notes.append(
+                "kafka: the continuous policy behind the whole Kafka path: a LocalBroker started once for the "
+                "sweep, and per run fresh topics and one `llm-worker serve` subprocess with the same engine "
+                "settings and torch threads, shedding off, which joins its group and serves a 2-request "
+                "warm-up before the trace is sent; latencies are read on the client (TTFT = first stream "
+                "chunk); KV columns are not sampled. The broker, client and worker share the CPUs.")
 
-    def run(system: str, trace: Trace) -> dict:
+    def trace_at(self, rate: float, size: int | None = None) -> Trace:
+        """The sweep's trace at `rate`: --offline-requests requests offline, else --num-requests (or `size`)."""
+        if size is None:
+            size = self.args.offline_requests if is_offline(rate) else self.args.num_requests
+        return generate_trace(TraceConfig(rate=rate, num_requests=size, profile=self.args.profile,
+                                          seed=self.args.seed, min_token_id=self.min_token_id,
+                                          vocab_size=self.runner.vocab_size))
+
+    def run(self, system: str, trace: Trace) -> dict:
+        """One replay of `trace` on `system`: its metrics, with the 1-minute load at its end."""
         if system == "kafka":
-            walls = [m["wall_s"] for (_, rate), ms in runs.items() if rate == trace.config.rate for m in ms]
-            result = asyncio.run(run_kafka(kafka.bootstrap, trace, kafka_warmup, model=args.model,
-                                           max_model_len=runner.max_model_len, threads=threads, stream=True,
-                                           timeout_s=kafka_timeout_s(trace, walls), log_dir=kafka.tmp))
-        elif system in be.ENGINE_POLICIES:
-            result = be.run_engine_policy(runner, system, trace)
+            walls = [m["wall_s"] for (_, rate), ms in self.runs.items() if rate == trace.config.rate for m in ms]
+            result = asyncio.run(run_kafka(self.kafka.bootstrap, trace, self.kafka_warmup, model=self.args.model,
+                                           max_model_len=self.runner.max_model_len, threads=self.threads,
+                                           stream=True, timeout_s=kafka_timeout_s(trace, walls),
+                                           log_dir=self.kafka.tmp))
+        elif system in ENGINE_POLICIES:
+            result = run_engine_policy(self.runner, system, trace)
         else:
-            result = hf.run(system, trace)
+            result = self.hf.run(system, trace)
         metrics = compute_metrics(result)
         metrics["load_at_end"] = os.getloadavg()[0]
         return metrics
 
-    # One broker for the whole sweep, started before the warm-up so that every measured run (calibration
-    # included) shares the machine with it; stopped on every exit, Ctrl-C included (kafka_session).
-    with kafka_session(prefix="bench-report-") if "kafka" in systems else contextlib.nullcontext() as kafka:
-        if kafka is not None:
-            say(f"Kafka broker at {kafka.bootstrap}; broker data and worker logs in {kafka.tmp}")
-        # Warm-up (not recorded): first calls allocate, build kernels' caches and import lazily. A Kafka run
-        # warms its own fresh worker up (run_kafka's warm-up trace) before every measured trace.
-        warm = generate_trace(TraceConfig(rate=0, num_requests=2, profile="tiny", seed=99, min_token_id=low,
-                                          vocab_size=runner.vocab_size))
-        for system in systems:
+    def warm_up(self) -> None:
+        """Not recorded: first calls allocate, build kernels' caches and import lazily. A Kafka run warms its
+        own fresh worker up (run_kafka's warm-up trace) before every measured trace."""
+        warm = generate_trace(TraceConfig(rate=0, num_requests=2, profile="tiny", seed=99,
+                                          min_token_id=self.min_token_id, vocab_size=self.runner.vocab_size))
+        for system in self.args.systems:
             if system != "kafka":
-                run(system, warm)
+                self.run(system, warm)
 
-        if args.rates:
-            rates = [float(r) for r in args.rates.split(",")]
-            calibration = None
-        else:
-            started = time.monotonic()
-            calibration = run("continuous", trace_at(0.0))
-            capacity = calibration["requests_per_s"]
-            factors = [float(f) for f in args.factors.split(",")] if args.factors else (
-                [0.7, 0.0] if args.quick else [0.5, 1.0, 2.0, 0.0])
-            rates = [round(f * capacity, 3) for f in factors]  # factor 0: offline
-            say(f"calibration: continuous offline {capacity:.3f} req/s in {time.monotonic() - started:.0f} s; "
-                f"rates {rates}")
-        traces = {rate: trace_at(rate, offline_requests if be_offline(rate) else num_requests) for rate in rates}
-        for rate, trace in traces.items():
-            trace.save(out_dir / "traces" / f"rate_{rate:g}.json")
+    def choose_rates(self) -> tuple[list[float], dict | None]:
+        """--rates as given; else the factors times C, the continuous engine's offline req/s measured here on
+        a --num-requests trace (factor 0: offline). Returns the rates and that calibration run's metrics."""
+        if self.args.rates:
+            return [float(r) for r in self.args.rates.split(",")], None
+        started = time.monotonic()
+        calibration = self.run("continuous", self.trace_at(0.0, self.args.num_requests))
+        capacity = calibration["requests_per_s"]
+        factors = [float(f) for f in self.args.factors.split(",")] if self.args.factors else (
+            [0.7, 0.0] if self.args.quick else [0.5, 1.0, 2.0, 0.0])
+        rates = [round(f * capacity, 3) for f in factors]  # factor 0: offline
+        say(f"calibration: continuous offline {capacity:.3f} req/s in {time.monotonic() - started:.0f} s; "
+            f"rates {rates}")
+        return rates, calibration
 
-        kafka_failed = False
+    def run_repetitions(self, rates: list[float], traces: dict[float, Trace]) -> None:
+        """Every repetition replays every rate's trace on every system (--offline-systems at the offline
+        point), systems interleaved so that drift in machine load spreads over all of them."""
+        reps = self.args.reps
         for rep in range(reps):
             for rate in rates:
-                for system in (at_offline if be_offline(rate) else systems):
-                    if system == "kafka" and kafka_failed:
+                for system in (self.args.offline_systems if is_offline(rate) else self.args.systems):
+                    if system == "kafka" and self.kafka_failed:
                         continue
                     try:
-                        metrics = run(system, traces[rate])
+                        metrics = self.run(system, traces[rate])
                     except Exception as exc:
                         if system != "kafka":
                             raise
-                        # One failed Kafka run (worker crash, timeout) costs the Kafka figures from here on,
-                        # not the rest of the sweep; its worker log stays for a look.
-                        kafka_failed = kafka.keep = True
-                        where = rate_label(None if be_offline(rate) else rate)
-                        notes.append(f"kafka: rep {rep + 1} at rate {where} failed ({type(exc).__name__}: {exc}); no "
-                                     f"further Kafka runs. Broker data and worker logs kept in {kafka.tmp}.")
-                        say(notes[-1])
+                        self._note_kafka_failure(rep, rate, exc)
                         continue
-                    runs.setdefault((system, rate), []).append(metrics)
-                    say(f"rep {rep + 1}/{reps} " + be.format_run(metrics) + f" load={metrics['load_at_end']:.1f}")
-    if not kafka_failed:  # the logs went with the temporary folder
-        for ms in runs.values():
-            for m in ms:
-                m.pop("worker_log", None)
+                    self.runs.setdefault((system, rate), []).append(metrics)
+                    say(f"rep {rep + 1}/{reps} " + format_run(metrics) + f" load={metrics['load_at_end']:.1f}")
 
-    overhead_steps = 4 if args.quick else 16
-    overhead_runs = ([be.measure_overhead(runner, num_steps=overhead_steps) for _ in range(reps)]
-                     if "continuous" in systems else [])
-    overhead = None
-    if overhead_runs:
-        overhead = {k: median_min_max([o[k] for o in overhead_runs])
-                    for k in ("step_s_median", "forward_s_median", "overhead_fraction")}
-        overhead.update(num_running=overhead_runs[0]["num_running"], n=len(overhead_runs))
-        say(f"engine overhead: {overhead['overhead_fraction']}")
+    def _note_kafka_failure(self, rep: int, rate: float, exc: Exception) -> None:
+        # One failed Kafka run (worker crash, timeout) costs the Kafka figures from here on, not the rest of
+        # the sweep; its worker log stays for a look.
+        self.kafka_failed = self.kafka.keep = True
+        where = rate_label(None if is_offline(rate) else rate)
+        self.notes.append(f"kafka: rep {rep + 1} at rate {where} failed ({type(exc).__name__}: {exc}); no "
+                          f"further Kafka runs. Broker data and worker logs kept in {self.kafka.tmp}.")
+        say(self.notes[-1])
 
-    points = [{"system": s, "rate": None if be_offline(r) else r, "summary": summarize(ms), "runs": ms}
-              for (s, r), ms in runs.items()]
-    observed = max((m["max_concurrent"] for (s, _), ms in runs.items() if s in be.ENGINE_POLICIES for m in ms),
+    def max_concurrent(self) -> int | None:
+        """The most requests any engine policy's run had running at once."""
+        return max((m["max_concurrent"] for (s, _), ms in self.runs.items() if s in ENGINE_POLICIES for m in ms),
                    default=None)
-    env["load_after"] = list(os.getloadavg())
+
+
+def summarize_overhead(overhead_runs: list[dict]) -> dict | None:
+    """Median [min, max] over the repetitions of measure_overhead; None when it did not run."""
+    if not overhead_runs:
+        return None
+    overhead = {k: median_min_max([o[k] for o in overhead_runs])
+                for k in ("step_s_median", "forward_s_median", "overhead_fraction")}
+    overhead.update(num_running=overhead_runs[0]["num_running"], n=len(overhead_runs))
+    say(f"engine overhead: {overhead['overhead_fraction']}")
+    return overhead
+
+
+def sweep_config(args: argparse.Namespace, rates: list[float], max_model_len: int) -> dict:
+    """What the sweep ran and with which limits: results.json's config and report.md's setup table."""
+    return {"model": args.model, "profile": args.profile, "num_requests": args.num_requests, "reps": args.reps,
+            "seed": args.seed, "systems": args.systems, "rates": rates,
+            **({"offline_requests": args.offline_requests, "offline_systems": args.offline_systems}
+               if any(is_offline(r) for r in rates) else {}),
+            "max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
+            "max_batch_size (dynamic, static, hf-static)": MAX_BATCH_SIZE, "block_size": BLOCK_SIZE,
+            "kv_cache_bytes": KV_CACHE_BYTES, "max_model_len": max_model_len,
+            "prefix_caching": False, "ignore_eos": True}
+
+
+def noise_note(env: dict, runs: dict[tuple[str, float], list[dict]], reps: int) -> str:
+    """The load averages around and during the sweep, and whether the machine was shared."""
     loads = [m["load_at_end"] for ms in runs.values() for m in ms]
-    noise = (f"1-minute load average: {env['load_before'][0]:.2f} before, {env['load_after'][0]:.2f} after, "
-             f"{min(loads):.2f}–{max(loads):.2f} at the end of the runs, on {env['num_cpus']} cores. "
-             f"{SHARED_NOTE if max(loads) > (env['num_cpus'] or 1) else ''}"
-             f"{reps} repetition(s) per point; the brackets show their spread.")
-    results = {
-        "environment": env,
-        "config": {"model": args.model, "profile": profile, "num_requests": num_requests, "reps": reps,
-                   "seed": args.seed, "systems": systems, "rates": rates,
-                   **({"offline_requests": offline_requests, "offline_systems": at_offline}
-                      if any(be_offline(r) for r in rates) else {}),
-                   "max_num_seqs": be.MAX_NUM_SEQS, "max_num_batched_tokens": be.MAX_NUM_BATCHED_TOKENS,
-                   "max_batch_size (dynamic, static, hf-static)": be.MAX_BATCH_SIZE, "block_size": be.BLOCK_SIZE,
-                   "kv_cache_bytes": be.KV_CACHE_BYTES, "max_model_len": runner.max_model_len,
-                   "prefix_caching": False, "ignore_eos": True},
-        "calibration": calibration,
-        "noise_note": noise,
-        "points": points,
-        "kv_capacity": be.kv_capacity(runner, traces[rates[0]], observed),
-        "overhead": overhead,
-        "overhead_runs": overhead_runs,
-        "notes": notes,
-    }
-    write_report(results, out_dir)
-    return 0
+    return (f"1-minute load average: {env['load_before'][0]:.2f} before, {env['load_after'][0]:.2f} after, "
+            f"{min(loads):.2f}–{max(loads):.2f} at the end of the runs, on {env['num_cpus']} cores. "
+            f"{SHARED_NOTE if max(loads) > (env['num_cpus'] or 1) else ''}"
+            f"{reps} repetition(s) per point; the brackets show their spread.")
+
+
+# ---- writing the report ---------------------------------------------------------------------------------
 
 
 def write_report(results: dict, out_dir: Path) -> None:
@@ -444,10 +395,6 @@ def rerender(out_dir: Path) -> int:
     results = json.loads((out_dir / "results.json").read_text())
     write_report(results, out_dir)
     return 0
-
-
-def be_offline(rate: float) -> bool:
-    return rate <= 0 or rate == math.inf
 
 
 def finite_or_none(value):

@@ -67,7 +67,7 @@ def test_worker_env_reads_back_as_the_in_process_engine_settings(monkeypatch):
     for key, value in env.items():
         if key.startswith(("ENGINE_", "KAFKA_")):
             monkeypatch.setenv(key, value)
-    from benchmarks.bench_engine import engine_settings
+    from benchmarks.settings import engine_settings
 
     assert EngineSettings() == engine_settings("continuous", 1024)
     assert KafkaSettings().request_topic == "rq" and env["OMP_NUM_THREADS"] == "1"

@@ -2,8 +2,9 @@
 
 import json
 
+from benchmarks.floors import check_floors
 from benchmarks.render import render_markdown, render_plots
-from benchmarks.report import check_floors, finite_or_none, summarize
+from benchmarks.report import finite_or_none, summarize
 
 
 def _metrics(tok_s: float, short_p99: float, sampled: bool = True) -> dict:

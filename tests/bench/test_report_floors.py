@@ -1,11 +1,11 @@
-"""report.check_floors on synthetic points (no model, no Kafka), and the --systems parsing."""
+"""floors.check_floors on synthetic points (no model, no Kafka), and the --systems parsing."""
 
 import math
 
 import pytest
 
-from benchmarks.report import (DEFAULT_SYSTEMS, check_floors, kafka_timeout_s, offline_systems, p99_e2e,
-                               parse_systems)
+from benchmarks.floors import check_floors, p99_e2e
+from benchmarks.report import DEFAULT_SYSTEMS, kafka_timeout_s, offline_systems, parse_systems
 from benchmarks.trace import Trace, TraceConfig, TraceRequest
 
 
