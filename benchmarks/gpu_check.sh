@@ -7,7 +7,7 @@
 #   PYTHON               interpreter to use (default: the first of .venv/bin/python, python3 that imports
 #                        torch, triton and pytest and sees CUDA)
 #   KERNEL_TEST_MARKERS  pytest -m expression (default "gpu or not slow": the gpu set plus the fast set, about
-#                        25 kernel variants to compile; "gpu or not gpu" adds the slow sweep, about 75 more
+#                        16 kernel variants to compile; "gpu or not gpu" adds the slow sweep, about 75 more
 #                        compiles, several minutes on top: use it when the device budget allows)
 #   TEST_TIMEOUT_S, BENCH_TIMEOUT_S   wall-clock caps (default 360 and 200) so one run fits a 10-minute call
 #

@@ -89,30 +89,3 @@ def ref_paged_decode(
             out[b] = attend_one_request(q[b : b + 1], k_cache, v_cache, block_tables[b], seq_len, scale)[0]
     return out.to(q.dtype)
 
-
-def ref_rms_norm(
-    x: torch.Tensor,  # [N, H]
-    weight: torch.Tensor,  # [H]
-    eps: float,
-    residual: torch.Tensor | None = None,  # [N, H], updated in place to x + residual
-) -> torch.Tensor:  # [N, H]
-    if residual is not None:
-        residual.copy_(x + residual)
-        x = residual
-    x32 = x.float()
-    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return weight * normed
-
-
-def ref_rotary(
-    x: torch.Tensor,  # [T, heads, D]
-    cos_cache: torch.Tensor,  # [P, D], halves repeated
-    sin_cache: torch.Tensor,  # [P, D]
-    positions: torch.Tensor,  # [T] int64
-) -> torch.Tensor:  # [T, heads, D], x's dtype; math in fp32
-    half = x.shape[-1] // 2
-    x32 = x.float()
-    cos = cos_cache[positions].float()[:, None, :]  # [T, 1, D]
-    sin = sin_cache[positions].float()[:, None, :]
-    rotated = torch.cat((-x32[..., half:], x32[..., :half]), dim=-1)
-    return (x32 * cos + rotated * sin).to(x.dtype)

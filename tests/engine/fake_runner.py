@@ -10,10 +10,10 @@ from the cache (as a greedy model's would be), so preemption and prefix caching 
 from __future__ import annotations
 
 from worker.config import EngineSettings
-from worker.engine.outputs import RequestUpdate, SchedulerOutput
 from worker.engine.api import SamplingParams
 from worker.engine.request import Request, RequestStatus
 from worker.engine.scheduler import Scheduler
+from worker.engine.scheduler_output import RequestUpdate, SchedulerOutput
 
 VOCAB_SIZE = 101
 EOS = 0

@@ -1,15 +1,19 @@
-"""The scheduler and block pool stay pure Python: importing them pulls in no torch, aiokafka or transformers."""
+"""The engine's planning modules (scheduler, block pool, batch builder, ...) stay pure Python: importing them pulls
+in no torch, aiokafka or transformers (tests/test_layers.py checks the same of their import statements)."""
 
 import json
 import subprocess
 import sys
 
 PURE_MODULES = [
+    "worker.engine.api",
     "worker.engine.request",
     "worker.engine.block_pool",
-    "worker.engine.outputs",
+    "worker.engine.scheduler_output",
     "worker.engine.policies",
     "worker.engine.scheduler",
+    "worker.engine.batch_builder",
+    "worker.model.step_batch",
 ]
 HEAVY_MODULES = ["torch", "aiokafka", "transformers", "triton", "numpy"]
 

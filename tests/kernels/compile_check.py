@@ -17,7 +17,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import kv_write, paged_decode, ragged_prefill, rmsnorm, rotary
+from kernels import kv_write, paged_decode, ragged_prefill
 
 TYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
               torch.int64: "i64"}
@@ -106,17 +106,6 @@ def cases() -> list[tuple[str, object, tuple, dict]]:
                               meta(5, dtype=torch.int64))
 
         found += [(f"write_kv {dtype}", *launch) for launch in launches(kv_write, ("_write_kv_kernel",), write)]
-
-        def norm():
-            x = meta(8, 576, dtype=dtype)
-            rmsnorm.rms_norm(x, meta(576, dtype=dtype), 1e-5, residual=x)
-
-        def rope():
-            rotary.apply_rotary_(meta(8, 9, 64, dtype=dtype), meta(8, 3, 64, dtype=dtype), meta(64, 64, dtype=dtype),
-                                 meta(64, 64, dtype=dtype), meta(8, dtype=torch.int64))
-
-        found += [(f"rms_norm {dtype}", *launch) for launch in launches(rmsnorm, ("_rms_norm_kernel",), norm)]
-        found += [(f"rotary {dtype}", *launch) for launch in launches(rotary, ("_rotary_kernel",), rope)]
     return found
 
 

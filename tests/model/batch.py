@@ -1,5 +1,5 @@
-"""Hand-built `ModelInput`s for model tests, independent of the engine's own batch builder, plus the
-transformers reference the model is compared with."""
+"""Hand-built step batches for model tests, independent of the engine's own batch builder, turned into
+tensors by the model side's `build_model_input`; plus the transformers reference the model is compared with."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 import torch
 
 from worker.config import EngineSettings
-from worker.model.input import AttentionMetadata, ModelInput
+from worker.model.input import ModelInput, build_model_input
+from worker.model.step_batch import StepBatch
 
 BLOCK = 4
 ATOL, RTOL = 1e-4, 1e-5
@@ -41,38 +42,24 @@ class Chunk:
 
 
 def make_input(chunks: list[Chunk], block_size: int, all_logits: bool = False) -> ModelInput:
-    input_ids, positions, slots, logits_indices, q_start_loc, seq_lens = [], [], [], [], [0], []
+    batch = StepBatch()
     for chunk in chunks:
-        start = len(input_ids)
+        start = len(batch.input_ids)
         for i, token in enumerate(chunk.new_token_ids):
             pos = chunk.num_computed + i
-            input_ids.append(token)
-            positions.append(pos)
+            batch.input_ids.append(token)
+            batch.positions.append(pos)
             block = chunk.block_ids[pos // block_size]
-            slots.append(-1 if i in chunk.skip_write else block * block_size + pos % block_size)
-        end = len(input_ids)
-        q_start_loc.append(end)
-        seq_lens.append(chunk.num_computed + len(chunk.new_token_ids))
+            batch.slot_mapping.append(-1 if i in chunk.skip_write else block * block_size + pos % block_size)
+        end = len(batch.input_ids)
+        batch.query_start_loc.append(end)
+        batch.seq_lens.append(chunk.num_computed + len(chunk.new_token_ids))
+        batch.block_table_rows.append(list(chunk.block_ids))
         if all_logits:
-            logits_indices.extend(range(start, end))
+            batch.logits_indices.extend(range(start, end))
         elif chunk.sample:
-            logits_indices.append(end - 1)
-    max_blocks = max(len(c.block_ids) for c in chunks)
-    block_tables = [c.block_ids + [0] * (max_blocks - len(c.block_ids)) for c in chunks]
-    q_lens = [len(c.new_token_ids) for c in chunks]
-    return ModelInput(
-        input_ids=torch.tensor(input_ids, dtype=torch.int64),
-        positions=torch.tensor(positions, dtype=torch.int64),
-        attn=AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            query_start_loc=torch.tensor(q_start_loc, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_tables=torch.tensor(block_tables, dtype=torch.int32),
-            max_query_len=max(q_lens),
-            max_seq_len=max(seq_lens),
-        ),
-        logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
-    )
+            batch.logits_indices.append(end - 1)
+    return build_model_input(batch, "cpu")
 
 
 def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:  # [len(token_ids), V] float32

@@ -38,10 +38,6 @@ class SamplingParams:
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0 or self.top_k == 1
-
 
 @dataclass(slots=True)
 class EngineRequest:

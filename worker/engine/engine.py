@@ -14,15 +14,15 @@ from dataclasses import dataclass, field
 import torch
 
 from worker.config import EngineSettings
-from worker.engine.api import EngineRequest, EngineStats, RequestOutput
+from worker.engine.api import EngineRequest, EngineStats, RequestOutput, SamplingParams
+from worker.engine.batch_builder import build_step_batch
 from worker.engine.detokenizer import IncrementalDetokenizer
-from worker.engine.model_input import build_model_input
-from worker.engine.outputs import RequestUpdate
 from worker.engine.request import Request, RequestStatus
 from worker.engine.scheduler import Scheduler
+from worker.engine.scheduler_output import RequestUpdate
 from worker.engine.step_time import StepTimeModel
 from worker.model.runner import ModelRunner
-from worker.model.sampler import Sampler
+from worker.model.sampler import RowSampling, Sampler, make_generator
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +35,10 @@ class InvalidRequest(ValueError):
 
 @dataclass(slots=True)
 class _Live:
-    """Per-request state the scheduler does not keep: sampling RNG and the text stream."""
+    """Per-request state the scheduler does not keep: how its rows are sampled, its RNG and its text stream."""
 
     detokenizer: IncrementalDetokenizer
+    sampling: RowSampling
     generator: torch.Generator | None
 
 
@@ -50,6 +51,10 @@ class Completion:
     text: str = ""
     finish_reason: str | None = None
     last: RequestOutput | None = None
+
+
+def _row_sampling(params: SamplingParams) -> RowSampling:
+    return RowSampling(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
 
 
 class LLMEngine:
@@ -112,19 +117,22 @@ class LLMEngine:
             eos_token_ids=() if sampling.ignore_eos else tuple(self.runner.eos_token_ids),
         )
         self.scheduler.add_request(req)
+        row_sampling = _row_sampling(sampling)
         self._live[req.request_id] = _Live(
             IncrementalDetokenizer(self.tokenizer, token_ids, stop=sampling.stop),
-            self._generator(req),
+            row_sampling,
+            self._generator(req, row_sampling),
         )
         return []
 
-    def _generator(self, request: Request) -> torch.Generator | None:
-        if request.sampling.greedy:
+    def _generator(self, request: Request, row_sampling: RowSampling) -> torch.Generator | None:
+        # The sampler's own greedy rule decides, so a row it samples always has a generator.
+        if row_sampling.greedy:
             return None
         seed = request.sampling.seed
         if seed is None:
             seed = self.settings.seed ^ zlib.crc32(request.request_id.encode())
-        return torch.Generator(device=self.runner.device).manual_seed(seed)
+        return make_generator(seed, self.runner.device)
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
         return [self._final(request) for request in self.scheduler.abort(request_ids)]
@@ -146,16 +154,15 @@ class LLMEngine:
         if sched.is_empty:
             return outputs
         start = time.perf_counter()
-        model_input = build_model_input(sched.scheduled, sched.block_size, self.runner.device)
+        model_input = self.runner.prepare_input(build_step_batch(sched))
         logits = self.runner.execute(model_input)  # [S, V]
-        sampling = [entry.request for entry in sched.scheduled if entry.samples]
-        token_ids = self.sampler.sample(
-            logits, [r.sampling for r in sampling], [self._live[r.request_id].generator for r in sampling]
-        )
+        sampling_ids = [entry.request_id for entry in sched.scheduled if entry.samples]  # row order of logits
+        live = [self._live[request_id] for request_id in sampling_ids]
+        token_ids = self.sampler.sample(logits, [x.sampling for x in live], [x.generator for x in live])
         self.step_time.observe(sched.num_batched_tokens, time.perf_counter() - start)
         self.num_steps += 1
         self._last_step = (sched.num_batched_tokens, len(sched.scheduled))
-        updates = self.scheduler.update(sched, {r.request_id: t for r, t in zip(sampling, token_ids)}, time.monotonic())
+        updates = self.scheduler.update(sched, dict(zip(sampling_ids, token_ids)), time.monotonic())
         outputs += [self._postprocess(update) for update in updates]
         return outputs
 

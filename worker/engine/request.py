@@ -1,6 +1,7 @@
 """The engine's internal request: what the scheduler and block pool track per request.
 
-Not the wire object (schemas/ has that): the transport converts a decoded wire request into this.
+Neither the wire object (schemas/) nor the engine's input (`EngineRequest`, api.py): the transport turns a
+decoded wire request into an EngineRequest, and the engine tokenizes that into this.
 Times are `time.monotonic()` seconds.
 """
 

@@ -22,9 +22,9 @@ from collections.abc import Iterable
 
 from worker.config import EngineSettings
 from worker.engine.block_pool import BlockPool
-from worker.engine.outputs import RequestUpdate, ScheduledRequest, SchedulerOutput
 from worker.engine.policies import AdmissionPolicy, WaitingQueue
 from worker.engine.request import Request, RequestStatus
+from worker.engine.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:
@@ -42,7 +42,6 @@ class Scheduler:
         """Every unfinished request, waiting or running."""
         self._add_order: dict[str, int] = {}
         self._num_added = 0
-        self._finished_ids: list[str] = []
         self.num_preemptions = 0
         self.num_deadline_drops = 0
 
@@ -122,7 +121,6 @@ class Scheduler:
             self.num_deadline_drops += 1
             self._finish(request, RequestStatus.FINISHED_DEADLINE, now, in_queue=False)
             output.deadline_dropped.append(request)
-        output.finished_request_ids, self._finished_ids = self._finished_ids, []
 
         budget = self.max_num_batched_tokens
         scheduled: dict[str, ScheduledRequest] = {}
@@ -255,4 +253,3 @@ class Scheduler:
         request.finish_time = now
         del self.requests[request.request_id]
         del self._add_order[request.request_id]
-        self._finished_ids.append(request.request_id)

@@ -1,6 +1,6 @@
 """Attention backends: given this step's q/k/v and the paged KV cache, write the new K/V into the cache
-and attend over each request's whole context. Implementations: `TorchAttention` (here, the reference
-and the CPU default) and `TritonAttention` (worker/model/triton_attention.py, the CUDA default)."""
+and attend over each request's whole context. Implementations: `TorchAttention` (worker/model/torch_attention.py,
+the reference and the CPU default) and `TritonAttention` (worker/model/triton_attention.py, the CUDA default)."""
 
 from __future__ import annotations
 

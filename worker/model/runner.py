@@ -1,8 +1,9 @@
 """`ModelRunner`: owns the model weights, the paged KV cache and the attention backend; runs one step.
 
-The engine builds a `ModelInput` per step (worker/engine) and calls `execute`, which returns float32
-logits for the rows that sample. Device, dtype and backend are chosen here once and logged, so a
-deployment's log says what actually runs.
+Each step the engine hands over a `StepBatch` of plain ints; `prepare_input` turns it into tensors on this
+runner's device and `execute` runs the forward, returning float32 logits for the rows that sample (two
+calls, so model tests can hand `execute` tensors they built by hand). Device, dtype and backend are chosen
+here once and logged, so a deployment's log says what actually runs.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import torch
 from worker.config import EngineSettings
 from worker.model.attention import AttentionBackend
 from worker.model.config import ModelConfig, load_config, load_eos_token_ids
-from worker.model.input import ModelInput
+from worker.model.input import ModelInput, build_model_input
 from worker.model.loader import load_model
 from worker.model.pull import resolve_model
+from worker.model.step_batch import StepBatch
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +122,9 @@ class ModelRunner:
     @property
     def num_layers(self) -> int:
         return self.config.num_layers
+
+    def prepare_input(self, batch: StepBatch) -> ModelInput:
+        return build_model_input(batch, self.device)
 
     @torch.inference_mode()
     def execute(self, model_input: ModelInput) -> torch.Tensor:  # [S, V] float32

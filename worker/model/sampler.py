@@ -3,7 +3,7 @@
 Reproducibility per request: each sampled row draws only from its own `torch.Generator` and is processed
 on its own, with operations whose shape depends on that row alone. The same logits row, parameters and
 generator state therefore give the same token whatever else shares the batch. (The engine seeds each
-request's generator from SamplingParams.seed or from the engine seed plus the request's index.)
+request's generator once, from the request's own seed, else from ENGINE_SEED XOR crc32(request id).)
 
 The draw is the exponential race (argmax of p_i / E_i with E_i ~ Exp(1)), which picks token i with
 probability p_i exactly, never picks a zero-probability token, and needs no cumulative sums whose rounding
@@ -13,11 +13,28 @@ the nucleus is looked for among the top 256, then the top 4096 tokens, and only 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from worker.engine.request import SamplingParams
-
 _NUCLEUS_CANDIDATES = (256, 4096)
+
+
+@dataclass(slots=True, frozen=True)
+class RowSampling:
+    """How one logits row picks its token. The engine derives it from a request's validated sampling
+    parameters, so the model side depends on no engine type."""
+
+    temperature: float = 0.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 means no top-k cut."""
+
+    @property
+    def greedy(self) -> bool:
+        # top_k == 1 leaves one candidate: argmax, without spending a random draw.
+        return self.temperature <= 0.0 or self.top_k == 1
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -40,7 +57,7 @@ class Sampler:
     def sample(
         self,
         logits: torch.Tensor,  # [S, V] float32
-        params: list[SamplingParams],
+        params: list[RowSampling],
         generators: list[torch.Generator | None],
     ) -> list[int]:
         """One token id per row. Rows that sample use generators[i] (None: torch's global RNG, not
@@ -66,7 +83,7 @@ class Sampler:
     @staticmethod
     def _sample_row(
         logits: torch.Tensor,  # [V]
-        params: SamplingParams,
+        params: RowSampling,
         generator: torch.Generator | None,
     ) -> torch.Tensor:  # [] int64 token id
         x = logits.float() / params.temperature  # [V]

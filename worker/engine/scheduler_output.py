@@ -1,4 +1,4 @@
-"""What the scheduler hands the engine each step, and what it reports back after the step."""
+"""What the scheduler hands the engine each step (`SchedulerOutput`) and what `update()` reports back."""
 
 from __future__ import annotations
 
@@ -51,17 +51,10 @@ class SchedulerOutput:
     """Requests preempted by recompute this step: blocks freed, back in the waiting queue."""
     deadline_dropped: list[Request] = field(default_factory=list)
     """Waiting requests dropped this step because their deadline had passed (status FINISHED_DEADLINE)."""
-    finished_request_ids: list[str] = field(default_factory=list)
-    """Every request that finished since the previous schedule() (any reason, deadline drops included), so
-    the engine and model runner can drop per-request state."""
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
-
-    @property
-    def num_sampling(self) -> int:
-        return sum(1 for entry in self.scheduled if entry.samples)
 
 
 @dataclass(slots=True)

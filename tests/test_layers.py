@@ -1,0 +1,157 @@
+"""Layers import one way: transport -> engine -> model runner -> kernels, and the engine's planning is pure.
+
+Read from the source with `ast` (every import statement, lazy ones inside functions included), so it runs in
+milliseconds and names the file and line that breaks a rule. tests/engine/test_purity.py checks the pure
+modules again by importing them in a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAVY = ("torch", "triton", "aiokafka", "transformers", "numpy")
+PURE_MODULES = (
+    "worker.engine.api",
+    "worker.engine.request",
+    "worker.engine.block_pool",
+    "worker.engine.policies",
+    "worker.engine.scheduler",
+    "worker.engine.scheduler_output",
+    "worker.engine.batch_builder",
+    "worker.model.step_batch",
+)
+"""Importing these, and whatever of ours they import in turn, pulls in nothing in HEAVY."""
+TORCH_OWNER = "worker.engine.engine"
+"""The one engine module that touches torch (it owns the sampling generators and calls the model runner)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Import:
+    module: str
+    """Full dotted name; `from a import b` yields a, and a.b too when that is one of our modules."""
+    line: int
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def source_files() -> dict[str, Path]:
+    return {module_name(p): p for top in ("worker", "kernels") for p in sorted((ROOT / top).rglob("*.py"))}
+
+
+FILES = source_files()
+
+
+def _nodes(tree: ast.AST, top_level_only: bool) -> Iterator[ast.AST]:
+    for node in ast.iter_child_nodes(tree):
+        yield node
+        if not (top_level_only and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))):
+            yield from _nodes(node, top_level_only)
+
+
+def imports(name: str, top_level_only: bool = False) -> Iterator[Import]:
+    """Every import statement of module `name`; with top_level_only, only those that importing it runs (not
+    the ones inside functions)."""
+    path = FILES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in _nodes(ast.parse(path.read_text(), str(path)), top_level_only):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield Import(alias.name, node.lineno)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            if base == "__future__":
+                continue
+            yield Import(base, node.lineno)
+            for alias in node.names:
+                if f"{base}.{alias.name}" in FILES:
+                    yield Import(f"{base}.{alias.name}", node.lineno)
+
+
+def is_under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def violations(modules: list[str], forbidden: tuple[str, ...], top_level_only: bool = False) -> list[str]:
+    return [
+        f"{FILES[name].relative_to(ROOT)}:{imp.line} imports {imp.module}"
+        for name in modules
+        for imp in imports(name, top_level_only)
+        if any(is_under(imp.module, prefix) for prefix in forbidden)
+    ]
+
+
+def modules_under(prefix: str) -> list[str]:
+    return [name for name in FILES if is_under(name, prefix)]
+
+
+def test_the_source_tree_is_found():
+    assert len(modules_under("worker.engine")) > 5 and len(modules_under("kernels")) > 3
+    missing = [name for name in (*PURE_MODULES, TORCH_OWNER) if name not in FILES]
+    assert not missing, f"renamed or removed: update this test ({missing})"
+
+
+def test_model_never_imports_the_engine_or_the_transport():
+    assert violations(modules_under("worker.model"), ("worker.engine", "worker.transport")) == []
+
+
+def test_kernels_never_import_the_worker():
+    assert violations(modules_under("kernels"), ("worker",)) == []
+
+
+def test_engine_never_imports_the_transport():
+    assert violations(modules_under("worker.engine"), ("worker.transport",)) == []
+
+
+def closure(name: str) -> list[str]:
+    """Every module of ours that importing `name` runs besides itself (parent packages included)."""
+    seen: list[str] = []
+    todo = [name]
+    while todo:
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen.append(current)
+        parents = [".".join(current.split(".")[:i]) for i in range(1, current.count(".") + 1)]
+        todo += [m for m in parents if m in FILES]
+        todo += [imp.module for imp in imports(current, top_level_only=True) if imp.module in FILES]
+    return seen[1:]
+
+
+def heavy_imports(names: list[str]) -> list[str]:
+    """The modules' own imports, lazy ones included (a call would run them), and what importing them runs."""
+    return violations(names, HEAVY) + violations(sorted({m for n in names for m in closure(n)}), HEAVY, True)
+
+
+@pytest.mark.parametrize("name", PURE_MODULES)
+def test_pure_modules_import_nothing_heavy(name: str):
+    assert heavy_imports([name]) == []
+
+
+def test_only_engine_py_touches_torch_in_the_engine():
+    assert heavy_imports([name for name in modules_under("worker.engine") if name != TORCH_OWNER]) == []
+
+
+def test_transport_speaks_to_the_engine_only_through_its_api():
+    transport = modules_under("worker.transport")
+    engine_imports = [
+        f"{FILES[name].relative_to(ROOT)}:{imp.line} imports {imp.module}"
+        for name in transport
+        for imp in imports(name)
+        # `from worker.engine import api` names the package too; its submodule is what is checked.
+        if is_under(imp.module, "worker.engine") and imp.module != "worker.engine"
+        and not is_under(imp.module, "worker.engine.api")
+    ]
+    assert engine_imports == []
+    assert violations(transport, ("worker.model", "kernels", "torch")) == []
