@@ -64,8 +64,8 @@ class Worker:
         self.stopping = asyncio.Event()
         self.started = asyncio.Event()
         self.closing = False
-        """Set at the end of shutdown: the background loops exit at their next turn even if a library call
-        inside them swallowed the cancellation (a shutdown once hung in the control loop that way)."""
+        """Set at the end of shutdown, so the background loops exit at their next turn even if a library call
+        inside one of them swallowed its cancellation."""
 
     def stop(self) -> None:
         self.stopping.set()
