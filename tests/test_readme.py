@@ -16,3 +16,27 @@ def test_readme_settings_table_matches_the_code() -> None:
 def test_readme_names_the_test_command_that_ci_runs() -> None:
     ci = (README.parent / ".ci" / "run").read_text()
     assert "make test" in ci and "make test " in README.read_text()
+
+
+def test_the_architecture_section_names_files_and_methods_that_exist() -> None:
+    """The path of one request in the README stays true when code moves: every `file.py` it names exists, and
+    every `Class.method` it names is defined in worker/transport/."""
+    import importlib
+    import pkgutil
+    import re
+
+    import worker.transport
+
+    text = README.read_text()
+    section = text[text.index("## Architecture"):text.index("## Using the worker")]
+    root = README.parent
+    sources = [p.relative_to(root).as_posix()
+               for top in ("worker", "schemas", "kernels", "tests") for p in (root / top).rglob("*.py")]
+    for name in set(re.findall(r"`([\w/]+\.py)`", section)):
+        assert any(path == name or path.endswith("/" + name) for path in sources), name
+    classes = {}
+    for info in pkgutil.iter_modules(worker.transport.__path__):
+        module = importlib.import_module(f"worker.transport.{info.name}")
+        classes.update({k: v for k, v in vars(module).items() if isinstance(v, type)})
+    for cls, method in set(re.findall(r"`([A-Z]\w+)\.(\w+)`", section)):
+        assert hasattr(classes[cls], method), f"{cls}.{method}"
