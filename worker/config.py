@@ -179,6 +179,10 @@ class WorkerSettings(BaseSettings):
     """While a more urgent priority's backlog (lag + local waiting) exceeds this, less urgent ones pause."""
     session_timeout_s: float = Field(10.0, ge=1)
     """Consumer-group session timeout: how long a dead worker's partitions wait before another takes them."""
+    max_clock_skew_ms: float = Field(1000.0, ge=0)
+    """Queue order: a request counts as arrived at its record's timestamp, but never earlier than this long
+    before the worker fetched it, so a producer whose clock runs behind cannot jump its priority's queue or
+    dodge preemption. Timings in final records still start at the record's timestamp."""
     max_engine_inflight: int = Field(0, ge=0)
     """Requests handed to the engine and not finished; the rest wait in the local queue where they can still be
     shed or reordered. 0: twice the engine's max_num_seqs."""

@@ -1,11 +1,15 @@
-"""The engine thread: outputs reach asyncio, aborts work, a crashing engine fails requests, not the thread."""
+"""The engine thread: outputs reach asyncio, aborts work; a crashing engine fails the request that crashes it
+(found by running each alone) and replays the others from scratch, and never stops the thread."""
 
 import asyncio
+import dataclasses
 import time
+
+import pytest
 
 from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.instant import InstantEngine, expected_text
-from worker.transport.engine_thread import EngineThread
+from worker.transport.engine_thread import MAX_FAILED_STEPS, EngineThread
 
 
 async def collect(outputs: asyncio.Queue, ids: set[str], timeout=10.0) -> dict:
@@ -52,29 +56,215 @@ async def test_abort_ends_a_long_request():
     thread.stop()
 
 
+def ids_in(engine: InstantEngine) -> list[str]:
+    return list(engine._running) + [item[2].request.request_id for item in engine._waiting]
+
+
 class ExplodingEngine(InstantEngine):
+    """Fails every step while a request whose id contains "poison" is in it, and loses its state doing so
+    (the thread must not rely on the engine remembering what it had)."""
+
     def step(self):
-        if any("boom" in rid for rid in self._running) or any("boom" in i[2].request.request_id for i in self._waiting):
+        if any("poison" in rid for rid in ids_in(self)):
             self._waiting.clear()
             self._running.clear()
             raise RuntimeError("kernel fault")
         return InstantEngine.step(self)
 
 
-async def test_engine_exception_fails_in_flight_requests_and_thread_keeps_serving():
+class JoinFailingEngine(InstantEngine):
+    """Fails the first step after a request whose id contains `trigger` joins: at every join (a poison that
+    fails at its prefill), or at the first join only (`once`: a transient fault nobody causes)."""
+
+    def __init__(self, trigger: str, once: bool) -> None:
+        super().__init__(step_time_s=0.001)
+        self.trigger = trigger
+        self.once = once
+        self.num_faults = 0
+        self._joined_ids: list[str] = []
+
+    def add_request(self, request):
+        self._joined_ids.append(request.request_id)
+        return super().add_request(request)
+
+    def step(self):
+        joined_ids, self._joined_ids = self._joined_ids, []
+        if any(self.trigger in rid for rid in joined_ids) and not (self.once and self.num_faults):
+            self.num_faults += 1
+            raise RuntimeError("prefill fault")
+        return super().step()
+
+
+class BatchFaultEngine(InstantEngine):
+    """Fails every step with two or more requests in it: each request passes its probe alone."""
+
+    def step(self):
+        if len(ids_in(self)) >= 2:
+            raise RuntimeError("batch fault")
+        return super().step()
+
+
+class BrokenEngine(InstantEngine):
+    """Fails every step until `broken` is cleared."""
+
+    broken = True
+
+    def step(self):
+        if self.broken:
+            raise RuntimeError("device lost")
+        return super().step()
+
+
+class FailingAddEngine(InstantEngine):
+    def add_request(self, request):
+        if "poison" in request.request_id:
+            raise ValueError("cannot tokenize")
+        return super().add_request(request)
+
+
+def started(engine: InstantEngine) -> tuple[EngineThread, asyncio.Queue]:
     outputs: asyncio.Queue = asyncio.Queue()
-    thread = EngineThread(ExplodingEngine(), asyncio.get_running_loop(), outputs)
+    thread = EngineThread(engine, asyncio.get_running_loop(), outputs)
     thread.start()
-    thread.add(request("boom", n=3))
-    thread.add(request("bystander", n=3))
-    results = await collect(outputs, {"boom", "bystander"})
-    assert results["boom"][1].finish_reason == "error" and results["boom"][1].error_code == "internal"
-    assert results["bystander"][1].finish_reason == "error"
-    assert thread.num_engine_errors == 1
-    thread.add(request("after", n=2))
-    results = await collect(outputs, {"after"})
-    assert results["after"][1].finish_reason == "length"
+    return thread, outputs
+
+
+def arrived(r: EngineRequest, ago_s: float = 1.0) -> EngineRequest:
+    return dataclasses.replace(r, arrival_time=time.monotonic() - ago_s)
+
+
+async def collect_outputs(outputs: asyncio.Queue, ids: set[str], seen: list | None = None, timeout=10.0) -> dict:
+    """Every output of each request in order (after those already `seen`), until each has a final."""
+    by_id: dict[str, list] = {rid: [] for rid in ids}
+    for out in seen or []:
+        by_id.setdefault(out.request_id, []).append(out)
+    async with asyncio.timeout(timeout):
+        while not all(by_id[rid] and by_id[rid][-1].finished for rid in ids):
+            for out in await outputs.get():
+                by_id.setdefault(out.request_id, []).append(out)
+    return by_id
+
+
+async def outputs_until_a_token(outputs: asyncio.Queue, ids: set[str]) -> list:
+    """Outputs until each of `ids` has sent a token, so a failure after them interrupts each mid-answer."""
+    seen: list = []
+    async with asyncio.timeout(5):
+        while not ids <= {out.request_id for out in seen if out.new_token_ids}:
+            seen += await outputs.get()
+    return seen
+
+
+def assert_replayed_then_complete(r: EngineRequest, outs: list, num_markers=1) -> None:
+    """The client's view: a marker per replay; before the last one a prefix of the answer (nothing a probe
+    made); after it exactly the answer, then one final."""
+    markers = [i for i, out in enumerate(outs) if out.replayed]
+    assert len(markers) == num_markers, outs
+    for i in markers:
+        assert outs[i].new_token_ids == [] and outs[i].text_delta == "" and not outs[i].finished
+        assert outs[i].arrival_time == r.arrival_time
+    before, after = outs[:markers[-1]], outs[markers[-1] + 1:]
+    assert not any(out.finished for out in before)
+    assert expected_text(r).startswith("".join(out.text_delta for out in before))
+    assert "".join(out.text_delta for out in after) == expected_text(r)
+    assert [out.finished for out in after] == [False] * (len(after) - 1) + [True]
+    assert after[-1].finish_reason == "length" and after[-1].arrival_time == r.arrival_time
+
+
+def assert_one_poison_final(outs: list, fault: str) -> None:
+    assert len(outs) == 1, outs  # nothing its probe made
+    assert outs[0].finished and outs[0].finish_reason == "error" and outs[0].error_code == "poison_request"
+    assert fault in outs[0].error_message
+
+
+async def assert_serves_a_new_request(thread: EngineThread, outputs: asyncio.Queue) -> None:
+    after = request("after", n=3)
+    thread.add(after)
+    outs = (await collect_outputs(outputs, {"after"}))["after"]
+    assert "".join(out.text_delta for out in outs) == expected_text(after)
+    assert outs[-1].finish_reason == "length" and not any(out.replayed for out in outs)
     assert thread.alive
+
+
+async def test_a_poison_request_ends_alone_and_the_others_start_over(caplog):
+    engine = ExplodingEngine(step_time_s=0.001)
+    thread, outputs = started(engine)
+    long = [arrived(request(f"long{i}", n=200), ago_s=i + 1) for i in range(2)]
+    for r in long:
+        thread.add(r)
+    seen = await outputs_until_a_token(outputs, {r.request_id for r in long})
+    # "short" can finish inside its probe's steps: that final must not reach the loop either.
+    short = arrived(request("short", n=2))
+    thread.add(request("poison-1", n=5))
+    thread.add(short)
+    results = await collect_outputs(outputs, {"poison-1", "short", "long0", "long1"}, seen)
+    assert_one_poison_final(results["poison-1"], "kernel fault")
+    for r in [*long, short]:
+        assert_replayed_then_complete(r, results[r.request_id])
+    assert thread.num_engine_errors == 1 and thread.num_poison_requests == 1
+    assert any("poison-1" in rec.getMessage() and "replaying 3" in rec.getMessage() for rec in caplog.records)
+    await assert_serves_a_new_request(thread, outputs)
+    assert not engine.has_unfinished()
+    thread.stop()
+
+
+@pytest.mark.parametrize("once", [False, True], ids=["prefill-poison", "transient"])
+async def test_a_fault_at_the_first_step_after_a_join(once):
+    engine = JoinFailingEngine("trigger", once=once)
+    thread, outputs = started(engine)
+    bystander = arrived(request("bystander", n=50))
+    thread.add(bystander)
+    seen = await outputs_until_a_token(outputs, {"bystander"})
+    trigger = arrived(request("trigger", n=4))
+    thread.add(trigger)
+    results = await collect_outputs(outputs, {"bystander", "trigger"}, seen)
+    assert_replayed_then_complete(bystander, results["bystander"])
+    if once:  # its probe passes: it was not the cause, so it starts over like the others
+        assert_replayed_then_complete(trigger, results["trigger"])
+        assert thread.num_poison_requests == 0 and engine.num_faults == 1
+    else:
+        assert_one_poison_final(results["trigger"], "prefill fault")
+        assert thread.num_poison_requests == 1 and engine.num_faults == 2  # the step, then its probe
+    await assert_serves_a_new_request(thread, outputs)
+    thread.stop()
+
+
+async def test_a_fault_no_request_causes_alone_ends_at_the_replay_bound():
+    thread, outputs = started(BatchFaultEngine())
+    thread.add(request("a", n=5))
+    thread.add(request("b", n=5))
+    results = await collect_outputs(outputs, {"a", "b"})
+    for outs in results.values():
+        assert sum(out.replayed for out in outs) == MAX_FAILED_STEPS
+        assert [out.finished for out in outs].count(True) == 1
+        assert outs[-1].finish_reason == "error" and outs[-1].error_code == "internal"
+        assert "batch fault" in outs[-1].error_message
+    assert thread.num_engine_errors == MAX_FAILED_STEPS + 1 and thread.num_poison_requests == 0
+    await assert_serves_a_new_request(thread, outputs)
+    thread.stop()
+
+
+async def test_an_engine_failing_every_step_answers_each_request_once_and_the_thread_survives():
+    engine = BrokenEngine()
+    thread, outputs = started(engine)
+    thread.add(request("a", n=3))
+    thread.add(request("b", n=3))
+    results = await collect_outputs(outputs, {"a", "b"})
+    # Each one fails alone too: an engine fault, not two poison requests. Answered once each, no loop.
+    for outs in results.values():
+        (final,) = outs
+        assert final.finished and final.error_code == "internal" and "device lost" in final.error_message
+    assert thread.alive
+    engine.broken = False
+    await assert_serves_a_new_request(thread, outputs)
+    thread.stop()
+
+
+async def test_a_request_the_engine_cannot_add_is_poison():
+    thread, outputs = started(FailingAddEngine())
+    thread.add(request("poison-add", n=3))
+    results = await collect_outputs(outputs, {"poison-add"})
+    assert_one_poison_final(results["poison-add"], "cannot tokenize")
+    await assert_serves_a_new_request(thread, outputs)
     thread.stop()
 
 
@@ -134,4 +324,44 @@ async def test_the_end_of_input_starts_work_that_waits_for_it():
     thread.set_input_ended(True)
     results = await collect(outputs, {"s"})
     assert results["s"][1].finish_reason == "length"
+    thread.stop()
+
+
+class StaticPoisonEngine(WindowEngine):
+    """A static batch (starts only when input ends) whose step fails while "poison" runs, once `armed`."""
+
+    def __init__(self) -> None:
+        super().__init__(window_s=None)
+        self.step_time_s = 0.005
+        self.armed = False
+
+    def step(self):
+        if self.armed and "poison" in self._running:
+            raise RuntimeError("kernel fault")
+        return super().step()
+
+
+async def test_a_static_batch_probes_each_request_and_waits_again_after():
+    engine = StaticPoisonEngine()
+    thread, outputs = started(engine)
+    member = arrived(request("member", n=30))
+    thread.add(member)
+    thread.add(request("poison", n=30))
+    thread.set_input_ended(True)
+    seen = await outputs_until_a_token(outputs, {"member", "poison"})
+    thread.set_input_ended(False)  # more requests flow: the next batch waits to fill
+    async with asyncio.timeout(5):
+        while engine.input_ended:
+            await asyncio.sleep(0.001)
+    engine.armed = True
+    # A lone probe runs although the batch is not full (else the poison would pass as innocent) ...
+    results = await collect_outputs(outputs, {"poison"}, seen)
+    assert results["poison"][-1].error_code == "poison_request"
+    # ... and after it the end of input is as the transport last said: the replayed member waits for it.
+    assert not engine.input_ended
+    await asyncio.sleep(0.1)
+    assert outputs.empty() and sum(out.replayed for out in results["member"]) == 1
+    thread.set_input_ended(True)
+    results = await collect_outputs(outputs, {"member"}, results["member"])
+    assert_replayed_then_complete(member, results["member"])
     thread.stop()

@@ -35,7 +35,7 @@ def build(**settings_overrides) -> SimpleNamespace:
     queue = LocalQueue(KAFKA.num_priorities, settings.max_waiting)
     answers = Answers(publisher, tracker, metrics, settings.worker_id, KAFKA.result_topic, KAFKA.dead_letter_topic)
     admission = Admission(KAFKA.result_topic, frozenset(KAFKA.allowed_reply_topics), list(settings.itl_target_ms))
-    streamer = Streamer(publisher, tracker, metrics, rate, settings.worker_id, KAFKA.num_priorities, 0.0)
+    streamer = Streamer(publisher, tracker, answers, metrics, rate, settings.worker_id, KAFKA.num_priorities, 0.0)
     dispatcher = Dispatcher(queue, streamer, engine, admission, answers, max_in_engine=4)
     intake = Intake(consumer, tracker, queue, answers, admission, rate, lambda: engine.stats,
                     num_priorities=KAFKA.num_priorities, num_partitions=KAFKA.num_request_partitions,

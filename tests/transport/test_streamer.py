@@ -9,6 +9,7 @@ from aiokafka import TopicPartition
 
 from schemas.request import GenerationRequest
 from worker.engine.api import RequestOutput
+from worker.transport.answers import Answers
 from worker.transport.local_queue import QueuedRequest
 from worker.transport.metrics import WorkerMetrics
 from worker.transport.offsets import OffsetTracker
@@ -24,6 +25,12 @@ def queued(request_id: str, offset: int, stream: bool = True) -> QueuedRequest:
                          num_prompt_tokens=1)
 
 
+def make_streamer(publisher: FakePublisher, tracker: OffsetTracker) -> Streamer:
+    metrics = WorkerMetrics.create()
+    answers = Answers(publisher, tracker, metrics, "w", "llm.results", "llm.dead-letter")
+    return Streamer(publisher, tracker, answers, metrics, CompletionRate(), "w", 3, 0.0)
+
+
 def output(q: QueuedRequest, token: int, finished: bool = False, reason: str | None = None) -> RequestOutput:
     return RequestOutput(q.engine_id, [token], f"<{token}>", finished=finished, finish_reason=reason,
                          num_prompt_tokens=1, num_output_tokens=1, arrival_time=time.monotonic())
@@ -31,7 +38,7 @@ def output(q: QueuedRequest, token: int, finished: bool = False, reason: str | N
 
 async def test_chunks_then_one_final_and_the_offset_is_done_when_acknowledged():
     publisher, tracker = FakePublisher(), OffsetTracker()
-    streamer = Streamer(publisher, tracker, WorkerMetrics.create(), CompletionRate(), "w", 3, 0.0)
+    streamer = make_streamer(publisher, tracker)
     a, b, gone = queued("a", 0), queued("b", 1, stream=False), queued("gone", 2)
     for q in (a, b, gone):
         tracker.track(q.partition, q.offset)
@@ -46,10 +53,55 @@ async def test_chunks_then_one_final_and_the_offset_is_done_when_acknowledged():
                                                        ("a", 2, "<3>")]
     finals = publisher.finals()
     assert set(finals) == {"a", "b"}  # nothing more for the closed stream
-    assert (finals["a"].status, finals["a"].text, finals["a"].num_chunks, finals["a"].attempt) == ("completed", "<1><2><3>", 3, 3)
+    a_final = finals["a"]
+    assert (a_final.status, a_final.text, a_final.num_chunks, a_final.attempt) == ("completed", "<1><2><3>", 3, 3)
     assert (finals["b"].finish_reason, finals["b"].text, finals["b"].num_chunks) == ("length", "<1><2>", 0)
     assert len(streamer) == 0 and streamer.num_completed == 2
     assert tracker.num_pending() == 3
     publisher.ack_all()
     assert tracker.num_pending() == 1  # "gone" stays pending: its next owner answers it
     assert tracker.watermark(a.partition) == 2
+
+
+def replayed(q: QueuedRequest) -> RequestOutput:
+    return RequestOutput(q.engine_id, [], "", replayed=True, arrival_time=time.monotonic())
+
+
+async def test_a_replay_continues_the_stream_without_repeating_it():
+    publisher, tracker = FakePublisher(), OffsetTracker()
+    streamer = make_streamer(publisher, tracker)
+    same, other = queued("same", 0), queued("other", 1)
+    for q in (same, other):
+        streamer.open(q)
+    await streamer.handle([output(same, 1), output(same, 2), output(other, 1), output(other, 2)])
+    await streamer.handle([replayed(same), replayed(other)])
+    # The replay of "same" repeats 1, 2 and goes on; "other" comes back with a different second token.
+    await streamer.handle([output(same, 1), output(other, 1)])
+    await streamer.handle([output(same, 2), output(other, 9)])
+    await streamer.handle([output(same, 3), output(other, 3)])
+    await streamer.handle([output(same, 4, True, "length"), output(other, 4, True, "length")])
+    chunks = [(c.id, c.seq, c.token_ids) for c in publisher.chunks()]
+    assert [c for c in chunks if c[0] == "same"] == [("same", 0, [1, 2]), ("same", 1, [3]), ("same", 2, [4])]
+    finals = publisher.finals()
+    assert finals["same"].status == "completed" and finals["same"].text == "<1><2><3><4>"
+    assert finals["same"].num_chunks == 3
+    assert (finals["other"].status, finals["other"].reason) == ("error", "internal")
+    assert "differ" in finals["other"].message
+
+
+async def test_a_poison_request_is_dead_lettered_with_an_error_final():
+    publisher, tracker = FakePublisher(), OffsetTracker()
+    streamer = make_streamer(publisher, tracker)
+    poison = queued("poison", 5)
+    tracker.track(poison.partition, poison.offset)
+    streamer.open(poison)
+    await streamer.handle([RequestOutput(poison.engine_id, [], "", finished=True, finish_reason="error",
+                                         error_code="poison_request", error_message="boom",
+                                         arrival_time=time.monotonic())])
+    final = publisher.finals()["poison"]
+    assert (final.status, final.reason, final.message) == ("error", "poison_request", "boom")
+    (dead,) = publisher.dead_letters()
+    assert (dead.request_id, dead.offset, dead.error_code) == ("poison", 5, "poison_request")
+    assert b'"id":"poison"' in dead.value  # the request, re-encoded, for an operator to inspect or replay
+    publisher.ack_all()
+    assert tracker.num_pending() == 0 and len(streamer) == 0

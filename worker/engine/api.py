@@ -64,7 +64,8 @@ class RequestOutput:
     finish_reason: str | None = None
     """stop | length | abort | deadline | error (with error_code)."""
     error_code: str | None = None
-    """prompt_too_long | invalid_request | internal, when finish_reason is "error"."""
+    """prompt_too_long | invalid_request | poison_request | internal, when finish_reason is "error".
+    poison_request: the engine fails whenever this request is in it (found by retrying it alone)."""
     error_message: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
@@ -73,6 +74,9 @@ class RequestOutput:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    replayed: bool = False
+    """Set on an output with no tokens that says: this request starts over from its first token (the engine
+    failed on a step it was in, and it was not the cause); the outputs that follow repeat what was sent."""
 
 
 @dataclass(slots=True)

@@ -1,7 +1,9 @@
-"""Answers that bypass the engine: the one place that writes a final record (and, for undecodable records,
-a dead-letter record) for a request the engine never saw: `error` (invalid, too large, reply topic not
-allowed, ...), `rejected`/`shed` and `rejected`/`deadline`. As for the engine's finals, the request record's
-offset counts as done only once Kafka has acknowledged everything written for it (`OffsetTracker.on_acked`).
+"""Answers that bypass the engine: the one place that writes a final record (and, for records that cannot be
+served at all, a dead-letter record) for a request the engine did not finish: `error` (invalid, too large,
+reply topic not allowed, ...), `rejected`/`shed` and `rejected`/`deadline`; dead letters for undecodable
+records, for offsets whose batch cannot be read, and for poison requests (the engine fails on them). As for
+the engine's finals, the request record's offset counts as done only once Kafka has acknowledged everything
+written for it (`OffsetTracker.on_acked`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,11 @@ from worker.transport.publisher import Publisher
 from worker.transport.records import answer_record
 
 MAX_DEAD_LETTER_VALUE = 512 * 1024
-"""Bytes of an original record kept in its dead-letter record."""
+"""Bytes of an original record's value kept in its dead-letter record (base64 grows it by a third)."""
+MAX_DEAD_LETTER_KEY = 4 * 1024
+"""Bytes of an original record's key kept, in the dead-letter record and as its Kafka key: with the value
+limit this keeps every dead letter well under the broker's default message.max.bytes (1 MiB), so it is
+never refused and its offset never waits on it."""
 
 
 class Answers:
@@ -58,23 +64,42 @@ class Answers:
     def dead_letter(self, partition, msg, error: RequestError, attempt: int) -> None:
         """An undecodable record: its bytes to the dead-letter topic and, when an id could be read, an `error`
         final record to the result topic; the offset is done when both are acknowledged."""
-        value = msg.value
+        self._set_aside(partition, msg.offset, msg.value, msg.key, msg.timestamp, error.code, error.message,
+                        error.request_id, attempt)
+
+    def dead_letter_request(self, queued: QueuedRequest, code: str, message: str) -> None:
+        """A decoded request that cannot be served (it makes the engine fail): its re-encoded request goes to
+        the dead-letter topic and an `error` final to its reply topic."""
+        self._set_aside(queued.partition, queued.offset, encode(queued.request), queued.request.id.encode(),
+                        queued.timestamp_ms, code, message, queued.request.id, queued.attempt, queued.reply_topic)
+
+    def unreadable(self, partition, offset: int, message: str) -> None:
+        """An offset whose record could not even be read from its batch: a dead letter without the bytes."""
+        self.metrics.unreadable_records.inc()
+        self._set_aside(partition, offset, None, None, None, "decode_error", message, None, 0)
+
+    def _set_aside(
+        self, partition, offset: int, value: bytes | None, key: bytes | None, timestamp_ms: int | None, code: str,
+        message: str, request_id: str | None, attempt: int, reply_topic: str | None = None,
+    ) -> None:
+        notes = []
         if value is not None and len(value) > MAX_DEAD_LETTER_VALUE:
-            # Base64 grows it by a third: kept whole, a record near the broker's limit could not be set aside.
+            notes.append(f"value truncated to {MAX_DEAD_LETTER_VALUE} of {len(value)} bytes")
             value = value[:MAX_DEAD_LETTER_VALUE]
-            error = RequestError(error.code, f"{error.message} [value truncated to {MAX_DEAD_LETTER_VALUE} of "
-                                 f"{len(msg.value)} bytes]", error.request_id)
+        if key is not None and len(key) > MAX_DEAD_LETTER_KEY:
+            notes.append(f"key truncated to {MAX_DEAD_LETTER_KEY} of {len(key)} bytes")
+            key = key[:MAX_DEAD_LETTER_KEY]
+        message = message[:2000] + "".join(f" [{note}]" for note in notes)
         dead = DeadLetterRecord(
-            value=value, key=msg.key, error_code=error.code, error_message=error.message[:2000],
-            request_id=error.request_id, topic=partition.topic, partition=partition.partition, offset=msg.offset,
-            timestamp_ms=msg.timestamp, dead_lettered_ms=int(time.time() * 1000), worker_id=self.worker_id,
+            value=value, key=key, error_code=code, error_message=message, request_id=request_id,
+            topic=partition.topic, partition=partition.partition, offset=offset, timestamp_ms=timestamp_ms,
+            dead_lettered_ms=int(time.time() * 1000), worker_id=self.worker_id,
         )
-        records = [(self.dead_letter_topic, msg.key, encode(dead))]
-        if error.request_id is not None:
-            final = answer_record(error.request_id, attempt, "error", error.code, error.message[:2000],
-                                  msg.timestamp, self.worker_id)
-            records.append((self.result_topic, error.request_id.encode(), encode(final)))
+        records = [(self.dead_letter_topic, key, encode(dead))]
+        if request_id is not None:
+            final = answer_record(request_id, attempt, "error", code, message, timestamp_ms, self.worker_id)
+            records.append((reply_topic or self.result_topic, request_id.encode(), encode(final)))
         self.num_dead_letters += 1
         self.metrics.dead_letters.inc()
-        self.metrics.rejected_for(error.code).inc()
-        self.publisher.publish_group_nowait(records, self.tracker.on_acked(partition, msg.offset))
+        self.metrics.rejected_for(code).inc()
+        self.publisher.publish_group_nowait(records, self.tracker.on_acked(partition, offset))

@@ -38,8 +38,9 @@ def to_engine_request(queued: QueuedRequest) -> EngineRequest:
         sampling=sampling,
         priority=queued.priority,
         deadline=deadline,
-        # The record's Kafka timestamp, so the engine orders by when the client asked, not when we fetched.
-        arrival_time=now_mono - max(0.0, now_ms - queued.timestamp_ms) / 1000.0,
+        # When the client asked (the record's timestamp, bounded by the fetch time minus the allowed clock skew),
+        # not when we fetched: a request that waited unread in Kafka keeps its place.
+        arrival_time=now_mono - max(0.0, now_ms - queued.arrival_ms) / 1000.0,
     )
 
 

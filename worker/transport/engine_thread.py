@@ -7,14 +7,23 @@ of input) go in through a thread-safe queue; each step's outputs come back as on
 and otherwise blocks on its command queue until the next command or the wake time (a dynamic batch window
 closing, a waiting deadline): it never polls an engine that has nothing to run.
 
-An exception inside the engine must not leave a dead thread and clients waiting on silence: the thread logs
-it, tries to abort the affected requests in the engine, answers each with an `error`/`internal` output, and
-keeps serving.
+An exception inside the engine must not leave a dead thread and clients waiting on silence, nor fail a whole
+batch for one bad request. When `step()` raises, the thread aborts every request in flight (so the engine's
+state is clean), then runs each of them alone on the empty engine for a few steps (a probe, whose outputs
+are dropped). A request whose probe raises is poison: it ends with `error`/`poison_request`. Every other one
+gets a `replayed` marker and is added again from its original `EngineRequest`, to start over. A request
+caught in a failing step more than `MAX_FAILED_STEPS` times in all ends with `error`/`internal` instead, so a
+failure that no request causes alone (one that depends on the batch size, say) cannot replay forever; and when
+every one of several requests fails alone, the engine itself is at fault (a lost device, say): they all end
+with `internal`, and none is set aside as poison. An
+`add_request` that raises marks its request poison the same way; a failing `abort` fails the requests it was
+meant to abort with `internal`. The thread logs each failure and keeps serving.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -24,6 +33,17 @@ from dataclasses import dataclass
 from worker.engine.api import Engine, EngineRequest, EngineStats, RequestOutput
 
 log = logging.getLogger(__name__)
+
+MAX_FAILED_STEPS = 2
+"""A request caught in this many failing steps has been probed alone and replayed each time; the next
+failing step it is caught in ends it with `internal`."""
+PROBE_STEPS = 3
+"""A poison request fails at its prefill or first decode (a bad prompt, a bad token id, a sampling setting
+the kernels mishandle): step 1 runs the prefill, step 2 the first decode, a third covers a prefill chunked
+over two steps. More would slow a recovery with many requests in flight (each is probed in turn, and the
+loop's commands wait meanwhile) for little gain."""
+PROBE_MAX_WAIT_S = 0.5
+"""Longest a probe sleeps for the engine's wake time (a dynamic batch window); past it the probe steps anyway."""
 
 
 @dataclass(slots=True)
@@ -44,10 +64,22 @@ class _InputEnded:
 _STOP = object()
 
 
-def _error_output(request_id: str, message: str) -> RequestOutput:
+@dataclass(slots=True)
+class _InFlight:
+    request: EngineRequest
+    """As the transport made it, arrival_time stamped: what a replay adds again from scratch."""
+    num_failed_steps: int = 0
+
+
+def _error_output(request: EngineRequest, code: str, message: str) -> RequestOutput:
     now = time.monotonic()
-    return RequestOutput(request_id, [], "", finished=True, finish_reason="error", error_code="internal",
-                         error_message=message, arrival_time=now, finish_time=now)
+    arrival = request.arrival_time if request.arrival_time is not None else now
+    return RequestOutput(request.request_id, [], "", finished=True, finish_reason="error", error_code=code,
+                         error_message=message, arrival_time=arrival, finish_time=now)
+
+
+def _replayed_marker(request: EngineRequest) -> RequestOutput:
+    return RequestOutput(request.request_id, [], "", replayed=True, arrival_time=request.arrival_time or 0.0)
 
 
 class EngineThread:
@@ -56,9 +88,12 @@ class EngineThread:
         self._loop = loop
         self._outputs = outputs
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._in_flight: set[str] = set()
+        self._in_flight: dict[str, _InFlight] = {}
+        """By request id, in the order they were added (the order probes run in)."""
+        self._input_ended = False
         self._stats = EngineStats()
         self.num_engine_errors = 0
+        self.num_poison_requests = 0
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     def start(self) -> None:
@@ -126,45 +161,134 @@ class EngineThread:
 
     def _apply(self, command) -> list[RequestOutput]:
         if isinstance(command, _InputEnded):
-            self.engine.set_input_ended(command.ended)
+            self._input_ended = command.ended
+            self._tell_input_ended(command.ended)
             return []
         if isinstance(command, _Add):
-            rid = command.request.request_id
-            try:
-                outputs = self.engine.add_request(command.request)
-            except Exception as exc:  # noqa: BLE001 - one bad request must not stop the others
-                log.exception("engine.add_request failed for %s", rid)
-                self.num_engine_errors += 1
-                return [_error_output(rid, f"engine rejected the request: {exc!r}")]
-            self._in_flight.add(rid)
-            return self._settle(outputs)
+            request = command.request
+            if request.arrival_time is None:
+                # Stamped here so that a replay keeps the arrival the engine gave it the first time.
+                request = dataclasses.replace(request, arrival_time=time.monotonic())
+            return self._admit(_InFlight(request))
+        return self._abort(command.request_ids)
+
+    def _admit(self, flight: _InFlight) -> list[RequestOutput]:
+        request = flight.request
         try:
-            return self._settle(self.engine.abort(command.request_ids))
+            outputs = self.engine.add_request(request)
+        except Exception as exc:  # noqa: BLE001 - one bad request must not stop the others
+            log.exception("engine.add_request failed for %s: poison", request.request_id)
+            self.num_engine_errors += 1
+            self.num_poison_requests += 1
+            return [_error_output(request, "poison_request", f"the engine failed to add the request: {exc!r}")]
+        self._in_flight[request.request_id] = flight
+        return self._settle(outputs)
+
+    def _abort(self, request_ids: list[str]) -> list[RequestOutput]:
+        try:
+            return self._settle(self.engine.abort(request_ids))
         except Exception:  # noqa: BLE001
             log.exception("engine.abort failed")
             self.num_engine_errors += 1
-            ids = [rid for rid in command.request_ids if rid in self._in_flight]
-            self._in_flight.difference_update(ids)
-            return [_error_output(rid, "abort failed inside the engine") for rid in ids]
+            flights = [self._in_flight.pop(rid) for rid in request_ids if rid in self._in_flight]
+            return [_error_output(f.request, "internal", "abort failed inside the engine") for f in flights]
+
+    def _tell_input_ended(self, ended: bool) -> None:
+        try:
+            self.engine.set_input_ended(ended)
+        except Exception:  # noqa: BLE001 - the end of input is a batching hint; losing it must not stop serving
+            log.exception("engine.set_input_ended(%s) failed", ended)
 
     def _step(self) -> list[RequestOutput]:
         try:
             return self._settle(self.engine.step())
-        except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the worker
-            log.exception("engine.step failed; failing %d in-flight requests", len(self._in_flight))
+        except Exception as exc:  # noqa: BLE001 - a failed step fails its poison requests, not the worker
+            log.exception("engine.step failed with %d requests in flight; probing each alone", len(self._in_flight))
             self.num_engine_errors += 1
-            ids = sorted(self._in_flight)
-            try:
-                self.engine.abort(ids)
-            except Exception:  # noqa: BLE001
-                log.exception("engine.abort after a failed step also failed")
-            self._in_flight.clear()
-            return [_error_output(rid, f"engine step failed: {exc!r}") for rid in ids]
+            step_error = f"engine step failed: {exc!r}"
+        # Outside the except block, so a probe's failure is logged on its own, not chained to this one.
+        return self._recover(step_error)
+
+    def _recover(self, step_error: str) -> list[RequestOutput]:
+        """After a failed step: which requests in flight are poison, and which start over."""
+        flights = list(self._in_flight.values())
+        self._in_flight.clear()
+        self._abort_quietly([f.request.request_id for f in flights])
+        outputs: list[RequestOutput] = []
+        suspects: list[_InFlight] = []
+        for flight in flights:
+            flight.num_failed_steps += 1
+            if flight.num_failed_steps > MAX_FAILED_STEPS:
+                outputs.append(_error_output(flight.request, "internal", (
+                    f"{step_error}; this request was in {flight.num_failed_steps} failing steps, "
+                    "but never failed alone")))
+            else:
+                suspects.append(flight)
+        innocents = self._probe_all(suspects, outputs)
+        for flight in innocents:
+            outputs.append(_replayed_marker(flight.request))
+            outputs += self._admit(flight)
+        return outputs
+
+    def _probe_all(self, suspects: list[_InFlight], outputs: list[RequestOutput]) -> list[_InFlight]:
+        """Probes each suspect alone; appends a final for each poison one to `outputs`, returns the others."""
+        # A static batch would wait to fill before running a lone probe: say input has ended while probing.
+        self._tell_input_ended(True)
+        innocents = []
+        failed: list[tuple[_InFlight, Exception]] = []
+        for flight in suspects:
+            failure = self._probe(flight.request)
+            if failure is None:
+                innocents.append(flight)
+            else:
+                failed.append((flight, failure))
+        self._tell_input_ended(self._input_ended)
+        if len(failed) > 1 and not innocents:
+            # Every request fails alone: the engine is broken (a dead device, say), not the requests. Their
+            # records are not set aside as poison; they end in `internal` errors.
+            log.error("every one of %d requests fails alone: an engine fault, not poison requests", len(failed))
+            for flight, failure in failed:
+                outputs.append(_error_output(flight.request, "internal",
+                                             f"the engine fails with any request, this one too: {failure!r}"))
+            return []
+        poison_ids = []
+        for flight, failure in failed:
+            poison_ids.append(flight.request.request_id)
+            outputs.append(_error_output(flight.request, "poison_request",
+                                         f"the engine fails with this request alone: {failure!r}"))
+        self.num_poison_requests += len(poison_ids)
+        log.warning("after a failed step: poison %s; replaying %d requests", poison_ids or "none", len(innocents))
+        return innocents
+
+    def _probe(self, request: EngineRequest) -> Exception | None:
+        """What the engine raises when running `request` alone for up to PROBE_STEPS steps, if anything. Its
+        outputs are dropped: the client only ever sees the replay that follows."""
+        try:
+            self.engine.add_request(request)
+            for _ in range(PROBE_STEPS):
+                wake = self.engine.wake_time()
+                if wake is None:
+                    break  # finished, or nothing more can run
+                time.sleep(min(max(0.0, wake - time.monotonic()), PROBE_MAX_WAIT_S))
+                self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - the failure is the finding
+            log.exception("probe of %s failed: poison", request.request_id)
+            return exc
+        finally:
+            self._abort_quietly([request.request_id])
+        return None
+
+    def _abort_quietly(self, request_ids: list[str]) -> None:
+        """Aborts in the engine and drops the outputs: for requests the thread already answers otherwise."""
+        try:
+            self.engine.abort(request_ids)
+        except Exception:  # noqa: BLE001
+            log.exception("engine.abort of %d requests after a failed step also failed", len(request_ids))
 
     def _settle(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         for out in outputs:
             if out.finished:
-                self._in_flight.discard(out.request_id)
+                self._in_flight.pop(out.request_id, None)
         return outputs
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

@@ -13,6 +13,17 @@ Fetch order. Each poll asks the most urgent priority's partitions first (getmany
 max_poll_records budget), and fetches nothing while the local queue holds max_waiting requests, except from
 partitions being shed (their records are answered, never queued), so the local queue stays below
 max_waiting + max_poll_records.
+
+Unreadable batches. A record batch that cannot be read (a compression codec this process lacks, corrupt
+bytes) would fail every fetch of its partition forever. The partition is then read one record at a time: the
+records before the bad batch come through, and the first offset that fails is answered with a dead letter
+(partition and offset, no bytes) and skipped with a seek, until reads succeed again. A batch of N records
+costs N refetches: slow, but it never stalls the partition or the others.
+
+Layout. The request topic's partitions carry priorities by the configured layout (num_priorities x
+partitions_per_priority). Partitions past it (the topic grew) are paused and never read: reading them under
+some other layout would silently re-prioritise the records already in them. The worker also refuses to start
+on a topic whose partition count differs (worker.py).
 """
 
 from __future__ import annotations
@@ -23,7 +34,7 @@ import time
 from collections.abc import Callable
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.errors import KafkaError
+from aiokafka.errors import CorruptRecordException, KafkaError, RecordTooLargeError, UnsupportedCodecError
 
 from schemas.decode import RequestError, decode_request
 from schemas.limits import Limits
@@ -34,9 +45,17 @@ from worker.transport.answers import Answers
 from worker.transport.load_control import LoadDecision
 from worker.transport.local_queue import LocalQueue, QueuedRequest
 from worker.transport.offsets import OffsetTracker
-from worker.transport.shedding import CompletionRate
+from worker.transport.shedding import CompletionRate, ReachFraction
 
 log = logging.getLogger(__name__)
+
+UNREADABLE_BATCH_ERRORS = (CorruptRecordException, UnsupportedCodecError, RecordTooLargeError, ValueError, TypeError,
+                           IndexError, UnicodeError, OverflowError, MemoryError)
+"""What reading a record batch raises when the batch itself is at fault (a codec this process lacks, corrupt
+bytes), as opposed to the broker or the network: refetching the same batch fails the same way."""
+SUSPECT_CLEAR_AFTER = 500
+"""A partition read record by record after a batch error goes back to normal reads after this many records
+without another error (the error did not repeat)."""
 
 
 class Intake:
@@ -44,6 +63,7 @@ class Intake:
         self, consumer: AIOKafkaConsumer, tracker: OffsetTracker, queue: LocalQueue, answers: Answers,
         admission: Admission, rate: CompletionRate, engine_stats: Callable[[], EngineStats], *,
         num_priorities: int, num_partitions: int, result_topic: str, max_poll_records: int, limits: Limits,
+        max_clock_skew_ms: float = 1000.0,
     ) -> None:
         self.consumer = consumer
         self.tracker = tracker
@@ -57,7 +77,13 @@ class Intake:
         self.result_topic = result_topic
         self.max_poll_records = max_poll_records
         self.limits = limits
+        self.max_clock_skew_ms = max_clock_skew_ms
+        self.reach = ReachFraction(num_priorities)
         self.assigned: set[TopicPartition] = set()
+        """Assigned partitions inside the layout: the ones this worker reads."""
+        self.outside_layout: set[TopicPartition] = set()
+        self._suspects: dict[TopicPartition, int] = {}
+        """Partitions read record by record after a batch error -> records read since without an error."""
         self.paused: set[TopicPartition] = set()
         self.group_generation = -1
         self.load: LoadDecision | None = None
@@ -78,7 +104,16 @@ class Intake:
         return paused
 
     def on_assigned(self, assigned: set[TopicPartition], group_generation: int) -> None:
+        self.outside_layout = {tp for tp in assigned if not 0 <= tp.partition < self.num_partitions}
+        assigned = assigned - self.outside_layout
+        if self.outside_layout:
+            log.error("request partitions %s are outside the configured layout (%d priorities x %d partitions = "
+                      "%d): they are not read; set KAFKA_NUM_PRIORITIES / KAFKA_PARTITIONS_PER_PRIORITY to the "
+                      "topic's layout, or move those records", sorted(tp.partition for tp in self.outside_layout),
+                      self.num_priorities, self.num_partitions // self.num_priorities, self.num_partitions)
+            self.consumer.pause(*self.outside_layout)  # else the background fetcher would buffer their records
         self.assigned = assigned
+        self._suspects = {tp: n for tp, n in self._suspects.items() if tp in assigned}
         self.paused &= assigned
         self.group_generation = group_generation
         for tp in assigned:
@@ -91,6 +126,7 @@ class Intake:
         for tp in revoked:
             self.tracker.revoke(tp)
         self.assigned -= revoked
+        self.outside_layout -= revoked
         self.paused -= revoked
 
     async def commit(self, partitions: set[TopicPartition] | None = None) -> None:
@@ -116,8 +152,7 @@ class Intake:
         for priority in priorities:
             parts = [tp for tp in self.partitions_of(priority) if tp not in self.paused]
             if parts and budget > 0:
-                got = await self.consumer.getmany(*parts, timeout_ms=0, max_records=budget)
-                for tp, msgs in got.items():
+                for tp, msgs in (await self._fetch(parts, 0, budget)).items():
                     batches.append((tp, msgs, self.group_generation))
                     budget -= len(msgs)
         if not batches:
@@ -127,48 +162,112 @@ class Intake:
                 except asyncio.TimeoutError:
                     pass
                 return
-            got = await self.consumer.getmany(timeout_ms=50, max_records=budget)
+            readable = sorted(tp for tp in self.assigned if tp not in self.paused)
+            got = await self._fetch(readable, 50, budget) if readable else {}
             batches = [(tp, msgs, self.group_generation) for tp, msgs in
                        sorted(got.items(), key=lambda item: self.priority_of(item[0]))]
         for tp, msgs, generation in batches:
+            num_seen = num_invalid = 0
             for msg in msgs:
                 if self.group_generation != generation or tp not in self.assigned:
                     # A rebalance happened while we handled earlier records. The watermark is below these
                     # untracked records, and the partition's next owner (maybe us) reads them again.
                     break
-                self.handle(tp, msg, generation)
+                num_seen += 1
+                num_invalid += self.handle(tp, msg, generation) == "invalid"
+            if num_seen:
+                self.reach.observe(self.priority_of(tp), num_seen, num_invalid)
 
-    def handle(self, tp: TopicPartition, msg, attempt: int) -> None:
+    async def _fetch(self, parts: list[TopicPartition], timeout_ms: int, budget: int) -> dict:
+        """Records of `parts`, up to `budget`, waiting up to timeout_ms for the first. One getmany per partition:
+        aiokafka moves a partition's position as it drains it, so a multi-partition call that fails on a later
+        partition would lose the records it had drained from the earlier ones; a failing single-partition call
+        loses nothing (its position stays). A partition whose batch failed is then read record by record."""
+        got: dict = {}
+        if timeout_ms:
+            try:  # wait for data; max_records=1 drains one partition at most, so a failure here loses nothing
+                got = await self.consumer.getmany(*parts, timeout_ms=timeout_ms, max_records=1)
+            except UNREADABLE_BATCH_ERRORS as exc:
+                self._suspect(parts, exc)
+            budget -= sum(len(msgs) for msgs in got.values())
+        for tp in parts:
+            if budget <= 0:
+                break
+            if tp in self._suspects:
+                records = await self._fetch_one(tp)
+            else:
+                try:
+                    records = await self.consumer.getmany(tp, timeout_ms=0, max_records=budget)
+                except UNREADABLE_BATCH_ERRORS as exc:
+                    self._suspect([tp], exc)
+                    records = await self._fetch_one(tp)
+            for tp_got, msgs in records.items():
+                got.setdefault(tp_got, []).extend(msgs)
+                budget -= len(msgs)
+        return got
+
+    def _suspect(self, parts: list[TopicPartition], exc: Exception) -> None:
+        log.warning("a record batch of partitions %s could not be read (%r); reading record by record",
+                    sorted(tp.partition for tp in parts), exc)
+        self._suspects.update({tp: 0 for tp in parts})
+
+    async def _fetch_one(self, tp: TopicPartition) -> dict:
+        try:
+            got = await self.consumer.getmany(tp, timeout_ms=0, max_records=1)
+        except UNREADABLE_BATCH_ERRORS as exc:
+            await self._skip_unreadable(tp, exc)
+            return {}
+        if got:
+            self._suspects[tp] += 1
+            if self._suspects[tp] >= SUSPECT_CLEAR_AFTER:
+                del self._suspects[tp]
+        return got
+
+    async def _skip_unreadable(self, tp: TopicPartition, exc: Exception) -> None:
+        """The next record of tp cannot be read: dead-letter its offset and seek past it. Read one record at a
+        time, the position is exactly the first offset of the batch that failed (or the next one inside it)."""
+        offset = await self.consumer.position(tp)
+        self._suspects[tp] = 0
+        log.error("partition %d offset %d cannot be read (%r); dead-lettered and skipped", tp.partition, offset, exc)
+        if self.tracker.track(tp, offset):
+            self.answers.unreadable(tp, offset, f"the record batch holding this offset cannot be read: {exc!r}")
+        self.consumer.seek(tp, offset + 1)
+
+    def handle(self, tp: TopicPartition, msg, attempt: int) -> str:
         """Decode one record, then answer it at once (error, rejection) or queue it locally. Never raises for
-        bad input: schemas.decode turns any bytes into a request or a RequestError."""
+        bad input: schemas.decode turns any bytes into a request or a RequestError. Returns what became of it:
+        "queued", "invalid" (refused for what it is), "load" (shed or deadline) or "seen" (a refetch)."""
         if not self.tracker.track(tp, msg.offset):
-            return
+            return "seen"
         decoded = decode_request(msg.value, self.limits)
         if isinstance(decoded, RequestError):
             self.answers.dead_letter(tp, msg, decoded, attempt)
-            return
+            return "invalid"
         req = decoded
         priority = self.priority_of(tp)
+        now_ms = time.time() * 1000.0
         queued = QueuedRequest(
             request=req, partition=tp, offset=msg.offset, priority=priority, attempt=attempt,
             timestamp_ms=msg.timestamp, deadline_ms=req.deadline_at_ms(msg.timestamp),
             reply_topic=req.reply_topic or self.result_topic,
             num_prompt_tokens=estimate_prompt_tokens(req.prompt, req.messages, req.prompt_token_ids),
+            arrival_ms=max(float(msg.timestamp), now_ms - self.max_clock_skew_ms),
         )
         verdict = self.admission.check_reply_topic(req.reply_topic)
         if verdict is not None:
             # An error about the reply topic goes to the result topic: never write where we may not.
             self.answers.reject(tp, msg.offset, req.id, attempt, verdict, self.result_topic, msg.timestamp,
                                 req.metadata)
-            return
+            return "invalid"
         if self.load is not None and priority in self.load.shed_priorities:
             self.answers.shed(queued, self.load.shed_message(priority))
-            return
+            return "load"
         verdict = self._check_deadline(queued)
         if verdict is not None:
             self.answers.reject_queued(queued, verdict)
-            return
+            return "load"
         self.queue.push(queued)
+        return "queued"
 
     def _check_deadline(self, queued: QueuedRequest) -> Verdict | None:
         ahead = sum(self.queue.num_waiting(q) for q in range(queued.priority + 1))

@@ -3,7 +3,8 @@ priorities are shed and which are paused, and whether input has ended for now. I
 the intake applies it (pause/resume, answering newly shed requests), the dispatcher passes the end of input
 to the engine and the status reporter publishes it. Pure: no aiokafka, no clock of its own.
 
-Backlog of a priority = its lag plus its requests waiting in the local queue. Shedding is decided before
+Backlog of a priority = the part of its lag expected to reach the engine (shedding.ReachFraction) plus its
+requests waiting in the local queue; shedding and the priority-backlog pause both use it. Shedding is decided before
 pausing: a shed priority is never paused, because its records are answered at once and consuming them is
 what drains its lag.
 """
@@ -47,9 +48,14 @@ class LoadControl:
         self._shed_before: frozenset[int] = frozenset()
 
     def decide(
-        self, lag_by_priority: list[int], waiting_by_priority: list[int], kv_usage: float, now: float
+        self, lag_by_priority: list[int], waiting_by_priority: list[int], kv_usage: float, now: float,
+        reach_fractions: list[float] | None = None,
     ) -> LoadDecision:
-        backlog = [lag + waiting for lag, waiting in zip(lag_by_priority, waiting_by_priority)]
+        """`reach_fractions`: per priority, the share of unread records expected to reach the engine
+        (shedding.ReachFraction); None counts them all."""
+        fractions = reach_fractions or [1.0] * len(lag_by_priority)
+        backlog = [round(lag * fraction) + waiting
+                   for lag, fraction, waiting in zip(lag_by_priority, fractions, waiting_by_priority)]
         shed = self.shedder.decide(backlog, self.rate)
         newly_shed = shed.shed_priorities - self._shed_before
         self._shed_before = shed.shed_priorities
@@ -60,5 +66,5 @@ class LoadControl:
         pause_reasons = {p: r for p, r in pauses.reasons.items() if p not in shed.shed_priorities}
         return LoadDecision(
             lag_by_priority=list(lag_by_priority), backlog_by_priority=backlog, shed=shed, newly_shed=newly_shed,
-            pause_reasons=pause_reasons, input_ended=sum(backlog) == 0,
+            pause_reasons=pause_reasons, input_ended=sum(lag_by_priority) + sum(waiting_by_priority) == 0,
         )

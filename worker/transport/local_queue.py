@@ -30,10 +30,16 @@ class QueuedRequest:
     reply_topic: str
     num_prompt_tokens: int
     """Estimated (admission.estimate_prompt_tokens): the tokenizer lives in the engine."""
+    arrival_ms: float | None = None
+    """When it counts as arrived for queue order and preemption (epoch ms): the record's timestamp, bounded
+    below by the fetch time minus WORKER_MAX_CLOCK_SKEW_MS (a producer's clock cannot jump the queue). None:
+    the record's timestamp."""
     engine_id: str = ""
     """"<wire id>#<attempt>@<partition>:<offset>": unique in the engine even for a duplicate wire id."""
 
     def __post_init__(self) -> None:
+        if self.arrival_ms is None:
+            self.arrival_ms = float(self.timestamp_ms)
         if not self.engine_id:
             partition = getattr(self.partition, "partition", self.partition)
             self.engine_id = f"{self.request.id}#{self.attempt}@{partition}:{self.offset}"

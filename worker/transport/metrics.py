@@ -72,6 +72,8 @@ class WorkerMetrics:
     requests_shed: Counter
     requests_completed: Counter
     dead_letters: Counter
+    dropped_records: Counter
+    unreadable_records: Counter
     _children: dict = field(default_factory=dict)
 
     @classmethod
@@ -99,7 +101,14 @@ class WorkerMetrics:
             requests_shed=Counter(f"{NS}requests_shed", "Requests shed under load.", ["priority"], registry=r),
             requests_completed=Counter(f"{NS}requests_completed", "Completed finals.", ["priority"], registry=r),
             dead_letters=Counter(f"{NS}dead_letters", "Records moved to the dead-letter topic.", registry=r),
+            dropped_records=Counter(f"{NS}dropped_records", "Records never delivered (too large for the broker).",
+                                    ["topic"], registry=r),
+            unreadable_records=Counter(f"{NS}unreadable_records", "Request offsets skipped: the batch holding "
+                                       "them could not be read (e.g. a compression codec missing).", registry=r),
         )
+
+    def dropped_for(self, topic: str):
+        return self._child(self.dropped_records, "topic", topic)
 
     def completed_for(self, priority: int):
         # labels() costs a lock and a tuple build per call; children are cached per label value.

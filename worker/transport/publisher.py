@@ -49,7 +49,8 @@ def _nothing() -> None:
 
 
 class Publisher:
-    def __init__(self, client_kwargs: dict, max_request_size: int = 4 * 1024 * 1024, linger_ms: int = 2) -> None:
+    def __init__(self, client_kwargs: dict, max_request_size: int = 4 * 1024 * 1024, linger_ms: int = 2,
+                 on_dropped: Callable[[str], None] = lambda topic: None) -> None:
         self._producer_kwargs = dict(
             **client_kwargs, enable_idempotence=True, acks="all", linger_ms=linger_ms,
             max_request_size=max_request_size, max_batch_size=256 * 1024,
@@ -58,6 +59,9 @@ class Publisher:
         self._needs_new_producer = False
         self._seq = 0
         self.num_producer_resets = 0
+        self.num_dropped_records = 0
+        self.on_dropped = on_dropped
+        """Called with the topic of each record dropped as undeliverable (a metric)."""
         self._partitioner = DefaultPartitioner()
         self._partitions: dict[str, tuple[float, list[int]]] = {}
         self._buffer: list[_BufferedRecord] = []
@@ -159,9 +163,8 @@ class Publisher:
                     while end < len(group) and batch.append(key=group[end][1], value=group[end][2], timestamp=None):
                         end += 1
                     if end == start:
-                        log.error("a %d-byte record for %s does not fit a batch; dropped", len(group[start][2]), topic)
                         handed.add(group[start][4])
-                        self._settle(1)
+                        self._drop([group[start]], "does not fit a producer batch")
                         start += 1
                         continue
                     chunk = group[start:end]
@@ -182,10 +185,11 @@ class Publisher:
         if isinstance(exc, MessageSizeTooLargeError):
             # The broker's message.max.bytes is below the batch: resending the same bytes fails forever. The
             # idempotent producer's sequence now has a gap the broker will not accept: replace it too.
-            log.error("broker refused %d records for %s as too large; dropped", len(chunk), chunk[0][0])
             if producer_epoch == self.num_producer_resets:
                 self._needs_new_producer = True
                 self._wake.set()
+            self._drop(chunk, "refused by the broker as too large")
+            return
         elif future.cancelled() or exc is not None:
             if producer_epoch == self.num_producer_resets:
                 log.warning("delivery of %d records to %s failed (%r); retrying with a new producer",
@@ -225,6 +229,22 @@ class Publisher:
                 await self._producer.stop()
                 await asyncio.sleep(self.retry_backoff_s)
         log.warning("replaced the producer (%d so far)", self.num_producer_resets)
+
+    def _drop(self, records: list[_BufferedRecord], why: str) -> None:
+        """Records that can never be delivered (resending the same bytes fails the same way). Their
+        acknowledgement callbacks still run: an offset waiting on a record that will never land would hold its
+        partition's commits back for good. Whoever builds records keeps them under the broker's limits
+        (answers.py truncates dead letters), so this is the last resort, counted and logged."""
+        self.num_dropped_records += len(records)
+        for topic, key, value, on_acked, _ in records:
+            log.error("a %d-byte record (key %d bytes) for %s %s; dropped, its request counted as answered",
+                      len(value), len(key or b""), topic, why)
+            self.on_dropped(topic)
+            try:
+                on_acked()
+            except Exception:  # noqa: BLE001 - a bookkeeping bug must not break the producer's callbacks
+                log.exception("ack callback failed")
+        self._settle(len(records))
 
     def _settle(self, num_records: int) -> None:
         self._num_unacked -= num_records

@@ -1,7 +1,10 @@
 """Load shedding by estimated wait: reject a priority's backlog when it cannot be served in time anyway.
 
-Per priority p: backlog_p = consumer lag (high watermark - position, over this worker's partitions of p) plus
-requests of p waiting locally. Requests are served most urgent first, so a request of p waits behind the
+Per priority p: backlog_p = the part of its consumer lag (high watermark - position, over this worker's
+partitions of p) that will reach the engine, plus requests of p waiting locally. Records that are invalid
+(dead letters, error answers) cost microseconds, not engine time: `ReachFraction` measures, per priority, the
+share of fetched records that were not refused as invalid, and the lag is scaled by it, so a flood of bad
+records does not shed the good ones behind it. Requests are served most urgent first, so a request of p waits behind the
 backlog of every priority q <= p: est_wait_p = sum(backlog_q for q <= p) / completion_rate, where the rate is
 an EWMA of requests completed per second. When est_wait_p exceeds `max_queue_time_for(p)` the priority is
 shed: its records are still consumed, but answered with a `rejected`/`shed` final record and committed, which
@@ -48,6 +51,35 @@ class CompletionRate:
         if self.rate <= 0.0:
             return None
         return num_requests / self.rate
+
+
+@dataclass(slots=True)
+class ReachFraction:
+    """Per priority, an exponentially decayed share of fetched records that were valid requests (queued, or
+    refused only for load: shed or deadline). Starts at 1: before anything is seen, every record counts."""
+
+    num_priorities: int
+    half_life_records: float = 200.0
+    _num_seen: list[float] = field(default_factory=list)
+    _num_invalid: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._num_seen = [0.0] * self.num_priorities
+        self._num_invalid = [0.0] * self.num_priorities
+
+    def observe(self, priority: int, num_seen: int, num_invalid: int) -> None:
+        if num_seen <= 0:
+            return
+        decay = 0.5 ** (num_seen / self.half_life_records)
+        self._num_seen[priority] = self._num_seen[priority] * decay + num_seen
+        self._num_invalid[priority] = self._num_invalid[priority] * decay + num_invalid
+
+    def fraction(self, priority: int) -> float:
+        # +1 in both terms: one imagined valid record, so a priority seen only a little is not written off.
+        return 1.0 - self._num_invalid[priority] / (self._num_seen[priority] + 1.0)
+
+    def fractions(self) -> list[float]:
+        return [self.fraction(p) for p in range(self.num_priorities)]
 
 
 @dataclass(slots=True, frozen=True)

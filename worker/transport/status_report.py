@@ -48,8 +48,8 @@ class StatusReporter:
         m.num_preemptions.set(stats.num_preemptions)
         if stats.last_step_num_seqs:
             m.batch_size.observe(stats.last_step_num_seqs)
-        for p, backlog in enumerate(view.decision.backlog_by_priority):
-            m.consumer_lag.labels(priority=str(p)).set(backlog)
+        for p, lag in enumerate(view.decision.lag_by_priority):
+            m.consumer_lag.labels(priority=str(p)).set(lag + view.waiting_by_priority[p])
             m.paused_partitions.labels(priority=str(p)).set(len(view.paused_by_priority[p]))
 
     def build_status(self, view: LoadView) -> WorkerStatus:
@@ -64,7 +64,8 @@ class StatusReporter:
         self._last_status = (now, view.num_completed, view.num_output_tokens)
         priorities = [
             PriorityStatus(
-                priority=p, lag=decision.backlog_by_priority[p], num_waiting=view.waiting_by_priority[p],
+                priority=p, lag=decision.lag_by_priority[p] + view.waiting_by_priority[p],
+                num_waiting=view.waiting_by_priority[p],
                 paused_partitions=sorted(view.paused_by_priority[p]), shed=p in decision.shed_priorities,
                 est_wait_s=decision.shed.est_wait_s[p],
             )

@@ -5,11 +5,13 @@ offset done.
 Holds one `RequestStream` per request in the engine, the one place that knows which engine request belongs to
 which Kafka record. Closing a stream early (revocation, shutdown past the drain timeout) silences it: later
 outputs for that engine id are dropped, so nothing more is published for a partition this worker no longer
-owns.
+owns. A request the engine replays from its first token (the engine failed on a step it was in, see
+engine_thread.py) continues its stream without repeating what was sent; a poison request goes to Answers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 from schemas.decode import encode
 from schemas.result import StreamChunk
 from worker.engine.api import RequestOutput
+from worker.transport.answers import Answers
 from worker.transport.local_queue import QueuedRequest
 from worker.transport.metrics import WorkerMetrics
 from worker.transport.offsets import OffsetTracker
@@ -37,13 +40,41 @@ class RequestStream:
     num_unsent_tokens: int = 0
     unsent_text: list[str] = field(default_factory=list)
     last_flush: float = field(default_factory=time.monotonic)
+    num_replay_tokens: int = 0
+    """After a replay marker: how many of the tokens that follow repeat ones already gathered (and sent)."""
+    replay_diverged: bool = False
+
+    def start_replay(self) -> None:
+        self.num_replay_tokens = len(self.token_ids)
 
     def add(self, out: RequestOutput) -> None:
+        if self.num_replay_tokens:
+            self._add_replayed(out)
+            return
         self.token_ids += out.new_token_ids
         self.num_unsent_tokens += len(out.new_token_ids)
         if out.text_delta:
             self.text_parts.append(out.text_delta)
             self.unsent_text.append(out.text_delta)
+
+    def _add_replayed(self, out: RequestOutput) -> None:
+        """A replay regenerates from the first token; the client already has the first num_replay_tokens, so
+        they are checked, not sent again. Greedy and seeded sampling give the same tokens whatever shares the
+        batch, so a replay normally matches; if it does not, the request ends in an error (see handle)."""
+        done = len(self.token_ids) - self.num_replay_tokens
+        repeated = out.new_token_ids[:self.num_replay_tokens]
+        if repeated != self.token_ids[done:done + len(repeated)]:
+            self.replay_diverged = True
+        self.num_replay_tokens -= len(repeated)
+        rest = out.new_token_ids[len(repeated):]
+        if rest:
+            # Text deltas of a step cover its tokens; a step that crosses the end of the replay is a decode step
+            # of one token in practice, so its whole delta is new text.
+            self.token_ids += rest
+            self.num_unsent_tokens += len(rest)
+            if out.text_delta:
+                self.text_parts.append(out.text_delta)
+                self.unsent_text.append(out.text_delta)
 
     def take_chunk(self, now: float) -> StreamChunk | None:
         """The tokens since the last chunk as one StreamChunk; None when there is nothing new."""
@@ -65,10 +96,11 @@ class RequestStream:
 
 class Streamer:
     def __init__(
-        self, publisher: Publisher, tracker: OffsetTracker, metrics: WorkerMetrics, rate: CompletionRate,
-        worker_id: str, num_priorities: int, chunk_interval_ms: float,
+        self, publisher: Publisher, tracker: OffsetTracker, answers: Answers, metrics: WorkerMetrics,
+        rate: CompletionRate, worker_id: str, num_priorities: int, chunk_interval_ms: float,
     ) -> None:
         self.publisher = publisher
+        self.answers = answers
         self.tracker = tracker
         self.metrics = metrics
         self.rate = rate
@@ -101,6 +133,9 @@ class Streamer:
             stream = self.streams.get(out.request_id)
             if stream is None:
                 continue  # closed early: its partition is someone else's now
+            if out.replayed:
+                stream.start_replay()
+                continue
             stream.add(out)
             if out.finished:
                 finals.append((stream, out))
@@ -125,6 +160,13 @@ class Streamer:
 
     def _finish(self, stream: RequestStream, out: RequestOutput, now: float) -> None:
         queued = stream.queued
+        if out.error_code == "poison_request":
+            self.answers.dead_letter_request(queued, "poison_request", out.error_message or "")
+            return
+        if stream.replay_diverged:
+            out = dataclasses.replace(out, finish_reason="error", error_code="internal", error_message=(
+                "the engine failed on a step this request was in; it was run again from the start, and the "
+                "tokens it produced differ from those already streamed"))
         if queued.request.stream:
             self._send_chunk(stream, now)
         final = final_for_output(

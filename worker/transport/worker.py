@@ -84,7 +84,7 @@ class Worker:
                                kafka.dead_letter_topic)
         admission = Admission(kafka.result_topic, frozenset(kafka.allowed_reply_topics), list(settings.itl_target_ms),
                               self.max_num_batched_tokens)
-        self.streamer = Streamer(publisher, self.tracker, self.metrics, self.rate, settings.worker_id,
+        self.streamer = Streamer(publisher, self.tracker, self.answers, self.metrics, self.rate, settings.worker_id,
                                  kafka.num_priorities, settings.chunk_interval_ms)
         self.dispatcher = Dispatcher(self.queue, self.streamer, self.engine_thread, admission, self.answers,
                                      self.max_in_engine)
@@ -92,6 +92,7 @@ class Worker:
             consumer, self.tracker, self.queue, self.answers, admission, self.rate, lambda: self.engine_thread.stats,
             num_priorities=kafka.num_priorities, num_partitions=kafka.num_request_partitions,
             result_topic=kafka.result_topic, max_poll_records=settings.max_poll_records, limits=self.limits,
+            max_clock_skew_ms=settings.max_clock_skew_ms,
         )
         self.load_control = LoadControl(Shedder(list(settings.max_queue_time_s), kafka.num_priorities),
                                         Backpressure.from_settings(settings, kafka.num_priorities), self.rate)
@@ -113,7 +114,9 @@ class Worker:
         """Create the clients and the parts, subscribe, start; retried with backoff until Kafka answers."""
         backoff = 0.5
         while not self.stopping.is_set():
-            publisher, consumer = Publisher(self.kafka.client_kwargs()), make_consumer(self.kafka, self.settings)
+            publisher = Publisher(self.kafka.client_kwargs(),
+                                  on_dropped=lambda topic: self.metrics.dropped_for(topic).inc())
+            consumer = make_consumer(self.kafka, self.settings)
             # Built before start: the first assignment may arrive inside start(), and its listener needs them.
             self._build(consumer, publisher)
             try:
@@ -137,13 +140,44 @@ class Worker:
                 backoff = min(backoff * 2, 10.0)
         return False
 
+    async def _request_topic_layout_error(self, wait_s: float = 5.0) -> str | None:
+        """Refuse a request topic whose partition count differs from the configured priority layout: its
+        partitions would carry other priorities than the producers meant. None when it matches, or when the
+        topic does not exist yet (the worker then waits for it, as before)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        partitions = self.consumer.partitions_for_topic(self.kafka.request_topic)
+        while partitions is None and loop.time() < deadline:
+            await asyncio.sleep(0.1)
+            partitions = self.consumer.partitions_for_topic(self.kafka.request_topic)
+        expected = self.kafka.num_request_partitions
+        if partitions is None or len(partitions) == expected:
+            return None
+        return (f"request topic {self.kafka.request_topic!r} has {len(partitions)} partitions, but the configured "
+                f"layout is KAFKA_NUM_PRIORITIES={self.kafka.num_priorities} x KAFKA_PARTITIONS_PER_PRIORITY="
+                f"{self.kafka.partitions_per_priority} = {expected}: set them to the topic's layout (every worker "
+                f"and producer must agree on it); refusing to start")
+
     # -- running -------------------------------------------------------------------------------------------
     async def run(self) -> int:
         log.info("effective configuration: %s", json.dumps(
             {"kafka": masked_dump(self.kafka), "worker": masked_dump(self.settings)}, default=str))
         metrics_server = self.metrics.serve(self.settings.metrics_port) if self.settings.metrics_port else None
+        try:
+            return await self._serve()
+        finally:
+            if metrics_server is not None:
+                metrics_server.shutdown()
+
+    async def _serve(self) -> int:
         if not await self._connect():
             return 0
+        layout_error = await self._request_topic_layout_error()
+        if layout_error:
+            log.error("%s", layout_error)
+            await self.consumer.stop()
+            await self.publisher.stop()
+            return 2
         self.engine_thread.start()
         tasks = [asyncio.create_task(coro) for coro in (self._output_loop(), self._commit_loop(), self._control_loop())]
         intake_task = asyncio.create_task(self._intake_loop())
@@ -152,8 +186,6 @@ class Worker:
         log.info("stopping: draining %d in-flight requests (up to %.0fs)", len(self.streamer),
                  self.settings.drain_timeout_s)
         await self._shutdown(intake_task, tasks)
-        if metrics_server is not None:
-            metrics_server.shutdown()
         log.info("stopped")
         return 0
 
@@ -234,7 +266,7 @@ class Worker:
         stats = self.engine_thread.stats
         waiting = self.queue.num_waiting_by_priority()
         decision = self.load_control.decide(await self.intake.lag_by_priority(), waiting, stats.kv_usage,
-                                            time.monotonic())
+                                            time.monotonic(), self.intake.reach.fractions())
         self.intake.apply(decision)
         self.dispatcher.set_input_ended(decision.input_ended)
         view = LoadView(decision, stats, self.queue.num_waiting_by_priority(), self.intake.paused_by_priority(),
