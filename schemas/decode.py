@@ -12,6 +12,7 @@ from typing import Literal
 import msgspec
 
 from schemas.dead_letter import DeadLetterRecord
+from schemas.id_scan import first_top_level_id
 from schemas.limits import DEFAULT_LIMITS, MAX_ID_CHARS, SCHEMA_VERSION, Limits
 from schemas.request import ID_PATTERN, GenerationRequest
 from schemas.result import FinalRecord, StreamChunk
@@ -33,19 +34,17 @@ class RequestError:
     """The record's id when one could be read and is itself valid, so an answer can be keyed by it."""
 
 
-class _IdProbe(msgspec.Struct):
-    # Reads only `id`, skipping every other field whatever its type, to answer requests that are
-    # otherwise broken.
-    id: str
-
-
 _ENCODER = msgspec.json.Encoder()
 _REQUEST_DECODER = msgspec.json.Decoder(GenerationRequest)
-_ID_DECODER = msgspec.json.Decoder(_IdProbe)
 _RESULT_DECODER = msgspec.json.Decoder(StreamChunk | FinalRecord)
 _STATUS_DECODER = msgspec.json.Decoder(WorkerStatus)
 _DEAD_LETTER_DECODER = msgspec.json.Decoder(DeadLetterRecord)
 _ID_RE = re.compile(ID_PATTERN)
+_HIGH = r"\\u[dD][89abAB][0-9a-fA-F]{2}"
+_LOW = r"\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+# A high surrogate escape not followed by a low one, or a low one not preceded by a high one. Escaped
+# backslashes must be out of the way first, so that every backslash left starts an escape.
+_LONE_SURROGATE = re.compile(rf"{_HIGH}(?!{_LOW})|{_LOW}(?<!{_HIGH}{_LOW})")
 
 
 def encode(record: msgspec.Struct) -> bytes:
@@ -64,24 +63,23 @@ def decode_request(data: bytes | None, limits: Limits = DEFAULT_LIMITS) -> Gener
         return RequestError(
             "too_large",
             f"the record has {num_bytes} bytes, the limit is {limits.max_record_bytes}",
-            _find_request_id(data, limits),
+            _find_request_id(data[: limits.max_record_bytes], limits),
         )
     try:
         # JSON is UTF-8 (RFC 8259); msgspec checks only the strings it keeps, so invalid bytes inside an
         # ignored field would pass. Decoding first holds the whole record to it, in C, in one pass.
         text = bytes(data).decode("utf-8")
     except UnicodeDecodeError as exc:
-        return RequestError("decode_error", f"not UTF-8: {exc}")
+        return RequestError("decode_error", f"not UTF-8: {exc}", _find_request_id(data, limits))
     try:
         request = _REQUEST_DECODER.decode(text)
     except msgspec.ValidationError as exc:  # before DecodeError: it is a subclass
-        return RequestError("invalid_request", str(exc), _find_request_id(text, limits))
+        return RequestError("invalid_request", str(exc), _find_request_id(data, limits))
     except msgspec.DecodeError as exc:
-        # Malformed JSON: no parser would find an id in it either.
-        return RequestError("decode_error", f"not valid JSON: {exc}")
+        return RequestError("decode_error", _not_json_message(text, exc), _find_request_id(data, limits))
     except RecursionError:
         # msgspec guards its recursion with Python's limit; deep nesting under an ignored field reaches it.
-        return RequestError("decode_error", "JSON nested too deeply")
+        return RequestError("decode_error", "JSON nested too deeply", _find_request_id(data, limits))
     return check_limits(request, limits) or request
 
 
@@ -150,14 +148,23 @@ def _decode(decoder: msgspec.json.Decoder, data: bytes):
         raise msgspec.DecodeError("JSON nested too deeply") from exc
 
 
-def _find_request_id(data: str | bytes | bytearray | memoryview, limits: Limits) -> str | None:
-    # Best effort, for a record that failed as a whole: an id that is present and valid lets the worker
-    # send the sender an error final record instead of leaving it waiting.
-    try:
-        request_id = _ID_DECODER.decode(data).id
-    except (msgspec.DecodeError, RecursionError):
-        return None
-    return request_id if _valid_id(request_id, limits) else None
+def _find_request_id(data: bytes | bytearray | memoryview, limits: Limits) -> str | None:
+    # For a record that failed as a whole: an id that is present and valid lets the worker send the sender
+    # an error final record instead of leaving it waiting. The scan reads bytes, so bad UTF-8 after the id
+    # does not hide it.
+    request_id = first_top_level_id(bytes(data))
+    return request_id if request_id is not None and _valid_id(request_id, limits) else None
+
+
+def _not_json_message(text: str, exc: msgspec.DecodeError) -> str:
+    # A lone surrogate escape ("\ud800") is legal JSON text but no Unicode string can hold it; msgspec refuses
+    # it with a message about truncated input or a hex escape. It is a decode_error, like bytes that are not
+    # UTF-8 (the same unencodable text, spelled another way), and like them refused wherever it is, ignored
+    # fields included; not an invalid_request, which is for text that decodes but breaks the schema.
+    surrogate = _LONE_SURROGATE.search(text.replace("\\\\", "__")) if "\\u" in text else None
+    if surrogate is not None:
+        return f"not valid JSON text: a string holds a lone surrogate escape ({surrogate.group()}), not Unicode"
+    return f"not valid JSON: {exc}"
 
 
 def _valid_id(request_id: str, limits: Limits) -> bool:

@@ -160,6 +160,24 @@ def test_field_type_swaps_and_huge_values(request, data):
         assert result.request_id == request.id
 
 
+# Bytes after the id that look like JSON: brackets, strings, escapes (surrogates too), literals. No `i`, nor
+# the digits of \u0069, so they never spell a second "id" key.
+JSONISH = "[]{}\",:\\ud0ab8c1-.etrnalsf \n"
+id_suffixes = st.binary(max_size=200) | st.text(JSONISH, max_size=200).map(str.encode)
+
+
+@FUZZ
+@given(ids, id_suffixes)
+def test_whatever_follows_a_valid_id_an_error_carries_it(request_id, suffix):
+    result = assert_decodes_to_a_value(b'{"id":%s,' % json.dumps(request_id).encode() + suffix, check_schema=False)
+    if isinstance(result, RequestError):
+        assert result.request_id is not None, result
+        if not re.search(rb'"id"|\\u00', suffix):
+            # Only a suffix could hold a second id, which a record decoded whole answers under (msgspec keeps
+            # the last); a broken one, under the first.
+            assert result.request_id == request_id, result
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     st.integers(500, 20_000),

@@ -6,6 +6,8 @@ from collections import Counter
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from worker.model.sampler import RowSampling, Sampler, make_generator
 
@@ -118,3 +120,76 @@ def test_sampling_frequencies_follow_softmax():
 def test_mismatched_lengths_are_an_error():
     with pytest.raises(ValueError):
         Sampler().sample(random_logits(2, seed=0), [RowSampling()], [None])
+
+
+# Tokens the sampler gave before temperatures near 0 were made safe (logits seed 11, generator seed 1234, four
+# draws from each of six rows): the ordinary range must keep giving exactly these.
+PINNED_TOKENS = [
+    (RowSampling(temperature=0.1), [44, 10, 44, 44, 657, 657, 657, 657, 69, 69, 69, 69, 511, 511, 511, 511, 839,
+                                    839, 839, 839, 314, 314, 314, 314]),
+    (RowSampling(temperature=0.7), [104, 10, 44, 44, 657, 887, 657, 657, 457, 863, 69, 944, 511, 407, 511, 424, 839,
+                                    434, 860, 331, 526, 526, 967, 162]),
+    (RowSampling(temperature=2.0), [702, 159, 690, 970, 665, 273, 987, 657, 12, 347, 641, 944, 808, 91, 210, 424,
+                                    215, 98, 911, 470, 526, 67, 967, 162]),
+    (RowSampling(temperature=0.8, top_k=50), [10, 746, 44, 214, 657, 657, 657, 657, 289, 458, 69, 69, 511, 401, 425,
+                                              407, 331, 820, 306, 249, 852, 314, 711, 194]),
+    (RowSampling(temperature=1.3, top_p=0.9), [10, 10, 744, 92, 888, 933, 887, 887, 890, 267, 69, 561, 588, 511, 511,
+                                               88, 971, 442, 204, 778, 165, 382, 961, 314]),
+    (RowSampling(temperature=0.5, top_k=40, top_p=0.95), [10, 44, 44, 44, 657, 657, 657, 657, 69, 69, 69, 69, 615,
+                                                          511, 511, 511, 839, 839, 370, 331, 526, 314, 314, 314]),
+]
+
+
+@pytest.mark.parametrize("params, expected", PINNED_TOKENS, ids=lambda v: repr(v)[:48])
+def test_ordinary_temperatures_keep_their_tokens(params, expected):
+    logits = random_logits(6, seed=11)
+    generator = make_generator(1234)
+    tokens = [Sampler().sample(logits[i : i + 1], [params], [generator])[0] for i in range(6) for _ in range(4)]
+    assert tokens == expected
+
+
+@pytest.mark.parametrize("temperature", [1e-8, 1e-30, 1e-35, 1e-39, 1e-45, 5e-324])
+@pytest.mark.parametrize("extra", [{}, {"top_k": 50}, {"top_p": 0.9}], ids=["plain", "top_k", "top_p"])
+def test_a_temperature_just_above_zero_samples_the_argmax(temperature, extra):
+    # Logits around +-1e4: logits/T overflowed to inf (a NaN softmax, token 0) from T = 1e-35 on, and a T
+    # below float32's smallest denormal rounded to 0 (0/0). The coldest sampling is greedy.
+    logits = 1e4 * torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(12))
+    logits[1, ::2] = float("-inf")  # masked tokens, the argmax among them
+    logits[2] = logits[2].abs().neg()  # all negative
+    params = [RowSampling(temperature=temperature, **extra)] * 4
+    tokens = Sampler().sample(logits, params, [make_generator(i) for i in range(4)])
+    assert tokens == logits.argmax(-1).tolist()
+
+
+def test_masked_logits_are_never_drawn_when_cold_or_warm():
+    logits = random_logits(1, seed=13)[0]
+    logits[::3] = float("-inf")
+    for temperature in (1e-40, 1e-3, 0.5, 2.0):
+        counts = _draws(logits, RowSampling(temperature=temperature), n=300, seed=14)
+        assert all(token % 3 != 0 for token in counts), temperature
+
+
+logit_rows = st.lists(st.floats(-1e4, 1e4, width=32) | st.just(float("-inf")), min_size=2, max_size=40).filter(
+    lambda row: any(x != float("-inf") for x in row)
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    logit_rows,
+    st.floats(0.0, 2.0, exclude_min=True),
+    st.integers(0, 50),
+    st.floats(0.0, 1.0, exclude_min=True),
+    st.integers(0, 2**32),
+)
+def test_any_positive_temperature_draws_a_possible_token(row, temperature, top_k, top_p, seed):
+    # The wire allows any temperature in (0, 2]; whatever it is, the draw is an unmasked token, never NaN's 0.
+    logits = torch.tensor(row)
+    params = RowSampling(temperature=temperature, top_k=top_k, top_p=top_p)
+    [token] = Sampler().sample(logits[None], [params], [make_generator(seed)])
+    assert 0 <= token < len(row) and row[token] != float("-inf")
+    # A token 200 temperatures below the best has probability e^-200: 0 in float32, so never drawn.
+    best = max(row)
+    gap = max(temperature, torch.finfo(torch.float32).tiny) * 200
+    if all(x == best or x < best - gap for x in row):
+        assert row[token] == best

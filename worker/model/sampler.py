@@ -9,6 +9,9 @@ The draw is the exponential race (argmax of p_i / E_i with E_i ~ Exp(1)), which 
 probability p_i exactly, never picks a zero-probability token, and needs no cumulative sums whose rounding
 could push a draw past the end. Top-p without top-k avoids sorting the whole vocabulary (slow on the CPU):
 the nucleus is looked for among the top 256, then the top 4096 tokens, and only then in a full sort.
+
+Every positive temperature is defined: below 0.01 the row max is subtracted before dividing (see `_scale`),
+so a temperature just above 0 sharpens to the argmax instead of overflowing to inf and a NaN softmax.
 """
 
 from __future__ import annotations
@@ -18,6 +21,12 @@ from dataclasses import dataclass
 import torch
 
 _NUCLEUS_CANDIDATES = (256, 4096)
+_SHIFT_BELOW_TEMPERATURE = 0.01
+"""Temperatures from here up divide the logits as they are, as the sampler always did, so a seed keeps
+giving the same tokens; logits/T overflows float32 there only for |logits| > 3e36, which no model emits."""
+_MIN_DIVISOR = torch.finfo(torch.float32).tiny
+"""Smallest normal float32. A smaller temperature would round to 0 (0/0 = NaN at the max) or, on a GPU,
+whose division by a scalar multiplies by its reciprocal, give 1/T = inf (0*inf = NaN)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -53,6 +62,18 @@ def _top_p_candidates(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, 
     return probs.sort(descending=True)
 
 
+def _scale(
+    logits: torch.Tensor,  # [V] float32
+    temperature: float,
+) -> torch.Tensor:  # [V] float32, logits / temperature up to a shift (softmax ignores shifts)
+    if temperature >= _SHIFT_BELOW_TEMPERATURE:
+        return logits / temperature
+    # With the max at 0 every quotient is <= 0: none can reach +inf, the max stays exactly 0 (so the softmax
+    # sum is >= 1), and the others may overflow to -inf, which is probability 0, as it should be this cold.
+    # Masked (-inf) logits stay -inf. Decided on the host from the temperature: no sync on a GPU.
+    return (logits - logits.max()) / max(temperature, _MIN_DIVISOR)
+
+
 class Sampler:
     def sample(
         self,
@@ -86,7 +107,7 @@ class Sampler:
         params: RowSampling,
         generator: torch.Generator | None,
     ) -> torch.Tensor:  # [] int64 token id
-        x = logits.float() / params.temperature  # [V]
+        x = _scale(logits.float(), params.temperature)  # [V]
         vocab = x.shape[0]
         ids: torch.Tensor | None = None  # token id of each candidate; None: candidates are the vocabulary
         if 0 < params.top_k < vocab:
