@@ -184,11 +184,12 @@ class Intake:
         partition would lose the records it had drained from the earlier ones; a failing single-partition call
         loses nothing (its position stays). A partition whose batch failed is then read record by record."""
         got: dict = {}
-        if timeout_ms:
+        waitable = [tp for tp in parts if tp not in self._suspects]
+        if timeout_ms and waitable:
             try:  # wait for data; max_records=1 drains one partition at most, so a failure here loses nothing
-                got = await self.consumer.getmany(*parts, timeout_ms=timeout_ms, max_records=1)
-            except UNREADABLE_BATCH_ERRORS as exc:
-                self._suspect(parts, exc)
+                got = await self.consumer.getmany(*waitable, timeout_ms=timeout_ms, max_records=1)
+            except UNREADABLE_BATCH_ERRORS:
+                pass  # which partition failed shows in the one-by-one reads below
             budget -= sum(len(msgs) for msgs in got.values())
         for tp in parts:
             if budget <= 0:
