@@ -59,3 +59,17 @@ def test_the_aiokafka_interface_on_real_cluster_metadata():
     assert result["m-b"].assignment == [("requests", [1, 3, 5])]
     assert assignor.metadata(["requests"]).subscription == ["requests"]
     assert assignor.name == "priority-roundrobin"
+
+
+def test_a_grown_topic_keeps_the_configured_layout_and_deals_out_the_extra_partitions():
+    cluster = ClusterMetadata()
+    from aiokafka.protocol.metadata import MetadataResponse_v0
+
+    # Configured 3 x 2 = 6; the topic grew to 9. Taken as its own layout (3 per priority), partition 2 would
+    # become priority 0: the assignor must keep dealing 0..5 by the configured layout.
+    cluster.update_metadata(MetadataResponse_v0(
+        [(0, "localhost", 9092)], [(0, "requests", [(0, p, 0, [0], [0]) for p in range(9)])]))
+    members = {m: ConsumerProtocolMemberMetadata(0, ["requests"], b"") for m in ("m-a", "m-b")}
+    result = PriorityRoundRobinAssignor(num_priorities=3, num_layout_partitions=6).assign(cluster, members)
+    assert result["m-a"].assignment == [("requests", [0, 2, 4, 6, 8])]
+    assert result["m-b"].assignment == [("requests", [1, 3, 5, 7])]

@@ -39,7 +39,8 @@ def build(**settings_overrides) -> SimpleNamespace:
     dispatcher = Dispatcher(queue, streamer, engine, admission, answers, max_in_engine=4)
     intake = Intake(consumer, tracker, queue, answers, admission, rate, lambda: engine.stats,
                     num_priorities=KAFKA.num_priorities, num_partitions=KAFKA.num_request_partitions,
-                    result_topic=KAFKA.result_topic, max_poll_records=settings.max_poll_records, limits=DEFAULT_LIMITS)
+                    result_topic=KAFKA.result_topic, max_poll_records=settings.max_poll_records, limits=DEFAULT_LIMITS,
+                    max_clock_skew_ms=settings.max_clock_skew_ms)
     load_control = LoadControl(Shedder(list(settings.max_queue_time_s), KAFKA.num_priorities),
                                Backpressure.from_settings(settings, KAFKA.num_priorities), rate)
     all_partitions = {TopicPartition(TOPIC, p) for p in range(KAFKA.num_request_partitions)}
@@ -224,3 +225,30 @@ def test_the_engine_request_carries_sampling_deadline_and_arrival_on_the_monoton
     assert abs(engine_request.deadline - time.monotonic() - 5.0) < 0.1
     assert abs(time.monotonic() - engine_request.arrival_time - 2.0) < 0.1
     assert EngineStats().num_running == 0
+
+
+async def test_partitions_outside_the_layout_are_paused_and_never_read():
+    w = build()
+    grown = TopicPartition(TOPIC, KAFKA.num_request_partitions + 1)  # the topic grew past the layout
+    w.intake.on_assigned(w.intake.assigned | {grown}, group_generation=8)
+    assert grown not in w.intake.assigned and grown in w.consumer.paused()
+    w.consumer.append(grown, request_bytes("stray"), b"stray", int(time.time() * 1000))
+    w.consumer.resume(grown)  # even if something resumed it, the intake never asks for it
+    send(w, 1, "fine")
+    await w.intake.fetch_once()
+    await w.intake.fetch_once()
+    assert [q.request.id for q in w.queue] == ["fine"]
+    assert all(grown.partition not in call for call in w.consumer.getmany_calls)
+    assert await w.intake.lag_by_priority() == [0, 0, 0]
+
+
+async def test_a_producer_clock_in_the_past_cannot_jump_the_queue():
+    w = build(max_clock_skew_ms=1000.0)
+    now_ms = int(time.time() * 1000)
+    send(w, 1, "honest", timestamp_ms=now_ms - 200)
+    send(w, 1, "behind", timestamp_ms=now_ms - 3_600_000)  # an hour behind
+    await w.intake.fetch_once()
+    by_id = {q.request.id: q for q in w.queue}
+    assert by_id["honest"].arrival_ms == now_ms - 200
+    assert by_id["behind"].arrival_ms >= now_ms - 1000
+    assert by_id["behind"].timestamp_ms == now_ms - 3_600_000  # timings still start at the record's timestamp

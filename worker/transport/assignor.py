@@ -49,8 +49,12 @@ class PriorityRoundRobinAssignor(AbstractPartitionAssignor):
     name = "priority-roundrobin"
     version = 0
 
-    def __init__(self, num_priorities: int) -> None:
+    def __init__(self, num_priorities: int, num_layout_partitions: int | None = None) -> None:
         self.num_priorities = num_priorities
+        self.num_layout_partitions = num_layout_partitions
+        """The configured priority layout's partition count. Partitions past it (the topic grew) are dealt
+        round-robin after the layout's, so whoever gets them sees and reports them; the workers never read
+        them (intake.py). None: the layout follows the topic."""
 
     def assign(self, cluster, members: Mapping[str, ConsumerProtocolMemberMetadata]):  # type: ignore[override]
         by_member: dict[str, dict[str, list[int]]] = defaultdict(dict)
@@ -60,11 +64,14 @@ class PriorityRoundRobinAssignor(AbstractPartitionAssignor):
             if not partitions:
                 continue
             num_partitions = max(partitions) + 1
-            subscribers = [m for m, meta in members.items() if topic in meta.subscription]
+            layout = min(num_partitions, self.num_layout_partitions or num_partitions)
+            subscribers = sorted(m for m, meta in members.items() if topic in meta.subscription)
             # A topic with fewer partitions than priorities cannot follow the layout; treat it as one priority.
-            num_priorities = self.num_priorities if num_partitions >= self.num_priorities else 1
-            for member, assigned in assign_by_priority(num_partitions, num_priorities, subscribers).items():
+            num_priorities = self.num_priorities if layout >= self.num_priorities else 1
+            for member, assigned in assign_by_priority(layout, num_priorities, subscribers).items():
                 by_member[member][topic] = [p for p in assigned if p in partitions]
+            for i, partition in enumerate(p for p in sorted(partitions) if p >= layout):
+                by_member[subscribers[i % len(subscribers)]][topic].append(partition)
         return {
             member: ConsumerProtocolMemberAssignment(
                 self.version, sorted((t, ps) for t, ps in by_member[member].items() if ps), b""

@@ -94,6 +94,7 @@ class EngineThread:
         self._stats = EngineStats()
         self.num_engine_errors = 0
         self.num_poison_requests = 0
+        self.num_replays = 0
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     def start(self) -> None:
@@ -225,6 +226,7 @@ class EngineThread:
             else:
                 suspects.append(flight)
         innocents = self._probe_all(suspects, outputs)
+        self.num_replays += len(innocents)
         for flight in innocents:
             outputs.append(_replayed_marker(flight.request))
             outputs += self._admit(flight)

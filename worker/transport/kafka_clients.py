@@ -18,7 +18,8 @@ def make_consumer(kafka: KafkaSettings, settings: WorkerSettings) -> AIOKafkaCon
         client_id=settings.worker_id,
         enable_auto_commit=False,
         auto_offset_reset="earliest",
-        partition_assignment_strategy=(PriorityRoundRobinAssignor(kafka.num_priorities),),
+        partition_assignment_strategy=(
+            PriorityRoundRobinAssignor(kafka.num_priorities, kafka.num_request_partitions),),
         max_poll_records=settings.max_poll_records,
         session_timeout_ms=int(settings.session_timeout_s * 1000),
         heartbeat_interval_ms=max(100, int(settings.session_timeout_s * 1000) // 4),
