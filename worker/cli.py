@@ -46,16 +46,25 @@ def main(argv: list[str] | None = None) -> int:
     if top.command is None:
         parser.print_help()
         return 2
+    from worker.log_limits import install_repeat_limits  # here, not at the top: `--help` skips pydantic
+
+    root_handlers = list(logging.getLogger().handlers)
     logging.basicConfig(
         level=logging.DEBUG if top.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # Only the handler basicConfig made: one a host process installed (pytest's, say) is not ours to filter.
+    limiters = install_repeat_limits(h for h in logging.getLogger().handlers if h not in root_handlers)
     module_name, help_text = SUBCOMMANDS[top.command]
     module = importlib.import_module(module_name)
     sub_parser = argparse.ArgumentParser(prog=f"llm-worker {top.command}", description=help_text)
     module.configure_parser(sub_parser)
     args = sub_parser.parse_args(rest)
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    finally:
+        for limiter in limiters:  # counts of the last interval, which has not ended yet
+            limiter.flush_all()
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 
@@ -23,7 +24,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """True when a server socket could listen on host:port now, as the broker's JVM would bind it.
+
+    The JVM sets SO_REUSEADDR on its server sockets (everywhere but Windows), so TIME_WAIT connections left
+    by a broker that just stopped do not block its restart; a probe without the option would call the port
+    taken for about a minute after `broker stop`. A socket listening on the port still makes it busy.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        if os.name == "posix":  # on Windows SO_REUSEADDR lets a bind steal a port in use: not what we ask
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:
