@@ -252,3 +252,12 @@ async def test_a_producer_clock_in_the_past_cannot_jump_the_queue():
     assert by_id["honest"].arrival_ms == now_ms - 200
     assert by_id["behind"].arrival_ms >= now_ms - 1000
     assert by_id["behind"].timestamp_ms == now_ms - 3_600_000  # timings still start at the record's timestamp
+
+
+async def test_with_every_partition_paused_a_poll_still_yields_to_the_loop():
+    w = build()
+    w.consumer.pause(*w.intake.assigned)
+    w.intake.paused = set(w.intake.assigned)
+    started = time.monotonic()
+    await w.intake.fetch_once()  # nothing readable: it must wait, not return at once (the caller loops on it)
+    assert time.monotonic() - started >= 0.04

@@ -163,7 +163,7 @@ class Intake:
                     pass
                 return
             readable = sorted(tp for tp in self.assigned if tp not in self.paused)
-            got = await self._fetch(readable, 50, budget) if readable else {}
+            got = await self._fetch(readable, 50, budget)
             batches = [(tp, msgs, self.group_generation) for tp, msgs in
                        sorted(got.items(), key=lambda item: self.priority_of(item[0]))]
         for tp, msgs, generation in batches:
@@ -191,6 +191,10 @@ class Intake:
             except UNREADABLE_BATCH_ERRORS:
                 pass  # which partition failed shows in the one-by-one reads below
             budget -= sum(len(msgs) for msgs in got.values())
+        elif timeout_ms:
+            # Nothing to wait on (all paused, or all read record by record, which never blocks): still give the
+            # loop its turn, or this caller would spin without ever yielding.
+            await asyncio.sleep(timeout_ms / 1000)
         for tp in parts:
             if budget <= 0:
                 break
