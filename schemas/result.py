@@ -89,7 +89,7 @@ class FinalRecord(WireRecord, kw_only=True, tag_field="kind", tag="final"):
             min_length=1,
             description="completed: the finish reason. rejected: deadline, shed, overloaded, queue_full. "
             "error: invalid_request, too_large, prompt_too_long, reply_topic_not_allowed, decode_error, "
-            "internal. Treat an unknown code like internal.",
+            "poison_request, internal. Treat an unknown code like internal.",
         ),
     ]
     message: Annotated[str, Meta(description="Human-readable detail.")] = ""

@@ -153,8 +153,11 @@ class Simulation:
         did_something = not output.is_empty or bool(output.deadline_dropped)
         assert did_something == (due is not None and due <= self.now), (due, self.now, output)
         for request in output.deadline_dropped:
-            assert request.status is RequestStatus.FINISHED_DEADLINE and request.first_scheduled_time is None
+            # Never-run waiting requests, and requests that ran: both stop at the first step past their deadline.
+            assert request.status is RequestStatus.FINISHED_DEADLINE and request.block_ids == []
             assert request.deadline is not None and request.deadline <= self.now
+        for request in self.scheduler.running:
+            assert request.deadline is None or request.deadline > self.now  # nothing runs past its deadline
         for update in updates:
             assert update.request.output_token_ids[-1:] == update.new_token_ids
 
@@ -200,4 +203,6 @@ class Simulation:
                     or request.num_tokens == self.scheduler.max_model_len
                 )
             else:
-                assert request.status is RequestStatus.FINISHED_DEADLINE and not request.output_token_ids
+                # Ended at its deadline, with whatever it had generated (nothing, if it never ran).
+                assert request.status is RequestStatus.FINISHED_DEADLINE and request.finish_time >= request.deadline
+                assert request.num_output_tokens < request.sampling.max_new_tokens

@@ -5,6 +5,10 @@ from worker.engine.api import SamplingParams
 from worker.engine.request import RequestStatus
 
 
+def scheduled_ids(output) -> list[str]:
+    return [entry.request_id for entry in output.scheduled]
+
+
 def solo_output(prompt_token_ids: list[int], num_tokens: int) -> list[int]:
     """What the fake greedy model generates for a prompt alone."""
     context = list(prompt_token_ids)
@@ -191,7 +195,7 @@ def test_abort_frees_blocks_of_running_and_waiting_requests():
     scheduler.check_invariants()
 
 
-def test_deadline_drops_waiting_requests_only():
+def test_a_deadline_ends_waiting_and_running_requests_alike():
     scheduler = make_scheduler(max_num_seqs=1)
     runner = FakeRunner(64, 4)
     running = make_request("running", 4, 10, deadline=1.0)
@@ -201,14 +205,35 @@ def test_deadline_drops_waiting_requests_only():
         scheduler.add_request(request)
     step(scheduler, runner, now=0.5)
     assert scheduler.wake_time(0.5) == 0.5  # "running" runs at every step
-    output, _ = step(scheduler, runner, now=4.9)
-    assert output.deadline_dropped == []
-    output, _ = step(scheduler, runner, now=5.0)  # deadline <= now: dropped
-    assert output.deadline_dropped == [late] and late.status is RequestStatus.FINISHED_DEADLINE
-    assert scheduler.num_deadline_drops == 1 and "late" not in scheduler.requests
-    assert running.status is RequestStatus.RUNNING  # past its deadline, but it already costs compute
+    step(scheduler, runner, now=0.6)
+    assert running.num_output_tokens == 2
+    output, _ = step(scheduler, runner, now=1.0)  # its deadline: it stops, with the two tokens it has
+    assert output.deadline_dropped == [running] and running.status is RequestStatus.FINISHED_DEADLINE
+    assert running.output_token_ids and running.block_ids == [] and "running" not in scheduler.requests
+    assert scheduled_ids(output) == ["late"]  # its seat went to the next one at once
+    output, _ = step(scheduler, runner, now=5.0)
+    assert output.deadline_dropped == [late] and scheduler.num_deadline_drops == 2
     run_to_completion(scheduler, runner, now=6.0)
-    assert on_time.status is RequestStatus.FINISHED_LENGTH and running.status is RequestStatus.FINISHED_LENGTH
+    assert on_time.status is RequestStatus.FINISHED_LENGTH
+
+
+def test_a_more_urgent_request_preempts_a_less_urgent_one_for_a_seat():
+    scheduler = make_scheduler(max_num_seqs=2)
+    runner = FakeRunner(64, 4)
+    for rid, priority in (("bulk-a", 2), ("bulk-b", 1)):
+        scheduler.add_request(make_request(rid, 4, 20, priority=priority))
+    step(scheduler, runner, now=0.0)
+    scheduler.add_request(make_request("urgent", 4, 3, arrival_time=0.5, priority=0))
+    output, _ = step(scheduler, runner, now=0.5)
+    assert output.preempted_request_ids == ["bulk-a"]  # the least urgent, not bulk-b
+    assert set(scheduled_ids(output)) == {"bulk-b", "urgent"}
+    scheduler.add_request(make_request("same", 4, 3, arrival_time=0.6, priority=0))
+    output, _ = step(scheduler, runner, now=0.6)
+    assert output.preempted_request_ids == ["bulk-b"]
+    scheduler.add_request(make_request("peer", 4, 3, arrival_time=0.7, priority=0))
+    output, _ = step(scheduler, runner, now=0.7)
+    assert output.preempted_request_ids == []  # never within a priority
+    run_to_completion(scheduler, runner, now=1.0)
 
 
 def test_shared_prefix_hits_reuse_blocks():

@@ -261,3 +261,20 @@ async def test_with_every_partition_paused_a_poll_still_yields_to_the_loop():
     started = time.monotonic()
     await w.intake.fetch_once()  # nothing readable: it must wait, not return at once (the caller loops on it)
     assert time.monotonic() - started >= 0.04
+
+
+async def test_an_urgent_request_enters_past_a_cap_filled_with_less_urgent_work():
+    w = build()  # max_in_engine=4
+    for i in range(6):
+        send(w, 2, f"bulk-{i}")
+    await w.intake.fetch_once()
+    w.dispatcher.admit()
+    assert len(w.streamer) == 4 and len(w.queue) == 2
+    for i in range(5):
+        send(w, 0, f"urgent-{i}")
+    await w.intake.fetch_once()
+    w.dispatcher.admit()
+    # Past the cap while less urgent work holds places (the scheduler preempts it), up to the cap in urgent ones.
+    assert w.streamer.num_open_by_priority == [4, 0, 4]
+    left = [q.request.id for q in w.queue]
+    assert len(left) == 3 and left[0].startswith("urgent-") and sorted(left[1:]) == ["bulk-4", "bulk-5"]

@@ -2,7 +2,8 @@
 
 For the plumbing benchmark (what the Kafka side sustains when compute is free) and for developing and
 testing the transport without a model. No torch. It honours the Engine protocol fully: a bounded running
-batch, a waiting queue served most urgent first, deadlines of waiting requests, aborts, and stats whose
+batch, a waiting queue served most urgent first (a more urgent request preempts the least urgent running
+one), deadlines that end waiting and running requests, aborts, and stats whose
 step-time model is the optional `step_time_s` delay (to emulate a slow model under overload tests).
 
 Token t of a request is (crc32(prompt bytes) + t) % vocab_size and its text is f"<{token}>", so the same
@@ -28,6 +29,8 @@ class _Running:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_output_tokens: int = 0
+    order: int = 0
+    """Arrival order: ties within a priority, and which request a more urgent one preempts."""
 
 
 def _prompt_bytes(request: EngineRequest) -> bytes:
@@ -66,8 +69,8 @@ class InstantEngine:
             return [RequestOutput(request.request_id, [], "", True, "error", "prompt_too_long",
                                   f"prompt has {len(prompt)} tokens, the limit is {self.max_prompt_tokens}",
                                   num_prompt_tokens=len(prompt), arrival_time=arrival, finish_time=now)]
-        state = _Running(request, zlib.crc32(prompt), max(1, len(prompt)), arrival)
         self._counter += 1
+        state = _Running(request, zlib.crc32(prompt), max(1, len(prompt)), arrival, order=self._counter)
         heapq.heappush(self._waiting, (request.priority, self._counter, state))
         return []
 
@@ -89,13 +92,18 @@ class InstantEngine:
     def step(self) -> list[RequestOutput]:
         now = time.monotonic()
         outputs: list[RequestOutput] = []
+        expired = [rid for rid, s in self._running.items() if s.request.deadline is not None and now > s.request.deadline]
+        for rid in expired:
+            outputs.append(self._finish(self._running.pop(rid), "deadline"))  # it stops with what it generated
+        self._preempt_for_more_urgent()
         while self._waiting and len(self._running) < self.max_num_seqs:
             _, _, state = heapq.heappop(self._waiting)
             deadline = state.request.deadline
             if deadline is not None and now > deadline:
                 outputs.append(self._finish(state, "deadline"))
                 continue
-            state.first_scheduled_time = now
+            if state.first_scheduled_time is None:
+                state.first_scheduled_time = now
             self._running[state.request.request_id] = state
         if self.step_time_s > 0:
             time.sleep(self.step_time_s)
@@ -116,6 +124,17 @@ class InstantEngine:
         for rid in finished:
             del self._running[rid]
         return outputs
+
+    def _preempt_for_more_urgent(self) -> None:
+        """As the real scheduler does: a waiting request of a strictly more urgent priority takes the seat of the
+        least urgent running one, which waits again and resumes where it was (outputs are a function of the
+        token index, so nothing is recomputed)."""
+        while self._waiting and len(self._running) >= self.max_num_seqs:
+            victim = max(self._running.values(), key=lambda s: (s.request.priority, s.order))
+            if victim.request.priority <= self._waiting[0][0]:
+                return
+            del self._running[victim.request.request_id]
+            heapq.heappush(self._waiting, (victim.request.priority, victim.order, victim))
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)

@@ -121,6 +121,15 @@ class Scheduler:
             self.num_deadline_drops += 1
             self._finish(request, RequestStatus.FINISHED_DEADLINE, now, in_queue=False)
             output.deadline_dropped.append(request)
+        # Work nobody can use any more: a request that ran (running, or preempted and waiting again) stops at
+        # the first step past its deadline and ends with what it generated so far.
+        started = [r for r in self.running if r.deadline is not None and r.deadline <= now]
+        started += [r for r in self.waiting if r.status is RequestStatus.PREEMPTED and r.deadline is not None
+                    and r.deadline <= now]
+        for request in started:
+            self.num_deadline_drops += 1
+            self._finish(request, RequestStatus.FINISHED_DEADLINE, now)
+            output.deadline_dropped.append(request)
 
         budget = self.max_num_batched_tokens
         scheduled: dict[str, ScheduledRequest] = {}
@@ -147,12 +156,26 @@ class Scheduler:
         if not output.preempted_request_ids:
             admitted = []
             for request in self.policy.candidates(self.waiting, now):
-                if budget == 0 or len(self.running) >= self.max_num_seqs:
+                if budget == 0:
                     break
+                if len(self.running) >= self.max_num_seqs:
+                    freed = self._preempt_less_urgent(request, scheduled, output)
+                    if freed < 0:
+                        break
+                    budget += freed
                 computed_block_ids = self.pool.get_computed_blocks(request)
                 num_cached_tokens = len(computed_block_ids) * self.block_size
                 num_new_tokens = min(request.num_tokens - num_cached_tokens, budget)
-                if not self.pool.allocate_for(request, num_new_tokens, computed_block_ids):
+                while not self.pool.allocate_for(request, num_new_tokens, computed_block_ids):
+                    freed = self._preempt_less_urgent(request, scheduled, output)
+                    if freed < 0:
+                        break
+                    budget += freed
+                    num_new_tokens = min(request.num_tokens - num_cached_tokens, budget)
+                    computed_block_ids = self.pool.get_computed_blocks(request)
+                else:
+                    freed = 0
+                if freed < 0:
                     break
                 admitted.append(request)
                 self.running.append(request)
@@ -219,6 +242,23 @@ class Scheduler:
     def _entry(self, request: Request, num_new_tokens: int, num_computed_before: int) -> ScheduledRequest:
         samples = num_computed_before + num_new_tokens == request.num_tokens
         return ScheduledRequest(request, num_new_tokens, num_computed_before, samples)
+
+    def _preempt_less_urgent(self, request: Request, scheduled: dict[str, ScheduledRequest],
+                             output: SchedulerOutput) -> int:
+        """continuous policy: make room for `request` by preempting the least urgent running request, if it is
+        of a strictly less urgent priority (never within a priority: that would only trade places). Returns the
+        token budget the victim had been given this step (0 if it was not scheduled yet), or -1 when there is
+        no such victim. A more urgent request thus never waits behind less urgent work for a seat (max_num_seqs)
+        or for KV blocks beyond the step it arrives in."""
+        if self.policy.name != "continuous" or not self.running:
+            return -1
+        victim = max(self.running, key=self._victim_key)
+        if victim.priority <= request.priority:
+            return -1
+        self._preempt(victim)
+        output.preempted_request_ids.append(victim.request_id)
+        unscheduled = scheduled.pop(victim.request_id, None)
+        return unscheduled.num_new_tokens if unscheduled is not None else 0
 
     def _victim_key(self, request: Request) -> tuple:
         return (self.policy.order_key(request), self._add_order[request.request_id])

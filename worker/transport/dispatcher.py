@@ -1,5 +1,5 @@
 """Into the engine: move requests from the local queue to the engine thread, most urgent first, while fewer
-than `max_in_engine` are in it; convert each wire request to the engine's `EngineRequest` on the way; tell the
+than `max_in_engine` are in it (or past that, while less urgent ones are in it: see `_has_room`); convert each wire request to the engine's `EngineRequest` on the way; tell the
 engine when input has ended for now (the consumer caught up), so a static batch may start partial.
 
 A request whose deadline passed while it waited locally is answered here instead (`rejected`/`deadline`). A
@@ -64,7 +64,7 @@ class Dispatcher:
             return
         stats: EngineStats = self.engine.stats
         for priority in range(len(self.streamer.num_open_by_priority)):
-            while len(self.streamer) < self.max_in_engine and (queued := self.queue.head(priority)) is not None:
+            while self._has_room(priority) and (queued := self.queue.head(priority)) is not None:
                 if queued.deadline_ms is not None and time.time() * 1000.0 >= queued.deadline_ms:
                     self.queue.pop(priority)
                     self.answers.reject_queued(queued, Verdict(
@@ -76,6 +76,15 @@ class Dispatcher:
                 self.queue.pop(priority)
                 self.streamer.open(queued)
                 self.engine.add(to_engine_request(queued))
+
+    def _has_room(self, priority: int) -> bool:
+        """Below the cap, or past it while less urgent requests hold places in the engine: the engine's
+        scheduler preempts them for this one, so a cap filled with less urgent work cannot make an urgent
+        request wait (the cap bounds what can still be shed or reordered here, not who may run)."""
+        if len(self.streamer) < self.max_in_engine:
+            return True
+        num_open = self.streamer.num_open_by_priority
+        return sum(num_open[priority + 1:]) > 0 and sum(num_open[:priority + 1]) < self.max_in_engine
 
     def set_input_ended(self, ended: bool) -> None:
         """The consumer caught up (True) or has records to read again (False); passed on when it changes."""

@@ -99,7 +99,7 @@ class Intake:
 
     def paused_by_priority(self) -> list[list[int]]:
         paused: list[list[int]] = [[] for _ in range(self.num_priorities)]
-        for tp in self.paused:
+        for tp in sorted(self.paused):
             paused[self.priority_of(tp)].append(tp.partition)
         return paused
 

@@ -49,11 +49,13 @@ def final_for_output(
     if reason in ("stop", "length", "abort"):
         status, finish_reason, message = "completed", reason, ""
     elif reason in REJECTED_FINISH:
-        status, reason, finish_reason, message = "rejected", REJECTED_FINISH[reason], None, "deadline passed while waiting"
+        status, reason, finish_reason = "rejected", REJECTED_FINISH[reason], None
+        message = (f"deadline passed after {len(token_ids)} output tokens; generation stopped, the text so far is "
+                   "included" if token_ids else "deadline passed while waiting")
     else:
         status, finish_reason = "error", None
         reason, message = out.error_code or "internal", out.error_message or ""
-    completed = status == "completed"
+    with_output = status == "completed" or (status == "rejected" and bool(token_ids))
     return FinalRecord(
         id=request_id,
         attempt=attempt,
@@ -63,8 +65,8 @@ def final_for_output(
         finish_reason=finish_reason,
         usage=usage,
         timings=timings,
-        text=text if completed else None,
-        token_ids=list(token_ids) if completed else None,
+        text=text if with_output else None,
+        token_ids=list(token_ids) if with_output else None,
         num_chunks=num_chunks,
         metadata=metadata,
         worker_id=worker_id,

@@ -251,11 +251,16 @@ class Worker:
     async def _control_loop(self) -> None:
         loop = asyncio.get_running_loop()
         next_status = loop.time()
+        published_state = None
         while not self.closing:
             try:
                 view = await self._control_tick()
-                if loop.time() >= next_status:
+                # Shedding or pausing that starts or stops goes out at once, so a producer that honours the
+                # status topic can react within a control tick, not a status interval.
+                state = (view.decision.shed_priorities, tuple(map(tuple, view.paused_by_priority)))
+                if loop.time() >= next_status or state != published_state:
                     next_status = loop.time() + self.settings.status_interval_s
+                    published_state = state
                     await self.reporter.publish(view)
             except Exception:  # noqa: BLE001
                 log.exception("load control failed")
