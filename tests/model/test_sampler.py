@@ -174,7 +174,7 @@ logit_rows = st.lists(st.floats(-1e4, 1e4, width=32) | st.just(float("-inf")), m
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     logit_rows,
     st.floats(0.0, 2.0, exclude_min=True),
