@@ -53,6 +53,8 @@ UNREADABLE_BATCH_ERRORS = (CorruptRecordException, UnsupportedCodecError, Record
                            IndexError, UnicodeError, OverflowError, MemoryError)
 """What reading a record batch raises when the batch itself is at fault (a codec this process lacks, corrupt
 bytes), as opposed to the broker or the network: refetching the same batch fails the same way."""
+SUSPECT_QUIET_S = 10.0
+"""...or once it has read nothing and seen no error for this long after the last one."""
 SUSPECT_CLEAR_AFTER = 500
 """A partition read record by record after a batch error goes back to normal reads after this many records
 without another error (the error did not repeat)."""
@@ -84,6 +86,8 @@ class Intake:
         self.outside_layout: set[TopicPartition] = set()
         self._suspects: dict[TopicPartition, int] = {}
         """Partitions read record by record after a batch error -> records read since without an error."""
+        self._suspect_until: dict[TopicPartition, float] = {}
+        """A suspect that reads nothing (refetching, or idle) returns to normal reads after this time."""
         self.paused: set[TopicPartition] = set()
         self.group_generation = -1
         self.load: LoadDecision | None = None
@@ -188,8 +192,11 @@ class Intake:
         if timeout_ms and waitable:
             try:  # wait for data; max_records=1 drains one partition at most, so a failure here loses nothing
                 got = await self.consumer.getmany(*waitable, timeout_ms=timeout_ms, max_records=1)
-            except UNREADABLE_BATCH_ERRORS:
-                pass  # which partition failed shows in the one-by-one reads below
+            except UNREADABLE_BATCH_ERRORS as exc:
+                # aiokafka does not say which partition failed, and the failed read is spent (the next read of
+                # that partition refetches it): read all of them record by record for a while, each on its
+                # own, so the failure shows again where it belongs.
+                self._suspect(waitable, exc)
             budget -= sum(len(msgs) for msgs in got.values())
         elif timeout_ms:
             # Nothing to wait on (all paused, or all read record by record, which never blocks): still give the
@@ -215,6 +222,7 @@ class Intake:
         log.warning("a record batch of partitions %s could not be read (%r); reading record by record",
                     sorted(tp.partition for tp in parts), exc)
         self._suspects.update({tp: 0 for tp in parts})
+        self._suspect_until.update({tp: time.monotonic() + SUSPECT_QUIET_S for tp in parts})
 
     async def _fetch_one(self, tp: TopicPartition) -> dict:
         try:
@@ -226,6 +234,8 @@ class Intake:
             self._suspects[tp] += 1
             if self._suspects[tp] >= SUSPECT_CLEAR_AFTER:
                 del self._suspects[tp]
+        elif time.monotonic() > self._suspect_until.get(tp, 0.0):
+            del self._suspects[tp]  # quiet since the error: back to normal reads
         return got
 
     async def _skip_unreadable(self, tp: TopicPartition, exc: Exception) -> None:
@@ -233,6 +243,7 @@ class Intake:
         time, the position is exactly the first offset of the batch that failed (or the next one inside it)."""
         offset = await self.consumer.position(tp)
         self._suspects[tp] = 0
+        self._suspect_until[tp] = time.monotonic() + SUSPECT_QUIET_S
         log.error("partition %d offset %d cannot be read (%r); dead-lettered and skipped", tp.partition, offset, exc)
         if self.tracker.track(tp, offset):
             self.answers.unreadable(tp, offset, f"the record batch holding this offset cannot be read: {exc!r}")
