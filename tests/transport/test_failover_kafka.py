@@ -29,7 +29,9 @@ def engine_kind(request, monkeypatch):
     thousands of greedy steps (test_stream_kafka checks equality on short outputs). Its streams are checked
     against the worker's own final text instead."""
     if request.param == "instant":
-        return ["--engine", "instant", "--instant-step-ms", "20"], lambda requests: {
+        # 50 ms steps: 1 s per request, so the SIGKILL after 20 finals always cuts streams short (at 20 ms a
+        # worker could finish everything it held first, and there was nothing to redeliver).
+        return ["--engine", "instant", "--instant-step-ms", "50"], lambda requests: {
             q.id: expected_text(as_engine_request(q)) for _, q in requests}
     for name, value in TINY_ENGINE_ENV.items():
         monkeypatch.setenv(name, value)  # the worker subprocesses inherit the environment
