@@ -75,6 +75,11 @@ class Timings(msgspec.Struct, kw_only=True, frozen=True):
     ttft_ms: Annotated[float, Meta(ge=0.0, description="Record timestamp to first output token.")] | None = None
     e2e_ms: Annotated[float, Meta(ge=0.0, description="Record timestamp to final record.")] | None = None
     tokens_per_s: Annotated[float, Meta(ge=0.0, description="Output tokens per second after the first.")] | None = None
+    predicted_queue_ms: Annotated[float, Meta(ge=0.0, description=(
+        "The worker's prediction, when it read the record, of queue_ms."))] | None = None
+    predicted_e2e_ms: Annotated[float, Meta(ge=0.0, description=(
+        "The worker's prediction, when it read the record, of the time from the record timestamp to the last "
+        "token if the request runs to max_new_tokens."))] | None = None
 
 
 class FinalRecord(WireRecord, kw_only=True, tag_field="kind", tag="final"):

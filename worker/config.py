@@ -157,7 +157,8 @@ class WorkerSettings(BaseSettings):
     kv_resume_threshold: float = Field(0.85, ge=0, le=1)
     """KV-cache usage below which paused partitions may resume."""
     max_queue_time_s: list[float] = [10.0, 30.0, 60.0]
-    """Per priority: the longest estimated wait (lag / completion rate) before that priority's backlog is shed.
+    """Per priority: the longest estimated wait (tokens ahead / tokens per second served) before that priority's
+    backlog is shed.
     The most urgent priority is never shed for lag alone. The last value covers priorities past the list."""
     itl_target_ms: list[float] = [0.0, 0.0, 0.0]
     """Per priority: inter-token latency target; 0 disables latency-target admission for that priority."""

@@ -25,9 +25,12 @@ def build_engine(kind: str, engine_settings: EngineSettings, instant_step_ms: fl
         from worker.engine.instant import InstantEngine
 
         return InstantEngine(max_num_seqs=engine_settings.max_num_seqs, step_time_s=instant_step_ms / 1000.0)
+    from worker.engine.calibrate import calibrate
     from worker.engine.engine import LLMEngine
 
-    return LLMEngine(engine_settings)
+    engine = LLMEngine(engine_settings)
+    calibrate(engine)  # a cold worker's admission and shedding estimates start from measured step times
+    return engine
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:

@@ -2,7 +2,7 @@
 
 from schemas.request import ChatMessage
 from worker.engine.api import EngineStats
-from worker.transport.admission import Admission, estimate_prompt_tokens, estimate_service_s
+from worker.transport.admission import DEADLINE_SAFETY_FACTOR, DEADLINE_SAFETY_S, Admission, estimate_prompt_tokens
 
 
 def make(itl=(50.0, 0.0, 0.0)) -> Admission:
@@ -21,18 +21,13 @@ def test_reply_topic_allow_list():
 def test_deadline_passed_or_unreachable_is_rejected():
     admission = make()
     assert admission.check_deadline(None, 1000.0, 5.0, 5.0) is None
-    assert admission.check_deadline(2000, 1000.0, 0.5, 0.4) is None
+    margin_ms = (0.9 * DEADLINE_SAFETY_FACTOR + DEADLINE_SAFETY_S) * 1000  # a 0.9 s prediction with its margin
+    assert admission.check_deadline(round(1000 + margin_ms + 1), 1000.0, 0.5, 0.4) is None
     passed = admission.check_deadline(900, 1000.0, 0.0, 0.0)
     assert (passed.status, passed.reason) == ("rejected", "deadline")
-    unreachable = admission.check_deadline(2000, 1000.0, 0.7, 0.4)  # 1.1 s > 1.0 s
-    assert unreachable.reason == "deadline" and "1100" in unreachable.message
-
-
-def test_service_estimate_uses_the_step_time_model():
-    stats = EngineStats(num_running=9, step_time_base_s=0.01, step_time_per_token_s=0.001)
-    # prefill: 0.01 + 0.001 * (9 + 100); decode: 10 * (0.01 + 0.001 * 10)
-    assert abs(estimate_service_s(stats, 100, 10) - (0.119 + 0.2)) < 1e-9
-    assert estimate_service_s(EngineStats(), 100, 10) == 0.0  # nothing measured: no guesswork
+    # 0.9 s fits in the 1.0 s left, but not with the margin: refused before it costs compute.
+    unreachable = admission.check_deadline(2000, 1000.0, 0.5, 0.4)
+    assert unreachable.reason == "deadline" and "900 ms" in unreachable.message and "queue 500 ms" in unreachable.message
 
 
 def test_prompt_token_estimate():

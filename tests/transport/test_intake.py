@@ -4,6 +4,8 @@ once and how, what enters the engine in which order, and which offsets become co
 from __future__ import annotations
 
 import time
+
+import pytest
 from types import SimpleNamespace
 
 from aiokafka import TopicPartition
@@ -20,7 +22,8 @@ from worker.transport.backpressure import Backpressure
 from worker.transport.local_queue import LocalQueue
 from worker.transport.metrics import WorkerMetrics
 from worker.transport.offsets import OffsetTracker
-from worker.transport.shedding import CompletionRate, Shedder
+from worker.transport.service_model import ServiceModel
+from worker.transport.shedding import Shedder
 from worker.transport.streamer import Streamer
 from tests.transport.fakes import TOPIC, FakeConsumer, FakeEngineThread, FakePublisher, request_bytes, request_partition
 
@@ -31,23 +34,24 @@ def build(**settings_overrides) -> SimpleNamespace:
     """The parts as Worker._build wires them, around fake clients and a fake engine thread."""
     settings = WorkerSettings(metrics_port=0, worker_id="w-test", **settings_overrides)
     consumer, publisher, engine = FakeConsumer(), FakePublisher(), FakeEngineThread()
-    tracker, rate, metrics = OffsetTracker(), CompletionRate(), WorkerMetrics.create()
+    tracker, metrics = OffsetTracker(), WorkerMetrics.create()
+    service = ServiceModel(KAFKA.num_priorities, 64, 512, lambda: engine.stats)
     queue = LocalQueue(KAFKA.num_priorities, settings.max_waiting)
     answers = Answers(publisher, tracker, metrics, settings.worker_id, KAFKA.result_topic, KAFKA.dead_letter_topic)
     admission = Admission(KAFKA.result_topic, frozenset(KAFKA.allowed_reply_topics), list(settings.itl_target_ms))
-    streamer = Streamer(publisher, tracker, answers, metrics, rate, settings.worker_id, KAFKA.num_priorities, 0.0)
-    dispatcher = Dispatcher(queue, streamer, engine, admission, answers, max_in_engine=4)
-    intake = Intake(consumer, tracker, queue, answers, admission, rate, lambda: engine.stats,
+    streamer = Streamer(publisher, tracker, answers, metrics, service, settings.worker_id, KAFKA.num_priorities, 0.0)
+    dispatcher = Dispatcher(queue, streamer, engine, admission, answers, service, max_in_engine=4)
+    intake = Intake(consumer, tracker, queue, answers, admission, service, lambda: engine.stats,
                     num_priorities=KAFKA.num_priorities, num_partitions=KAFKA.num_request_partitions,
                     result_topic=KAFKA.result_topic, max_poll_records=settings.max_poll_records, limits=DEFAULT_LIMITS,
                     max_clock_skew_ms=settings.max_clock_skew_ms)
     load_control = LoadControl(Shedder(list(settings.max_queue_time_s), KAFKA.num_priorities),
-                               Backpressure.from_settings(settings, KAFKA.num_priorities), rate)
+                               Backpressure.from_settings(settings, KAFKA.num_priorities), service)
     all_partitions = {TopicPartition(TOPIC, p) for p in range(KAFKA.num_request_partitions)}
     intake.on_assigned(all_partitions, group_generation=7)
     return SimpleNamespace(consumer=consumer, publisher=publisher, engine=engine, tracker=tracker, queue=queue,
                            intake=intake, dispatcher=dispatcher, streamer=streamer, load_control=load_control,
-                           rate=rate, answers=answers)
+                           service=service, answers=answers)
 
 
 def send(w, priority: int, request_id: str, value: bytes | None = None, timestamp_ms: int | None = None, **fields):
@@ -105,22 +109,40 @@ async def test_a_deadline_that_passed_is_rejected_at_fetch_and_in_the_local_queu
     w = build()
     now_ms = int(time.time() * 1000)
     send(w, 1, "late", timestamp_ms=now_ms - 5_000, timeout_ms=1_000)
-    send(w, 1, "soon", deadline_ms=now_ms + 150)
+    send(w, 1, "soon", deadline_ms=now_ms + 400)  # the fake engine measured nothing: only the safety margin
+    send(w, 1, "too-soon", deadline_ms=now_ms + 100)  # less than the margin left: refused before any compute
     await w.intake.fetch_once()
     assert w.publisher.finals()["late"].reason == "deadline"
+    assert "margin" in w.publisher.finals()["too-soon"].message
     assert [q.request.id for q in w.queue] == ["soon"]
-    time.sleep(0.2)
+    time.sleep(0.45)
     w.dispatcher.admit()
     assert w.publisher.finals()["soon"].reason == "deadline" and w.engine.added == []
 
 
+async def test_admission_predicts_and_refuses_by_tokens_ahead():
+    w = build()
+    w.engine.stats = EngineStats(step_time_base_s=0.01, step_time_per_token_s=0.0)  # 10 ms a step, any size
+    w.service.rate.rate = 1000.0  # tokens/s, measured while saturated
+    now_ms = int(time.time() * 1000)
+    for i in range(5):  # 5 requests of about 2000 tokens ahead: 10 s of work
+        send(w, 0, f"big-{i}", prompt=None, prompt_token_ids=[5] * 1990, max_new_tokens=10)
+    send(w, 1, "fits", prompt=None, prompt_token_ids=[5] * 10, max_new_tokens=10, deadline_ms=now_ms + 20_000)
+    send(w, 1, "waits-too-long", prompt=None, prompt_token_ids=[5] * 10, max_new_tokens=10, deadline_ms=now_ms + 8_000)
+    await w.intake.fetch_once()
+    assert [q.request.id for q in w.queue][-1] == "fits"
+    assert w.publisher.finals()["waits-too-long"].reason == "deadline"
+    fits = next(q for q in w.queue if q.request.id == "fits")
+    assert 9_900 < fits.predicted_queue_ms < 10_300  # 10 000 tokens ahead at 1000 tokens/s
+    assert fits.predicted_e2e_ms - fits.predicted_queue_ms == pytest.approx(11 * 10, rel=0.01)  # prefill + 10 steps
+
+
 async def test_load_decisions_shed_pause_and_resume():
     w = build(max_queue_time_s=[10.0, 100.0, 1.0], priority_backlog_threshold=2, pause_dwell_s=0.0)
-    w.rate.record(1, 0.0)
-    w.rate.record(1, 1.0)  # about one request per second
     for i in range(3):
         send(w, 2, f"low-{i}")
     await w.intake.fetch_once()
+    w.service.rate.rate = w.service.mean_cost(2)  # about one request per second, measured while saturated
     for i in range(4):
         send(w, 0, f"urgent-{i}")  # unread: lag of priority 0 is 4
     lag = await w.intake.lag_by_priority()

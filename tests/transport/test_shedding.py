@@ -19,22 +19,24 @@ def test_completion_rate_tracks_a_steady_rate_and_changes():
     for i in range(50, 250):
         rate.record(2, now=i * 0.1)  # 20/s
     assert rate.rate == pytest.approx(20, rel=0.1)
-    assert CompletionRate().estimate_s(10) is None
+    rate.skip(now=100.0)  # an interval that does not count (the engine was not saturated)
+    rate.record(1000, now=100.5)
+    assert rate.rate > 20  # counted from the skip: 1000 in 0.5 s, folded in with its weight
 
 
 def test_no_estimate_no_shedding():
     shedder = Shedder([10.0, 30.0, 60.0], num_priorities=3)
-    decision = shedder.decide([10**6, 10**6, 10**6], CompletionRate())
+    decision = shedder.decide([10**6] * 3, [10**6] * 3, None)
     assert decision.shed_priorities == frozenset()
 
 
 def test_least_urgent_shed_first_and_priority_zero_never():
     shedder = Shedder([1.0, 30.0, 60.0], num_priorities=3)
-    rate = rate_of(10)  # 10 requests/s
+    # Capacity 10 tokens/s, requests of one token each: 10 requests/s.
     # p0 alone waits 100 s (> its 1 s limit) but is never shed; p2 waits behind p0+p1+p2 = 700 s.
-    decision = shedder.decide([1000, 0, 0], rate)
+    decision = shedder.decide([1000, 0, 0], [1000, 0, 0], 10.0)
     assert decision.shed_priorities == {1, 2}  # everything below waits behind p0's backlog too
-    decision = shedder.decide([0, 200, 500], rate)  # p1: 20 s < 30 s; p2: 70 s > 60 s
+    decision = shedder.decide([0, 200, 500], [0, 200, 500], 10.0)  # p1: 20 s < 30 s; p2: 70 s > 60 s
     assert decision.shed_priorities == {2}
     assert decision.est_wait_s[2] == pytest.approx(70, rel=0.05)
     assert "70" in decision.message(2) and "500" in decision.message(2)
@@ -42,7 +44,6 @@ def test_least_urgent_shed_first_and_priority_zero_never():
 
 def test_hysteresis_keeps_shedding_until_well_below_the_limit():
     shedder = Shedder([10.0, 10.0, 10.0], num_priorities=3)
-    rate = rate_of(10)
-    assert shedder.decide([0, 0, 150], rate).shed_priorities == {2}  # 15 s
-    assert shedder.decide([0, 0, 90], rate).shed_priorities == {2}  # 9 s: above 0.8 x 10
-    assert shedder.decide([0, 0, 70], rate).shed_priorities == frozenset()  # 7 s
+    assert shedder.decide([0, 0, 150], [0, 0, 150], 10.0).shed_priorities == {2}  # 15 s
+    assert shedder.decide([0, 0, 90], [0, 0, 90], 10.0).shed_priorities == {2}  # 9 s: above 0.8 x 10
+    assert shedder.decide([0, 0, 70], [0, 0, 70], 10.0).shed_priorities == frozenset()  # 7 s

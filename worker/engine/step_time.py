@@ -4,6 +4,11 @@ Admission control uses it to predict whether a request's deadline is reachable a
 prefill to the running batch would break a more urgent request's inter-token latency target. Recursive
 least squares with exponential forgetting, so it follows load and thermal drift without storing history.
 Pure Python: the transport reads it through EngineStats.
+
+A prior (`set_prior`, from the start-up calibration in calibrate.py: steps of a few sizes up to the token
+budget) is added to the online sums with a fixed weight and never forgotten. It matters where the online
+samples cannot tell: before the first step, and when every recent step had the same size (an idle worker
+decoding one request), which alone says nothing about how the time grows with the tokens batched.
 """
 
 from __future__ import annotations
@@ -22,6 +27,20 @@ class StepTimeModel:
     _sxx: float = 0.0
     _sxy: float = 0.0
     num_samples: int = 0
+    _prior: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
+    """(w, sx, sy, sxx, sxy) of the prior points."""
+
+    def set_prior(self, points: list[tuple[int, float]], weight: float = 1.0) -> None:
+        """(num_tokens, seconds) samples that keep `weight` each forever (weight 1 ≈ one recent step)."""
+        w = sx = sy = sxx = sxy = 0.0
+        for num_tokens, seconds in points:
+            x = float(num_tokens)
+            w += weight
+            sx += weight * x
+            sy += weight * seconds
+            sxx += weight * x * x
+            sxy += weight * x * seconds
+        self._prior = (w, sx, sy, sxx, sxy)
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         f = self.forgetting
@@ -35,14 +54,16 @@ class StepTimeModel:
 
     def coefficients(self) -> tuple[float, float]:
         """(base seconds, seconds per token), both ≥ 0; (0, 0) before the first sample."""
-        if self._w == 0.0:
+        pw, psx, psy, psxx, psxy = self._prior
+        w, sx, sy, sxx, sxy = self._w + pw, self._sx + psx, self._sy + psy, self._sxx + psxx, self._sxy + psxy
+        if w == 0.0:
             return 0.0, 0.0
-        mean_x, mean_y = self._sx / self._w, self._sy / self._w
-        var_x = self._sxx / self._w - mean_x * mean_x
+        mean_x, mean_y = sx / w, sy / w
+        var_x = sxx / w - mean_x * mean_x
         if var_x <= 1e-9 * max(1.0, mean_x * mean_x):
             # Every step had the same size: attribute the time to tokens so bigger batches predict longer.
             return 0.0, mean_y / mean_x if mean_x > 0 else 0.0
-        slope = (self._sxy / self._w - mean_x * mean_y) / var_x
+        slope = (sxy / w - mean_x * mean_y) / var_x
         slope = max(slope, 0.0)
         base = max(mean_y - slope * mean_x, 0.0)
         return base, slope

@@ -4,10 +4,14 @@ Order of checks for a decoded request (decode errors are handled by schemas.deco
 
 1. reply topic: must be the result topic or in `KafkaSettings.allowed_reply_topics`, else `error` /
    `reply_topic_not_allowed` (answered on the result topic, never on the topic the sender named).
-2. deadline: already past, or unreachable by estimate, gives `rejected` / `deadline`. The estimate is the
-   local queue wait (backlog ahead / completion rate, see shedding.py) + one prefill step + max_new_tokens
-   decode steps, step times from the engine's online linear model (EngineStats.step_time_base_s and
-   step_time_per_token_s). An engine that has measured nothing yet predicts 0: nothing is rejected on a guess.
+2. deadline: already past, or unreachable by estimate, gives `rejected` / `deadline`. The estimate
+   (service_model.py) is the queue wait (tokens ahead of it in the local queue and the engine's waiting
+   queue / the saturated capacity in tokens per second) + its prefill + max_new_tokens decode steps at the
+   step time the engine will run, with a safety margin: the prediction × DEADLINE_SAFETY_FACTOR +
+   DEADLINE_SAFETY_S must fit before the deadline. Checked at intake, and again when the request leaves the
+   local queue for the engine (its service alone, then). A request that would finish late is refused before it
+   costs compute: its tokens would be wasted. With no estimate at all (an engine that has measured nothing)
+   only the queue wait is taken as 0.
 3. latency target (when moving a request from the local queue into the engine's batch): it is held back
    while admitting it would push the predicted step time past the inter-token latency target of a running
    request that is more urgent. With nothing more urgent running, a request is always admitted, so holding
@@ -44,15 +48,14 @@ def estimate_prompt_tokens(prompt: str | None, messages: list | None, prompt_tok
     return sum(max(1, len(m.content) // CHARS_PER_TOKEN) + 4 for m in messages or [])
 
 
+DEADLINE_SAFETY_FACTOR = 1.2
+"""Predictions are stretched by this much before they are compared with a deadline..."""
+DEADLINE_SAFETY_S = 0.25
+"""...and this much is added (a step that runs long, the final record's trip to the client)."""
+
+
 def step_time_s(stats: EngineStats, num_tokens: int) -> float:
     return stats.step_time_base_s + stats.step_time_per_token_s * num_tokens
-
-
-def estimate_service_s(stats: EngineStats, num_prompt_tokens: int, max_new_tokens: int) -> float:
-    """One prefill step, then max_new_tokens decode steps alongside today's batch."""
-    prefill_s = step_time_s(stats, stats.num_running + num_prompt_tokens)
-    decode_s = max_new_tokens * step_time_s(stats, stats.num_running + 1)
-    return prefill_s + decode_s
 
 
 @dataclass(slots=True)
@@ -76,12 +79,13 @@ class Admission:
         if now_ms >= deadline_ms:
             return Verdict("rejected", "deadline", f"deadline passed {now_ms - deadline_ms:.0f} ms before admission")
         est_s = (est_queue_s or 0.0) + est_service_s
-        if now_ms + est_s * 1000.0 > deadline_ms:
+        if now_ms + (est_s * DEADLINE_SAFETY_FACTOR + DEADLINE_SAFETY_S) * 1000.0 > deadline_ms:
             return Verdict(
                 "rejected",
                 "deadline",
-                f"estimated finish in {est_s * 1000:.0f} ms (queue {(est_queue_s or 0) * 1000:.0f} ms) is past "
-                f"the deadline, {deadline_ms - now_ms:.0f} ms away",
+                f"estimated finish in {est_s * 1000:.0f} ms (queue {(est_queue_s or 0) * 1000:.0f} ms, service "
+                f"{est_service_s * 1000:.0f} ms) with its safety margin is past the deadline, "
+                f"{deadline_ms - now_ms:.0f} ms away",
             )
         return None
 

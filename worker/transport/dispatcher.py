@@ -2,8 +2,9 @@
 than `max_in_engine` are in it (or past that, while less urgent ones are in it: see `_has_room`); convert each wire request to the engine's `EngineRequest` on the way; tell the
 engine when input has ended for now (the consumer caught up), so a static batch may start partial.
 
-A request whose deadline passed while it waited locally is answered here instead (`rejected`/`deadline`). A
-less urgent request is held back while admitting it would slow a more urgent running one past its
+A request whose deadline passed while it waited locally, or that can no longer finish before it (its predicted
+service, with admission's safety margin), is answered here instead (`rejected`/`deadline`): handing it over
+would only spend compute on an answer nobody can use. A less urgent request is held back while admitting it would slow a more urgent running one past its
 inter-token latency target (admission.py); the ones behind it wait too, so priorities hold.
 """
 
@@ -16,6 +17,7 @@ from worker.transport.admission import Admission, Verdict
 from worker.transport.answers import Answers
 from worker.transport.engine_thread import EngineThread
 from worker.transport.local_queue import LocalQueue, QueuedRequest
+from worker.transport.service_model import ServiceModel
 from worker.transport.streamer import Streamer
 
 
@@ -47,13 +49,14 @@ def to_engine_request(queued: QueuedRequest) -> EngineRequest:
 class Dispatcher:
     def __init__(
         self, queue: LocalQueue, streamer: Streamer, engine: EngineThread, admission: Admission, answers: Answers,
-        max_in_engine: int,
+        service: ServiceModel, max_in_engine: int,
     ) -> None:
         self.queue = queue
         self.streamer = streamer
         self.engine = engine
         self.admission = admission
         self.answers = answers
+        self.service = service
         self.max_in_engine = max_in_engine
         self.draining = False
         """Set at shutdown: nothing more enters the engine."""
@@ -65,10 +68,10 @@ class Dispatcher:
         stats: EngineStats = self.engine.stats
         for priority in range(len(self.streamer.num_open_by_priority)):
             while self._has_room(priority) and (queued := self.queue.head(priority)) is not None:
-                if queued.deadline_ms is not None and time.time() * 1000.0 >= queued.deadline_ms:
+                verdict = self._check_deadline(queued, stats)
+                if verdict is not None:
                     self.queue.pop(priority)
-                    self.answers.reject_queued(queued, Verdict(
-                        "rejected", "deadline", "deadline passed while waiting in the local queue"))
+                    self.answers.reject_queued(queued, verdict)
                     continue
                 if not self.admission.may_enter_batch(priority, queued.num_prompt_tokens,
                                                       self.streamer.num_open_by_priority, stats):
@@ -76,6 +79,16 @@ class Dispatcher:
                 self.queue.pop(priority)
                 self.streamer.open(queued)
                 self.engine.add(to_engine_request(queued))
+
+    def _check_deadline(self, queued: QueuedRequest, stats: EngineStats) -> Verdict | None:
+        if queued.deadline_ms is None:
+            return None
+        now_ms = time.time() * 1000.0
+        if now_ms >= queued.deadline_ms:
+            return Verdict("rejected", "deadline", "deadline passed while waiting in the local queue")
+        saturated = stats.num_waiting > 0 or stats.num_running >= self.service.max_num_seqs or len(self.queue) > 0
+        service = self.service.service_s(queued.num_prompt_tokens, queued.request.max_new_tokens, saturated)
+        return self.admission.check_deadline(queued.deadline_ms, now_ms, 0.0, service)
 
     def _has_room(self, priority: int) -> bool:
         """Below the cap, or past it while less urgent requests hold places in the engine: the engine's

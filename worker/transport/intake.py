@@ -40,12 +40,13 @@ from schemas.decode import RequestError, decode_request
 from schemas.limits import Limits
 from schemas.priority import priority_of_partition
 from worker.engine.api import EngineStats
-from worker.transport.admission import Admission, Verdict, estimate_prompt_tokens, estimate_service_s
+from worker.transport.admission import Admission, Verdict, estimate_prompt_tokens
 from worker.transport.answers import Answers
 from worker.transport.load_control import LoadDecision
 from worker.transport.local_queue import LocalQueue, QueuedRequest
 from worker.transport.offsets import OffsetTracker
-from worker.transport.shedding import CompletionRate, ReachFraction
+from worker.transport.service_model import ServiceModel
+from worker.transport.shedding import ReachFraction
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ without another error (the error did not repeat)."""
 class Intake:
     def __init__(
         self, consumer: AIOKafkaConsumer, tracker: OffsetTracker, queue: LocalQueue, answers: Answers,
-        admission: Admission, rate: CompletionRate, engine_stats: Callable[[], EngineStats], *,
+        admission: Admission, service: ServiceModel, engine_stats: Callable[[], EngineStats], *,
         num_priorities: int, num_partitions: int, result_topic: str, max_poll_records: int, limits: Limits,
         max_clock_skew_ms: float = 1000.0,
     ) -> None:
@@ -72,7 +73,7 @@ class Intake:
         self.queue = queue
         self.answers = answers
         self.admission = admission
-        self.rate = rate
+        self.service = service
         self.engine_stats = engine_stats
         self.num_priorities = num_priorities
         self.num_partitions = num_partitions
@@ -275,6 +276,8 @@ class Intake:
             self.answers.reject(tp, msg.offset, req.id, attempt, verdict, self.result_topic, msg.timestamp,
                                 req.metadata)
             return "invalid"
+        queued.expected_tokens = self.service.expected_cost(queued.num_prompt_tokens, req.max_new_tokens)
+        self.service.observe_read(priority, queued.num_prompt_tokens, req.max_new_tokens)
         if self.load is not None and priority in self.load.shed_priorities:
             self.answers.shed(queued, self.load.shed_message(priority))
             return "load"
@@ -286,10 +289,18 @@ class Intake:
         return "queued"
 
     def _check_deadline(self, queued: QueuedRequest) -> Verdict | None:
-        ahead = sum(self.queue.num_waiting(q) for q in range(queued.priority + 1))
-        est_service = estimate_service_s(self.engine_stats(), queued.num_prompt_tokens, queued.request.max_new_tokens)
-        return self.admission.check_deadline(queued.deadline_ms, time.time() * 1000.0, self.rate.estimate_s(ahead),
-                                             est_service)
+        """Predict its queue wait and completion (kept on the request, reported in its final record) and refuse
+        it if the prediction, with its margin, is past the deadline."""
+        tokens = self.queue.tokens_by_priority()
+        ahead = sum(tokens[:queued.priority + 1]) + self.service.engine_tokens_waiting()
+        stats = self.engine_stats()
+        saturated = ahead > 0 or stats.num_waiting > 0 or stats.num_running >= self.service.max_num_seqs
+        wait = self.service.wait_s(ahead)
+        service = self.service.service_s(queued.num_prompt_tokens, queued.request.max_new_tokens, saturated)
+        now_ms = time.time() * 1000.0
+        queued.predicted_queue_ms = max(0.0, now_ms - queued.timestamp_ms) + (wait or 0.0) * 1000.0
+        queued.predicted_e2e_ms = queued.predicted_queue_ms + service * 1000.0
+        return self.admission.check_deadline(queued.deadline_ms, now_ms, wait, service)
 
     # -- load ----------------------------------------------------------------------------------------------
     async def lag_by_priority(self) -> list[int]:

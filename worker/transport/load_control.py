@@ -4,7 +4,8 @@ the intake applies it (pause/resume, answering newly shed requests), the dispatc
 to the engine and the status reporter publishes it. Pure: no aiokafka, no clock of its own.
 
 Backlog of a priority = the part of its lag expected to reach the engine (shedding.ReachFraction) plus its
-requests waiting in the local queue; shedding and the priority-backlog pause both use it. Shedding is decided before
+requests waiting in the local queue; shedding and the priority-backlog pause both use it, shedding in tokens
+(each unread record priced like the recent requests of its priority, service_model.py). Shedding is decided before
 pausing: a shed priority is never paused, because its records are answered at once and consuming them is
 what drains its lag.
 """
@@ -15,7 +16,8 @@ import logging
 from dataclasses import dataclass
 
 from worker.transport.backpressure import Backpressure, LoadSnapshot
-from worker.transport.shedding import CompletionRate, ShedDecision, Shedder
+from worker.transport.service_model import ServiceModel
+from worker.transport.shedding import ShedDecision, Shedder
 
 log = logging.getLogger(__name__)
 
@@ -41,22 +43,27 @@ class LoadDecision:
 
 
 class LoadControl:
-    def __init__(self, shedder: Shedder, backpressure: Backpressure, rate: CompletionRate) -> None:
+    def __init__(self, shedder: Shedder, backpressure: Backpressure, service: ServiceModel) -> None:
         self.shedder = shedder
         self.backpressure = backpressure
-        self.rate = rate
+        self.service = service
         self._shed_before: frozenset[int] = frozenset()
 
     def decide(
         self, lag_by_priority: list[int], waiting_by_priority: list[int], kv_usage: float, now: float,
-        reach_fractions: list[float] | None = None,
+        reach_fractions: list[float] | None = None, waiting_tokens: list[float] | None = None,
     ) -> LoadDecision:
         """`reach_fractions`: per priority, the share of unread records expected to reach the engine
-        (shedding.ReachFraction); None counts them all."""
+        (shedding.ReachFraction); None counts them all. `waiting_tokens`: per priority, the expected tokens of
+        the requests waiting locally; None prices them like unread records."""
         fractions = reach_fractions or [1.0] * len(lag_by_priority)
-        backlog = [round(lag * fraction) + waiting
-                   for lag, fraction, waiting in zip(lag_by_priority, fractions, waiting_by_priority)]
-        shed = self.shedder.decide(backlog, self.rate)
+        unread = [round(lag * fraction) for lag, fraction in zip(lag_by_priority, fractions)]
+        backlog = [n + waiting for n, waiting in zip(unread, waiting_by_priority)]
+        costs = [self.service.mean_cost(p) or 0.0 for p in range(len(lag_by_priority))]
+        local = waiting_tokens or [n * cost for n, cost in zip(waiting_by_priority, costs)]
+        tokens = [n * cost + t for n, cost, t in zip(unread, costs, local)]
+        tokens[0] += self.service.engine_tokens_waiting()  # ahead of every priority, roughly
+        shed = self.shedder.decide(backlog, tokens, self.service.capacity_tokens_per_s())
         newly_shed = shed.shed_priorities - self._shed_before
         self._shed_before = shed.shed_priorities
         if newly_shed:

@@ -36,6 +36,12 @@ class QueuedRequest:
     the record's timestamp."""
     engine_id: str = ""
     """"<wire id>#<attempt>@<partition>:<offset>": unique in the engine even for a duplicate wire id."""
+    expected_tokens: float = 0.0
+    """Expected prompt + output tokens (service_model.ServiceModel.expected_cost), for load estimates."""
+    predicted_queue_ms: float | None = None
+    """At intake: predicted time from the record's timestamp to its first step (reported in the final)."""
+    predicted_e2e_ms: float | None = None
+    """At intake: predicted time from the record's timestamp to its last token, if it runs to max_new_tokens."""
 
     def __post_init__(self) -> None:
         if self.arrival_ms is None:
@@ -51,6 +57,7 @@ class LocalQueue:
     def __init__(self, num_priorities: int, max_waiting: int) -> None:
         self.max_waiting = max_waiting
         self._by_priority: list[deque[QueuedRequest]] = [deque() for _ in range(num_priorities)]
+        self._tokens = [0.0] * num_priorities
         self.space = asyncio.Event()
         self.space.set()
         self.max_num_waiting_seen = 0
@@ -64,8 +71,13 @@ class LocalQueue:
     def num_waiting_by_priority(self) -> list[int]:
         return [len(q) for q in self._by_priority]
 
+    def tokens_by_priority(self) -> list[float]:
+        """Per priority, the expected tokens of the requests waiting (QueuedRequest.expected_tokens)."""
+        return [max(0.0, t) for t in self._tokens]
+
     def push(self, queued: QueuedRequest) -> None:
         self._by_priority[queued.priority].append(queued)
+        self._tokens[queued.priority] += queued.expected_tokens
         self.max_num_waiting_seen = max(self.max_num_waiting_seen, len(self))
         if len(self) >= self.max_waiting:
             self.space.clear()
@@ -76,23 +88,26 @@ class LocalQueue:
 
     def pop(self, priority: int) -> QueuedRequest:
         queued = self._by_priority[priority].popleft()
+        self._tokens[priority] -= queued.expected_tokens
         self._note_space()
         return queued
 
     def pop_all(self, priority: int) -> list[QueuedRequest]:
         taken = list(self._by_priority[priority])
         self._by_priority[priority].clear()
+        self._tokens[priority] = 0.0
         self._note_space()
         return taken
 
     def drop_partitions(self, partitions: set) -> int:
         """Forget the requests of partitions this worker no longer owns; returns how many."""
         num_dropped = 0
-        for queue in self._by_priority:
+        for priority, queue in enumerate(self._by_priority):
             kept = [q for q in queue if q.partition not in partitions]
             num_dropped += len(queue) - len(kept)
             queue.clear()
             queue.extend(kept)
+            self._tokens[priority] = sum(q.expected_tokens for q in kept)
         self._note_space()
         return num_dropped
 

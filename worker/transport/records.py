@@ -28,9 +28,11 @@ def _since(ms: float | None, base_ms: int) -> float | None:
 def final_for_output(
     request_id: str, attempt: int, timestamp_ms: int, metadata: dict[str, str] | None, out: RequestOutput,
     token_ids: list[int], text: str, num_chunks: int, worker_id: str,
+    predicted: tuple[float | None, float | None] = (None, None),
 ) -> FinalRecord:
     """The final record of a request the engine finished (completed, rejected on deadline, or error);
-    `token_ids` and `text` are everything it generated, `num_chunks` the chunk records sent before it."""
+    `token_ids` and `text` are everything it generated, `num_chunks` the chunk records sent before it,
+    `predicted` the intake's predicted queue time and completion time (ms from the record's timestamp)."""
     now_mono, now_ms = time.monotonic(), time.time() * 1000.0
     first_token_ms = epoch_ms(out.first_token_time, now_mono, now_ms)
     finish_ms = epoch_ms(out.finish_time, now_mono, now_ms) or now_ms
@@ -42,6 +44,8 @@ def final_for_output(
         ttft_ms=_since(first_token_ms, timestamp_ms),
         e2e_ms=_since(now_ms, timestamp_ms),
         tokens_per_s=tokens_per_s,
+        predicted_queue_ms=predicted[0],
+        predicted_e2e_ms=predicted[1],
     )
     usage = Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=len(token_ids),
                   cached_tokens=out.num_cached_tokens)

@@ -1,17 +1,18 @@
 """Load shedding by estimated wait: reject a priority's backlog when it cannot be served in time anyway.
 
 Per priority p: backlog_p = the part of its consumer lag (high watermark - position, over this worker's
-partitions of p) that will reach the engine, plus requests of p waiting locally. Records that are invalid
-(dead letters, error answers) cost microseconds, not engine time: `ReachFraction` measures, per priority, the
-share of fetched records that were not refused as invalid, and the lag is scaled by it, so a flood of bad
-records does not shed the good ones behind it. Requests are served most urgent first, so a request of p waits behind the
-backlog of every priority q <= p: est_wait_p = sum(backlog_q for q <= p) / completion_rate, where the rate is
-an EWMA of requests completed per second. When est_wait_p exceeds `max_queue_time_for(p)` the priority is
-shed: its records are still consumed, but answered with a `rejected`/`shed` final record and committed, which
-drains the lag fast. Because est_wait grows with p, the least urgent priorities cross their limit first.
+partitions of p) that will reach the engine, plus requests of p waiting locally, counted in tokens (prompt +
+expected output; service_model.py prices an unread record like the recent requests of its priority). Records
+that are invalid (dead letters, error answers) cost microseconds, not engine time: `ReachFraction` measures,
+per priority, the share of fetched records that were not refused as invalid, and the lag is scaled by it, so a
+flood of bad records does not shed the good ones behind it. Requests are served most urgent first, so a
+request of p waits behind the backlog of every priority q <= p: est_wait_p = sum(backlog_q for q <= p) /
+capacity, the tokens per second the engine serves when saturated (service_model.py: measured while
+saturated, else the calibrated step-time model). When est_wait_p exceeds `max_queue_time_for(p)` the priority
+is shed: its records are still consumed, but answered with a `rejected`/`shed` final record and committed,
+which drains the lag fast. Because est_wait grows with p, the least urgent priorities cross their limit first.
 Priority 0 is never shed for lag alone (deadlines still apply to it, in admission.py). Shedding stops once
-est_wait falls below `resume_fraction` of the limit (hysteresis). With no completion measured yet there is
-no estimate and nothing is shed.
+est_wait falls below `resume_fraction` of the limit (hysteresis). With no estimate yet nothing is shed.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class CompletionRate:
-    """EWMA of requests completed per second, fed with completion counts at irregular times."""
+    """EWMA of a count per second (service_model.py feeds it tokens of finished requests), fed at irregular
+    times."""
 
     half_life_s: float = 2.0
     rate: float = 0.0
@@ -46,11 +48,10 @@ class CompletionRate:
         self._pending = 0
         self._last_time = now
 
-    def estimate_s(self, num_requests: int) -> float | None:
-        """Seconds to complete num_requests at the current rate; None before any completion was measured."""
-        if self.rate <= 0.0:
-            return None
-        return num_requests / self.rate
+    def skip(self, now: float) -> None:
+        """The time up to now does not count (e.g. the engine was not saturated): start a new interval."""
+        self._pending = 0
+        self._last_time = now
 
 
 @dataclass(slots=True)
@@ -88,13 +89,16 @@ class ShedDecision:
     est_wait_s: list[float | None]
     """Per priority, the estimated wait of a new request."""
     backlog: list[int]
+    """Per priority, requests waiting or unread (expected to reach the engine)."""
+    backlog_tokens: list[float] = field(default_factory=list)
 
     def message(self, priority: int) -> str:
         wait = self.est_wait_s[priority]
         wait_text = f"{wait:.1f}s" if wait is not None else "unknown"
+        tokens = f" (~{self.backlog_tokens[priority]:.0f} tokens)" if self.backlog_tokens else ""
         return (
-            f"priority {priority} shed: {self.backlog[priority]} requests waiting or unread at this priority, "
-            f"estimated wait {wait_text}"
+            f"priority {priority} shed: {self.backlog[priority]} requests{tokens} waiting or unread at this "
+            f"priority, estimated wait {wait_text}"
         )
 
 
@@ -109,12 +113,13 @@ class Shedder:
     def limit_for(self, priority: int) -> float:
         return self.max_queue_time_s[min(priority, len(self.max_queue_time_s) - 1)]
 
-    def decide(self, backlog_by_priority: list[int], rate: CompletionRate) -> ShedDecision:
+    def decide(self, backlog_by_priority: list[int], backlog_tokens: list[float],
+               capacity_tokens_per_s: float | None) -> ShedDecision:
         est_wait: list[float | None] = []
-        ahead = 0
+        ahead = 0.0
         for priority in range(self.num_priorities):
-            ahead += backlog_by_priority[priority]
-            est_wait.append(rate.estimate_s(ahead))
+            ahead += backlog_tokens[priority]
+            est_wait.append(ahead / capacity_tokens_per_s if capacity_tokens_per_s else None)
         for priority in range(1, self.num_priorities):
             wait = est_wait[priority]
             limit = self.limit_for(priority)
@@ -124,4 +129,4 @@ class Shedder:
                 self.shedding.add(priority)
             elif wait < self.resume_fraction * limit:
                 self.shedding.discard(priority)
-        return ShedDecision(frozenset(self.shedding), est_wait, list(backlog_by_priority))
+        return ShedDecision(frozenset(self.shedding), est_wait, list(backlog_by_priority), list(backlog_tokens))

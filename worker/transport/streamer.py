@@ -25,7 +25,7 @@ from worker.transport.metrics import WorkerMetrics
 from worker.transport.offsets import OffsetTracker
 from worker.transport.publisher import Publisher
 from worker.transport.records import final_for_output
-from worker.transport.shedding import CompletionRate
+from worker.transport.service_model import ServiceModel
 
 
 @dataclass(slots=True)
@@ -97,13 +97,13 @@ class RequestStream:
 class Streamer:
     def __init__(
         self, publisher: Publisher, tracker: OffsetTracker, answers: Answers, metrics: WorkerMetrics,
-        rate: CompletionRate, worker_id: str, num_priorities: int, chunk_interval_ms: float,
+        service: ServiceModel, worker_id: str, num_priorities: int, chunk_interval_ms: float,
     ) -> None:
         self.publisher = publisher
         self.answers = answers
         self.tracker = tracker
         self.metrics = metrics
-        self.rate = rate
+        self.service = service
         self.worker_id = worker_id
         self.chunk_interval_s = chunk_interval_ms / 1000.0
         self.streams: dict[str, RequestStream] = {}
@@ -149,8 +149,10 @@ class Streamer:
                 self._send_chunk(stream, now)
         for stream, out in finals:
             self._finish(stream, out, now)
-        if finals:
-            self.rate.record(len(finals), now)
+            queued = stream.queued
+            self.service.observe_finished(queued.num_prompt_tokens, queued.request.max_new_tokens,
+                                          out.num_prompt_tokens, len(stream.token_ids),
+                                          out.finish_reason in ("stop", "length"), now)
         await self.publisher.wait_room()
 
     def _send_chunk(self, stream: RequestStream, now: float) -> None:
@@ -172,6 +174,7 @@ class Streamer:
         final = final_for_output(
             queued.request.id, queued.attempt, queued.timestamp_ms, queued.request.metadata, out,
             stream.token_ids, "".join(stream.text_parts), stream.seq, self.worker_id,
+            predicted=(queued.predicted_queue_ms, queued.predicted_e2e_ms),
         )
         self.num_completed += 1
         self.num_output_tokens += len(stream.token_ids)

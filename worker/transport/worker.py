@@ -46,7 +46,8 @@ from worker.transport.local_queue import LocalQueue
 from worker.transport.metrics import WorkerMetrics
 from worker.transport.offsets import OffsetTracker
 from worker.transport.publisher import Publisher
-from worker.transport.shedding import CompletionRate, Shedder
+from worker.transport.service_model import ServiceModel
+from worker.transport.shedding import Shedder
 from worker.transport.status_report import LoadView, StatusReporter
 from worker.transport.streamer import Streamer
 
@@ -60,6 +61,7 @@ class Worker:
         self.kafka, self.settings, self.limits, self.engine = kafka, settings, limits, engine
         self.max_in_engine = settings.max_engine_inflight or 2 * max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
         self.metrics = WorkerMetrics.create()
         self.stopping = asyncio.Event()
         self.started = asyncio.Event()
@@ -76,27 +78,33 @@ class Worker:
         kafka, settings = self.kafka, self.settings
         self.consumer, self.publisher = consumer, publisher
         self.tracker = OffsetTracker()
-        self.rate = CompletionRate()
         self.outputs: asyncio.Queue = asyncio.Queue()
         self.engine_thread = EngineThread(self.engine, asyncio.get_running_loop(), self.outputs)
         self.queue = LocalQueue(kafka.num_priorities, settings.max_waiting)
+        self.service = ServiceModel(kafka.num_priorities, self.max_num_seqs, self.max_num_batched_tokens,
+                                    lambda: self.engine_thread.stats, self._engine_saturated)
         self.answers = Answers(publisher, self.tracker, self.metrics, settings.worker_id, kafka.result_topic,
                                kafka.dead_letter_topic)
         admission = Admission(kafka.result_topic, frozenset(kafka.allowed_reply_topics), list(settings.itl_target_ms),
                               self.max_num_batched_tokens)
-        self.streamer = Streamer(publisher, self.tracker, self.answers, self.metrics, self.rate, settings.worker_id,
+        self.streamer = Streamer(publisher, self.tracker, self.answers, self.metrics, self.service, settings.worker_id,
                                  kafka.num_priorities, settings.chunk_interval_ms)
         self.dispatcher = Dispatcher(self.queue, self.streamer, self.engine_thread, admission, self.answers,
-                                     self.max_in_engine)
+                                     self.service, self.max_in_engine)
         self.intake = Intake(
-            consumer, self.tracker, self.queue, self.answers, admission, self.rate, lambda: self.engine_thread.stats,
+            consumer, self.tracker, self.queue, self.answers, admission, self.service, lambda: self.engine_thread.stats,
             num_priorities=kafka.num_priorities, num_partitions=kafka.num_request_partitions,
             result_topic=kafka.result_topic, max_poll_records=settings.max_poll_records, limits=self.limits,
             max_clock_skew_ms=settings.max_clock_skew_ms,
         )
         self.load_control = LoadControl(Shedder(list(settings.max_queue_time_s), kafka.num_priorities),
-                                        Backpressure.from_settings(settings, kafka.num_priorities), self.rate)
+                                        Backpressure.from_settings(settings, kafka.num_priorities), self.service)
         self.reporter = StatusReporter(publisher, self.metrics, settings.worker_id, kafka.status_topic)
+
+    def _engine_saturated(self) -> bool:
+        """The engine cannot take more work now: requests wait for it (in it or locally) or every seat is taken."""
+        stats = self.engine_thread.stats
+        return stats.num_waiting > 0 or stats.num_running >= self.max_num_seqs or len(self.queue) > 0
 
     async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
         if not self.started.is_set():
@@ -271,7 +279,8 @@ class Worker:
         stats = self.engine_thread.stats
         waiting = self.queue.num_waiting_by_priority()
         decision = self.load_control.decide(await self.intake.lag_by_priority(), waiting, stats.kv_usage,
-                                            time.monotonic(), self.intake.reach.fractions())
+                                            time.monotonic(), self.intake.reach.fractions(),
+                                            self.queue.tokens_by_priority())
         self.intake.apply(decision)
         self.dispatcher.set_input_ended(decision.input_ended)
         view = LoadView(decision, stats, self.queue.num_waiting_by_priority(), self.intake.paused_by_priority(),

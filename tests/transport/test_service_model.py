@@ -1,0 +1,77 @@
+"""Service estimates in tokens: a cold prior from the step-time model, capacity measured only while
+saturated, request costs corrected by what finished requests really used."""
+
+import pytest
+
+from worker.engine.api import EngineStats
+from worker.transport.service_model import ServiceModel
+
+STEP = EngineStats(step_time_base_s=0.05, step_time_per_token_s=0.001)
+
+
+def make(stats: EngineStats = STEP, saturated: list[bool] | None = None) -> ServiceModel:
+    flag = saturated if saturated is not None else [True]
+    return ServiceModel(3, max_num_seqs=64, max_num_batched_tokens=512, engine_stats=lambda: stats,
+                        is_saturated=lambda: flag[0])
+
+
+def test_cold_capacity_comes_from_the_step_time_model():
+    model = make()
+    for _ in range(20):
+        model.observe_read(1, 56, 8)
+    # A seat holds a request for 9 steps; 64 seats × 64 tokens / 9 = 455 tokens a step, under the 512 budget.
+    tokens = 64 * 64 / 9
+    assert model.saturated_step_tokens() == pytest.approx(tokens)
+    assert model.capacity_tokens_per_s() == pytest.approx(tokens / (0.05 + 0.001 * tokens))
+    assert make(EngineStats()).capacity_tokens_per_s() is None  # nothing measured, no calibration: no guess
+    assert make(EngineStats()).wait_s(1000) is None and make(EngineStats()).wait_s(0) == 0.0
+
+
+def test_long_prompts_are_bounded_by_the_token_budget():
+    model = make()
+    model.observe_read(0, 2000, 16)
+    assert model.saturated_step_tokens() == 512
+
+
+def test_measured_capacity_counts_only_saturated_intervals():
+    saturated = [False]
+    model = make(saturated=saturated)
+    prior = model.capacity_tokens_per_s()
+    for i in range(100):  # idle: 10 tokens/s finished, far below what the engine could do
+        model.observe_finished(10, 8, 10, 8, True, now=i * 1.0)
+    assert model.rate.rate == 0.0 and model.capacity_tokens_per_s() == prior
+    saturated[0] = True
+    for i in range(100, 200):
+        model.observe_finished(50, 8, 50, 8, True, now=i * 0.1)  # 58 tokens per 0.1 s
+    assert model.capacity_tokens_per_s() == pytest.approx(580, rel=0.05)
+
+
+def test_costs_learn_the_real_prompt_and_output_lengths():
+    model = make()
+    assert model.expected_cost(100, 64) == 164  # nothing learnt: the estimates as they are
+    for i in range(200):  # prompts are 60% of the estimate; answers stop at a quarter of max_new_tokens (EOS)
+        model.observe_finished(100, 64, 60, 16, True, now=float(i))
+    assert model.expected_cost(100, 64) == pytest.approx(60 + 16, rel=0.02)
+    model.observe_finished(100, 64, 60, 2, False, now=300.0)  # stopped by its deadline: says nothing of EOS
+    assert model.output_ratio.value == pytest.approx(0.25, rel=0.02)
+
+
+def test_unread_records_are_priced_like_their_priority():
+    model = make()
+    assert model.mean_cost(2) is None
+    model.observe_read(0, 10, 10)
+    assert model.mean_cost(2) == 20  # nothing read from p2 yet: any priority's mean
+    model.observe_read(2, 100, 100)
+    assert model.mean_cost(2) == 200 and model.mean_cost(0) == 20
+
+
+def test_service_time_saturated_and_not():
+    stats = EngineStats(num_running=3, num_waiting=2, step_time_base_s=0.05, step_time_per_token_s=0.001)
+    model = make(stats)
+    model.observe_read(0, 56, 8)
+    t = model.saturated_step_tokens()
+    assert model.service_s(56, 8, saturated=True) == pytest.approx(9 * (0.05 + 0.001 * t))
+    # Not saturated: one prefill step beside the 3 running, then 8 decode steps of 4 tokens.
+    assert model.service_s(56, 8, saturated=False) == pytest.approx(0.05 + 0.001 * 59 + 8 * (0.05 + 0.001 * 4))
+    assert model.service_s(1200, 8, saturated=False) == pytest.approx(3 * (0.05 + 0.001 * 515) + 8 * 0.054)
+    assert model.engine_tokens_waiting() == pytest.approx(2 * 64)

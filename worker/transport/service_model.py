@@ -1,0 +1,154 @@
+"""How fast this worker serves work when it is busy, and so how long a new request will wait and run: the
+estimates behind shedding (shedding.py), deadline admission (admission.py) and the status report. Pure: the
+engine's numbers come in as `EngineStats`, whether the engine is saturated from a callable.
+
+Unit of work: one token computed, prompt or output. The engine's step time is close to linear in the tokens a
+step batches (worker/engine/step_time.py), so a request costs about its prompt + output tokens whatever else
+shares its steps. A request's expected cost is its prompt estimate (4 characters a token for text, corrected
+by the ratio measured on finished requests) + max_new_tokens × the measured share of max_new_tokens that
+finished requests actually produced (EOS ends most chat answers early).
+
+Capacity, in tokens per second when the engine is saturated:
+- measured: prompt + output tokens of finished requests per second, an EWMA folded only over intervals during
+  which the engine was saturated at both ends (requests waiting in it or in the local queue, or every seat
+  taken). An idle or lightly loaded worker finishes what it is given, which says nothing about what it could
+  do, so such intervals are skipped instead of pulling the estimate down.
+- before that (a cold worker): the engine's step-time model, calibrated at start-up (worker/engine/
+  calibrate.py), at the step size a saturated engine runs for the average request of the backlog (P prompt
+  and O output tokens): each request holds a seat for O + 1 steps (its prefill, then O decodes) and the batch
+  holds max_num_seqs seats, so a step carries T = min(max_num_batched_tokens, max_num_seqs × (P + O) / (O + 1))
+  tokens and capacity = T / step_time(T).
+
+A new request's queue wait = the tokens ahead of it / capacity; its service = O + 1 steps of step_time(T)
+when the engine is saturated, else one prefill step beside today's batch and O decode steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from worker.engine.api import EngineStats
+from worker.transport.shedding import CompletionRate
+
+
+@dataclass(slots=True)
+class Ewma:
+    """Exponentially weighted mean over observations (not time)."""
+
+    weight: float = 0.05
+    value: float | None = None
+
+    def observe(self, x: float) -> None:
+        self.value = x if self.value is None else self.value + self.weight * (x - self.value)
+
+    def get(self, default: float) -> float:
+        return default if self.value is None else self.value
+
+
+@dataclass(slots=True)
+class ServiceModel:
+    num_priorities: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    engine_stats: Callable[[], EngineStats]
+    is_saturated: Callable[[], bool] = lambda: False
+    rate: CompletionRate = field(default_factory=lambda: CompletionRate(half_life_s=5.0))
+    """Tokens of finished requests per second, over saturated intervals only."""
+    prompt_ratio: Ewma = field(default_factory=Ewma)
+    """Actual prompt tokens ÷ the intake's estimate, over finished requests."""
+    output_ratio: Ewma = field(default_factory=Ewma)
+    """Output tokens produced ÷ max_new_tokens, over completed requests."""
+    _cost: list[Ewma] = field(default_factory=list)
+    """Per priority: expected tokens of a request read from it."""
+    _prompt: Ewma = field(default_factory=Ewma)
+    _output: Ewma = field(default_factory=Ewma)
+    """Expected prompt and output tokens of any request read (for the saturated step size)."""
+
+    def __post_init__(self) -> None:
+        self._cost = [Ewma() for _ in range(self.num_priorities)]
+
+    # -- what requests cost ---------------------------------------------------------------------------
+    def expected_prompt(self, estimated_prompt_tokens: int) -> float:
+        return estimated_prompt_tokens * self.prompt_ratio.get(1.0)
+
+    def expected_output(self, max_new_tokens: int) -> float:
+        return max_new_tokens * self.output_ratio.get(1.0)
+
+    def expected_cost(self, estimated_prompt_tokens: int, max_new_tokens: int) -> float:
+        return self.expected_prompt(estimated_prompt_tokens) + self.expected_output(max_new_tokens)
+
+    def observe_read(self, priority: int, estimated_prompt_tokens: int, max_new_tokens: int) -> None:
+        """A request read from `priority`'s partitions: the unread records behind it are priced like it."""
+        prompt, output = self.expected_prompt(estimated_prompt_tokens), self.expected_output(max_new_tokens)
+        self._cost[priority].observe(prompt + output)
+        self._prompt.observe(prompt)
+        self._output.observe(output)
+
+    def mean_cost(self, priority: int) -> float | None:
+        """Expected tokens of an unread request of this priority (any priority's mean before one is read)."""
+        own = self._cost[priority].value
+        if own is not None:
+            return own
+        seen = [c.value for c in self._cost if c.value is not None]
+        return sum(seen) / len(seen) if seen else None
+
+    def observe_finished(self, estimated_prompt_tokens: int, max_new_tokens: int, prompt_tokens: int,
+                         output_tokens: int, completed: bool, now: float) -> None:
+        """A request the engine finished. `completed`: it ran to its end (not stopped by a deadline or error),
+        so its output length says how much of max_new_tokens requests use."""
+        if prompt_tokens > 0 and estimated_prompt_tokens > 0:
+            self.prompt_ratio.observe(prompt_tokens / estimated_prompt_tokens)
+        if completed and max_new_tokens > 0:
+            self.output_ratio.observe(min(1.0, output_tokens / max_new_tokens))
+        self.record_tokens(prompt_tokens + output_tokens, now)
+
+    def record_tokens(self, num_tokens: int, now: float) -> None:
+        if self.is_saturated():
+            self.rate.record(num_tokens, now)
+        else:
+            self.rate.skip(now)
+
+    # -- speed ----------------------------------------------------------------------------------------
+    def saturated_step_tokens(self) -> float:
+        prompt, output = self._prompt.get(0.0), self._output.get(0.0)
+        per_seat = (prompt + output) / (output + 1.0) if prompt + output > 0 else 1.0
+        return max(1.0, min(float(self.max_num_batched_tokens), self.max_num_seqs * per_seat))
+
+    def step_time_s(self, num_tokens: float, stats: EngineStats | None = None) -> float:
+        stats = stats or self.engine_stats()
+        return stats.step_time_base_s + stats.step_time_per_token_s * num_tokens
+
+    def capacity_tokens_per_s(self) -> float | None:
+        """Measured while saturated, else the step-time model's prior; None when neither exists yet."""
+        if self.rate.rate > 0.0:
+            return self.rate.rate
+        tokens = self.saturated_step_tokens()
+        step = self.step_time_s(tokens)
+        return tokens / step if step > 0.0 else None
+
+    def wait_s(self, tokens_ahead: float) -> float | None:
+        """Seconds until tokens_ahead tokens of work are served; None with no estimate (nothing measured)."""
+        if tokens_ahead <= 0:
+            return 0.0
+        capacity = self.capacity_tokens_per_s()
+        return None if capacity is None else tokens_ahead / capacity
+
+    def service_s(self, estimated_prompt_tokens: int, max_new_tokens: int, saturated: bool) -> float:
+        """From its first step to its last, with max_new_tokens output tokens (the longest it can run)."""
+        stats = self.engine_stats()
+        prompt = self.expected_prompt(estimated_prompt_tokens)
+        # A prompt longer than the token budget is prefilled in chunks, one step each.
+        prefill_steps = max(1, math.ceil(prompt / self.max_num_batched_tokens))
+        if saturated:
+            return (prefill_steps + max_new_tokens) * self.step_time_s(self.saturated_step_tokens(), stats)
+        running = stats.num_running
+        prefill = prefill_steps * self.step_time_s(running + min(prompt, self.max_num_batched_tokens), stats)
+        return prefill + max_new_tokens * self.step_time_s(running + 1, stats)
+
+    def engine_tokens_waiting(self) -> float:
+        """Tokens of the requests waiting inside the engine (handed over, not yet running)."""
+        stats = self.engine_stats()
+        mean = self._prompt.get(0.0) + self._output.get(0.0)
+        return stats.num_waiting * mean
