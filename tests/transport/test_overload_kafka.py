@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from producer_examples.client import BackoffPolicy, LLMClient
 from schemas.request import GenerationRequest
 from worker.engine.instant import InstantEngine
 from tests.transport.kafka_helpers import Collector, produce_requests, running_worker, worker_settings
@@ -52,6 +53,10 @@ async def test_urgent_requests_pass_a_cap_full_of_bulk_work_and_shedding_is_anno
             await produce_requests(kafka, urgent)
             await collector.wait_until(lambda r: all(q.id in r.finals for _, q in urgent), 20)
             urgent_s = time.monotonic() - sent
+            # A producer using our client reads that record and holds its priority-2 requests back.
+            async with LLMClient(kafka, backoff=BackoffPolicy(max_total_s=0.5, status_max_age_s=120)) as client:
+                congestion = client.congestion(2)
+                handle = await client.submit(GenerationRequest(id="held", prompt="later", max_new_tokens=1), 2)
             await collector.wait_until(lambda r: all(q.id in r.finals for _, q in bulk), 60)
         statuses = collector.results.statuses
     for _, q in urgent:
@@ -60,3 +65,6 @@ async def test_urgent_requests_pass_a_cap_full_of_bulk_work_and_shedding_is_anno
     assert urgent_s < 2.0, urgent_s
     # The periodic status goes out once a minute here: a record saying priority 2 is shed came on the change.
     assert any(p.shed for s in statuses for p in s.priorities if p.priority == 2)
+    # Shed, or paused once the shed backlog was answered and the rest still waits: either holds p2 back.
+    assert congestion is not None and ("sheds priority 2" in congestion or "paused partitions [4, 5]" in congestion)
+    assert 0.3 <= handle.backoff_s <= 1.0  # held back for its whole budget (the worker still shed p2), then sent
