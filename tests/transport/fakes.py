@@ -66,6 +66,9 @@ class FakeConsumer:
     async def position(self, tp: TopicPartition) -> int:
         return self.positions[tp]
 
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        self.positions[tp] = offset
+
     def pause(self, *partitions) -> None:
         self._paused.update(partitions)
 

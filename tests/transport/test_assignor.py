@@ -1,11 +1,25 @@
-"""The priority-aware assignor: every worker gets every priority where counts allow, totals balanced."""
+"""The priority-aware assignor: every worker gets every priority where counts allow, totals balanced, and a
+rebalance leaves partitions where they are whenever balance allows. Random join/leave sequences are in
+test_assignor_properties.py."""
+
+import asyncio
 
 import pytest
+from aiokafka import AIOKafkaConsumer
 from aiokafka.cluster import ClusterMetadata
-from aiokafka.coordinator.protocol import ConsumerProtocolMemberMetadata
+from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment, ConsumerProtocolMemberMetadata
+from aiokafka.protocol.metadata import MetadataResponse_v0
 
 from schemas.priority import priority_of_partition
-from worker.transport.assignor import PriorityRoundRobinAssignor, assign_by_priority
+from worker.transport.aiokafka_compat import group_generation
+from worker.transport.assignor import (
+    PriorityRoundRobinAssignor,
+    assign_by_priority,
+    assign_sticky,
+    decode_user_data,
+    encode_user_data,
+    resolve_owners,
+)
 
 
 def test_one_worker_gets_everything():
@@ -73,3 +87,188 @@ def test_a_grown_topic_keeps_the_configured_layout_and_deals_out_the_extra_parti
     result = PriorityRoundRobinAssignor(num_priorities=3, num_layout_partitions=6).assign(cluster, members)
     assert result["m-a"].assignment == [("requests", [0, 2, 4, 6, 8])]
     assert result["m-b"].assignment == [("requests", [1, 3, 5, 7])]
+
+
+# --- stickiness ----------------------------------------------------------------------------------------------
+
+def six_partitions() -> ClusterMetadata:
+    cluster = ClusterMetadata()
+    cluster.update_metadata(MetadataResponse_v0(
+        [(0, "localhost", 9092)], [(0, "requests", [(0, p, 0, [0], [0]) for p in range(6)])]))
+    return cluster
+
+
+def rebalance(assignors: dict[str, PriorityRoundRobinAssignor]) -> dict[str, list[int]]:
+    """One generation through the wire encoding: subscriptions in, the last member leads, assignments out."""
+    wire = {m: ConsumerProtocolMemberMetadata.decode(a.metadata(["requests"]).encode()) for m, a in assignors.items()}
+    result = list(assignors.values())[-1].assign(six_partitions(), wire)
+    out = {}
+    for member, assignor in assignors.items():
+        assignor.on_assignment(ConsumerProtocolMemberAssignment.decode(result[member].encode()))
+        out[member] = assignor.owned.get("requests", [])
+    return out
+
+
+def claim(generation: int, partitions: list[int]) -> ConsumerProtocolMemberMetadata:
+    return ConsumerProtocolMemberMetadata(0, ["requests"], encode_user_data(generation, {"requests": partitions}))
+
+
+def test_a_third_worker_takes_two_partitions_and_the_others_keep_the_rest():
+    """The issue's measurement: 2 workers, 3 priorities x 2 partitions, a third joins. The eager round-robin
+    moved 4 of 6 ({w1: 0,2,4; w2: 1,3,5} -> {w1: 0,3; w2: 1,4; w3: 2,5}); 2 is the least that balances.
+    Balanced here means: every worker owns 2 partitions, of 2 different priorities, and each priority's 2
+    partitions sit on 2 different workers (6 = 3 x 2 cannot give every worker every priority)."""
+    assignors = {m: PriorityRoundRobinAssignor(3) for m in ("w1", "w2")}
+    before = rebalance(assignors)
+    assert before == {"w1": [0, 2, 4], "w2": [1, 3, 5]}
+    assignors["w3"] = PriorityRoundRobinAssignor(3)
+    after = rebalance(assignors)
+    moved = [p for m in ("w1", "w2") for p in before[m] if p not in after[m]]
+    assert len(moved) == 2 and sorted(after["w3"]) == sorted(moved)
+    for partitions in after.values():
+        assert len(partitions) == 2
+        assert len({priority_of_partition(p, 6, 3) for p in partitions}) == 2
+    for priority in range(3):
+        owners = [m for m, ps in after.items() for p in ps if priority_of_partition(p, 6, 3) == priority]
+        assert len(owners) == len(set(owners)) == 2
+    assert rebalance(assignors) == after  # nothing changed: nothing moves
+
+
+def test_a_leaving_worker_hands_over_only_its_own_partitions():
+    assignors = {m: PriorityRoundRobinAssignor(3) for m in ("w1", "w2", "w3")}
+    before = rebalance(assignors)
+    del assignors["w2"]
+    after = rebalance(assignors)
+    for member in ("w1", "w3"):
+        assert set(before[member]) <= set(after[member])
+    assert sorted(after["w1"] + after["w3"]) == list(range(6))
+
+
+def test_a_stale_claim_loses_to_the_current_owner():
+    """b missed the rebalance in which a got partition 0; back, both claim it. One priority of six partitions,
+    so each member gets three: there is room for either to keep 0, and the higher generation does."""
+    def partitions(result, member):
+        return [tp.partition for tp in result[member].partitions()]
+
+    assignor = PriorityRoundRobinAssignor(num_priorities=1)
+    result = assignor.assign(six_partitions(), {"a": claim(2, [0, 1]), "b": claim(1, [0])})
+    assert partitions(result, "a") == [0, 1, 2] and partitions(result, "b") == [3, 4, 5]
+    result = assignor.assign(six_partitions(), {"a": claim(1, [0, 1]), "b": claim(2, [0])})
+    assert 0 in partitions(result, "b") and 0 not in partitions(result, "a")
+
+
+def test_claim_conflicts_resolve_by_generation_and_a_tie_owns_nothing():
+    assert resolve_owners({"a": (2, [0, 1]), "b": (1, [0, 2])}) == {0: "a", 1: "a", 2: "b"}
+    assert resolve_owners({"a": (2, [0, 1]), "b": (2, [0])}) == {1: "a"}
+    assert resolve_owners({"a": (3, [5, 5])}) == {5: "a"}
+
+
+def test_the_stamp_is_the_group_generation_when_the_assignor_is_told_it():
+    group_generation = 41
+    assignor = PriorityRoundRobinAssignor(3, group_generation=lambda: group_generation)
+    result = assignor.assign(six_partitions(), {"a": claim(7, [0, 1]), "b": claim(0, [])})
+    assert decode_user_data(result["a"].user_data).generation == 41
+    # Without it, one more than the highest claim: the assignor's own counter.
+    result = PriorityRoundRobinAssignor(3).assign(six_partitions(), {"a": claim(7, [0, 1]), "b": claim(0, [])})
+    assert decode_user_data(result["a"].user_data).generation == 8
+
+
+def test_a_member_reports_what_it_got_and_the_stamp_it_got_it_under():
+    assignor = PriorityRoundRobinAssignor(3)
+    assert decode_user_data(assignor.metadata(["requests"]).user_data).owned == {}
+    assignor.on_assignment(ConsumerProtocolMemberAssignment(0, [("requests", [4, 0])], encode_user_data(9)))
+    reported = decode_user_data(assignor.metadata(["requests"]).user_data)
+    assert (reported.generation, reported.owned) == (9, {"requests": [0, 4]})
+
+
+def test_mixed_versions_share_a_group():
+    """A worker on the previous version sends no user data (it owns nothing here) and stamps nothing when it
+    leads; the new workers keep their generation then, or take the group's when they can read it."""
+    members = {"new": claim(5, [0, 2, 4]), "old": ConsumerProtocolMemberMetadata(0, ["requests"], b"")}
+    result = PriorityRoundRobinAssignor(3).assign(six_partitions(), members)
+    assert [tp.partition for tp in result["new"].partitions()] == [0, 2, 4]
+    assert [tp.partition for tp in result["old"].partitions()] == [1, 3, 5]
+    new = PriorityRoundRobinAssignor(3)
+    new.on_assignment(ConsumerProtocolMemberAssignment(0, [("requests", [0])], encode_user_data(5)))
+    new.on_assignment(ConsumerProtocolMemberAssignment(0, [("requests", [0, 2])], b""))  # an old leader
+    assert (new.generation, new.owned) == (5, {"requests": [0, 2]})
+    told = PriorityRoundRobinAssignor(3, group_generation=lambda: 12)
+    told.on_assignment(ConsumerProtocolMemberAssignment(0, [("requests", [0, 2])], b""))
+    assert told.generation == 12
+
+
+@pytest.mark.parametrize("data", [b"", b"\x00\x01garbage", b"[]", b'{"v": 0}', b'{"v": 1, "generation": -1}',
+                                  b'{"v": 1, "owned": {"t": [-3]}}', "\u00e9".encode("latin-1")])
+def test_unreadable_user_data_owns_nothing(data):
+    assert decode_user_data(data) is None
+    member = ConsumerProtocolMemberMetadata(0, ["requests"], data)
+    result = PriorityRoundRobinAssignor(3).assign(six_partitions(), {"a": member, "b": claim(1, [1, 3, 5])})
+    assert [tp.partition for tp in result["b"].partitions()] == [1, 3, 5]
+
+
+def test_user_data_is_versioned_json_that_later_versions_may_extend():
+    assert encode_user_data(3, {"t": [2, 1, 2]}) == b'{"v":1,"generation":3,"owned":{"t":[1,2]},"since":{}}'
+    assert encode_user_data(3, {"t": [2, 1]}, {"t": {1: 2, 2: 3}}) == (
+        b'{"v":1,"generation":3,"owned":{"t":[1,2]},"since":{"t":[2,3]}}')
+    later = decode_user_data(b'{"v": 2, "generation": 4, "owned": {"t": [0]}, "rack": "a"}')
+    assert (later.generation, later.owned) == (4, {"t": [0]})
+
+
+@pytest.mark.kafka
+async def test_through_a_real_broker_a_joining_worker_takes_two_partitions(kafka_topics):
+    """aiokafka's own coordinator carries the claims and the stamps: the stamp is the group generation, and when
+    a third consumer joins two, only two partitions move."""
+    kafka = kafka_topics
+    consumers: list[AIOKafkaConsumer] = []
+    assignors: list[PriorityRoundRobinAssignor] = []
+
+    async def join() -> None:
+        assignor = PriorityRoundRobinAssignor(kafka.num_priorities, kafka.num_request_partitions)
+        consumer = AIOKafkaConsumer(**kafka.client_kwargs(), group_id=kafka.group_id, enable_auto_commit=False,
+                                    partition_assignment_strategy=(assignor,), heartbeat_interval_ms=500)
+        assignor.group_generation = lambda: group_generation(consumer)
+        await consumer.start()
+        consumer.subscribe([kafka.request_topic])
+        consumers.append(consumer)
+        assignors.append(assignor)
+
+    async def settled() -> list[tuple[int, list[int]]]:
+        for _ in range(100):
+            await asyncio.gather(*(c.getmany(timeout_ms=100) for c in consumers))
+            state = [(group_generation(c), sorted(tp.partition for tp in c.assignment())) for c in consumers]
+            if len({g for g, _ in state}) == 1 and sum(len(ps) for _, ps in state) == 6:
+                return state
+        raise AssertionError(f"the group did not settle: {state}")
+
+    try:
+        await join()
+        await settled()
+        await join()
+        before = await settled()
+        await join()
+        after = await settled()
+        assert [len(ps) for _, ps in after] == [2, 2, 2]
+        assert sum(len(set(b) - set(a)) for (_, b), (_, a) in zip(before, after)) == 2
+        assert [a.generation for a in assignors] == [g for g, _ in after]  # the stamp is the group's generation
+    finally:
+        for consumer in consumers:
+            await consumer.stop()
+
+
+def test_a_member_over_its_quota_keeps_what_it_has_held_longest():
+    classes = [[0, 1, 2, 3]]
+    # "b" got 0 long ago (generation 2) and 1, 2 recently (generation 9, when "c" left); "c" is back.
+    owners = {0: "b", 1: "b", 2: "b", 3: "a"}
+    out = assign_sticky(classes, ["a", "b", "c"], owners, since={0: 2, 1: 9, 2: 9, 3: 2})
+    assert 0 in out["b"] and out["a"] == [3] and len(out["c"]) >= 1
+    assert set(out["c"]) <= {1, 2}  # the newcomer gets the partitions "b" took over last
+
+
+def test_members_report_when_they_got_each_partition():
+    assignor = PriorityRoundRobinAssignor(1, 4)
+    assignor.on_assignment(ConsumerProtocolMemberAssignment(0, [("t", [0, 1])], encode_user_data(5)))
+    assignor.on_assignment(ConsumerProtocolMemberAssignment(0, [("t", [1, 2])], encode_user_data(6)))
+    reported = decode_user_data(assignor.metadata(["t"]).user_data)
+    assert reported.owned == {"t": [1, 2]} and reported.since_of("t") == {1: 5, 2: 6}
+    old_format = decode_user_data(b'{"v": 1, "generation": 4, "owned": {"t": [3]}}')
+    assert old_format.since_of("t") == {3: 4}

@@ -195,13 +195,29 @@ async def test_the_end_of_input_follows_lag_and_the_local_queue():
     assert w.engine.input_ended == [True, False, True]
 
 
-async def test_revoked_partitions_lose_their_queued_requests_and_records_of_an_old_generation_are_skipped():
+async def test_a_rebalance_keeps_what_stays_and_forgets_what_moved():
     w = build()
     tp_a, _ = send(w, 1, "a")
     tp_b, _ = send(w, 2, "b")
     await w.intake.fetch_once()
-    w.intake.on_revoked({tp_a})
-    assert [q.request.id for q in w.queue] == ["b"] and tp_a not in w.intake.assigned
+    everything = set(w.intake.assigned)
+    w.intake.on_revoked(everything)  # eager: every partition, at the start of the rebalance
+    assert list(w.queue) == [] and w.intake.assigned == set()
+    w.consumer.seek(tp_b, 0)  # what aiokafka does at the assignment: back to the committed offset
+    w.intake.on_assigned(everything - {tp_a}, group_generation=8)
+    # tp_b stayed: its request waits again, under its first attempt, and reading resumes after it (no refetch).
+    assert [(q.request.id, q.attempt) for q in w.queue] == [("b", 7)]
+    assert w.consumer.positions[tp_b] == 1 and w.tracker.next_offset(tp_b) == 1
+    await w.intake.fetch_once()
+    assert [q.request.id for q in w.queue] == ["b"]
+    # tp_a moved: its request and its watermark are gone; the new owner serves it again.
+    assert tp_a not in w.intake.assigned and w.tracker.next_offset(tp_a) is None
+
+
+async def test_records_of_an_old_generation_are_skipped():
+    w = build()
+    tp_b, _ = send(w, 2, "b")
+    await w.intake.fetch_once()
     # A rebalance while one poll asks priority after priority: records the poll got before it (priority 1,
     # generation 7) are not handled; those returned by the call that saw it belong to the new generation.
     tp_c1, _ = send(w, 1, "c1")

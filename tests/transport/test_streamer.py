@@ -106,3 +106,33 @@ async def test_a_poison_request_is_dead_lettered_with_an_error_final():
     assert b'"id":"poison"' in dead.value  # the request, re-encoded, for an operator to inspect or replay
     publisher.ack_all()
     assert tracker.num_pending() == 0 and len(streamer) == 0
+
+
+def queued_on(request_id: str, partition: int, offset: int) -> QueuedRequest:
+    q = queued(request_id, offset)
+    q.partition = TopicPartition(TOPIC, partition)
+    q.engine_id = f"{request_id}#3@{partition}:{offset}"
+    return q
+
+
+async def test_held_during_a_rebalance_then_released_or_closed():
+    publisher, tracker = FakePublisher(), OffsetTracker()
+    streamer = make_streamer(publisher, tracker)
+    stays, moves = queued_on("stays", 0, 0), queued_on("moves", 1, 0)
+    for q in (stays, moves):
+        tracker.track(q.partition, q.offset)
+        streamer.open(q)
+    await streamer.handle([output(stays, 1), output(moves, 1)])
+    streamer.hold({stays.partition, moves.partition})  # revoked: fate unknown until the assignment
+    await streamer.handle([output(stays, 2), output(moves, 2, True, "length")])
+    await streamer.handle([output(stays, 3, True, "stop")])
+    assert [(c.id, c.seq) for c in publisher.chunks()] == [("stays", 0), ("moves", 0)]
+    assert publisher.finals() == {} and len(streamer) == 2  # both finals wait; shutdown would wait for them
+    # The assignment: partition 1 went to another worker, partition 0 stayed.
+    assert streamer.close_where(lambda q: q.partition == moves.partition) == []  # its final was already held
+    streamer.release({stays.partition})
+    chunks = [(c.id, c.seq, c.token_ids) for c in publisher.chunks()]
+    assert chunks == [("stays", 0, [1]), ("moves", 0, [1]), ("stays", 1, [2, 3])]  # no gap, same attempt
+    finals = publisher.finals()
+    assert set(finals) == {"stays"} and finals["stays"].text == "<1><2><3>" and finals["stays"].attempt == 3
+    assert len(streamer) == 0 and streamer.held_partitions == set()

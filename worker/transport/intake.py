@@ -94,6 +94,10 @@ class Intake:
         self.load: LoadDecision | None = None
         """The last load decision applied: which priorities are shed, and why."""
         self.fetching_stopped = False
+        self._suspended: set[TopicPartition] = set()
+        """Revoked in the rebalance under way; kept or given up at its assignment."""
+        self._held: list[QueuedRequest] = []
+        """The suspended partitions' waiting requests, in queue order."""
 
     # -- partitions ----------------------------------------------------------------------------------------
     def priority_of(self, tp: TopicPartition) -> int:
@@ -108,7 +112,18 @@ class Intake:
             paused[self.priority_of(tp)].append(tp.partition)
         return paused
 
-    def on_assigned(self, assigned: set[TopicPartition], group_generation: int) -> None:
+    def on_assigned(self, assigned: set[TopicPartition], group_generation: int) -> set[TopicPartition]:
+        """The group's new assignment. Suspended partitions (revoked at the start of this rebalance) that came
+        back are kept as they were: their waiting requests return to the queue, their watermarks stay, and
+        reading resumes after the last record this worker consumed (not from the committed offset, which
+        would fetch in-flight requests a second time). Returns the suspended partitions that went elsewhere:
+        the caller aborts their requests in the engine."""
+        kept, moved = self._suspended & assigned, self._suspended - assigned
+        self._suspended = set()
+        for tp in moved:
+            self.tracker.revoke(tp)
+        self.queue.restore([q for q in self._held if q.partition in kept])
+        self._held = []
         self.outside_layout = {tp for tp in assigned if not 0 <= tp.partition < self.num_partitions}
         assigned = assigned - self.outside_layout
         if self.outside_layout:
@@ -122,14 +137,21 @@ class Intake:
         self.paused &= assigned
         self.group_generation = group_generation
         for tp in assigned:
-            self.tracker.revoke(tp)  # start clean: watermark state is created at the first record fetched
-        log.info("assigned %s (generation %d)", sorted(tp.partition for tp in assigned), group_generation)
+            position = self.tracker.next_offset(tp) if tp in kept else None
+            if position is None:
+                self.tracker.revoke(tp)  # start clean: watermark state is created at the first record fetched
+            else:
+                self.consumer.seek(tp, position)
+        log.info("assigned %s (generation %d); kept %s, moved away %s", sorted(tp.partition for tp in assigned),
+                 group_generation, sorted(tp.partition for tp in kept), sorted(tp.partition for tp in moved))
+        return moved
 
     def on_revoked(self, revoked: set[TopicPartition]) -> None:
-        """Forget the revoked partitions' queued requests and watermarks (commit them first)."""
-        self.queue.drop_partitions(revoked)
-        for tp in revoked:
-            self.tracker.revoke(tp)
+        """Revoked at the start of a rebalance (commit them first): stop reading them and set their waiting
+        requests aside, but forget nothing yet; the assignment that ends the rebalance (on_assigned) says
+        which of them stay with this worker."""
+        self._suspended |= revoked & self.assigned
+        self._held += self.queue.take_partitions(revoked)
         self.assigned -= revoked
         self.outside_layout -= revoked
         self.paused -= revoked

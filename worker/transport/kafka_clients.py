@@ -8,22 +8,27 @@ from collections.abc import Awaitable, Callable
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 
 from worker.config import KafkaSettings, WorkerSettings
+from worker.transport.aiokafka_compat import group_generation
 from worker.transport.assignor import PriorityRoundRobinAssignor
 
 
 def make_consumer(kafka: KafkaSettings, settings: WorkerSettings) -> AIOKafkaConsumer:
-    return AIOKafkaConsumer(
+    assignor = PriorityRoundRobinAssignor(kafka.num_priorities, kafka.num_request_partitions)
+    consumer = AIOKafkaConsumer(
         **kafka.client_kwargs(),
         group_id=kafka.group_id,
         client_id=settings.worker_id,
         enable_auto_commit=False,
         auto_offset_reset="earliest",
-        partition_assignment_strategy=(
-            PriorityRoundRobinAssignor(kafka.num_priorities, kafka.num_request_partitions),),
+        partition_assignment_strategy=(assignor,),
         max_poll_records=settings.max_poll_records,
         session_timeout_ms=int(settings.session_timeout_s * 1000),
         heartbeat_interval_ms=max(100, int(settings.session_timeout_s * 1000) // 4),
     )
+    # The leader stamps each assignment with the group generation (assignor.py "Generations"), read inside a
+    # join, when the coordinator holds the generation being formed.
+    assignor.group_generation = lambda: group_generation(consumer)
+    return consumer
 
 
 class RebalanceListener(ConsumerRebalanceListener):

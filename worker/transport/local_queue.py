@@ -99,17 +99,25 @@ class LocalQueue:
         self._note_space()
         return taken
 
-    def drop_partitions(self, partitions: set) -> int:
-        """Forget the requests of partitions this worker no longer owns; returns how many."""
-        num_dropped = 0
+    def take_partitions(self, partitions: set) -> list[QueuedRequest]:
+        """Remove and return the requests of these partitions, in queue order per priority."""
+        taken: list[QueuedRequest] = []
         for priority, queue in enumerate(self._by_priority):
             kept = [q for q in queue if q.partition not in partitions]
-            num_dropped += len(queue) - len(kept)
+            taken += [q for q in queue if q.partition in partitions]
             queue.clear()
             queue.extend(kept)
             self._tokens[priority] = sum(q.expected_tokens for q in kept)
         self._note_space()
-        return num_dropped
+        return taken
+
+    def restore(self, requests: list[QueuedRequest]) -> None:
+        """Put requests taken by take_partitions back at the front of their queues, in their order."""
+        for queued in reversed(requests):
+            self._by_priority[queued.priority].appendleft(queued)
+            self._tokens[queued.priority] += queued.expected_tokens
+        if len(self) >= self.max_waiting:
+            self.space.clear()
 
     def __iter__(self) -> Iterator[QueuedRequest]:
         for queue in self._by_priority:

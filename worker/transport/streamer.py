@@ -3,9 +3,13 @@ then exactly one final record per request and attempt, whose acknowledgement mar
 offset done.
 
 Holds one `RequestStream` per request in the engine, the one place that knows which engine request belongs to
-which Kafka record. Closing a stream early (revocation, shutdown past the drain timeout) silences it: later
-outputs for that engine id are dropped, so nothing more is published for a partition this worker no longer
-owns. A request the engine replays from its first token (the engine failed on a step it was in, see
+which Kafka record. Closing a stream early (its partition moved to another worker, shutdown past the drain
+timeout) silences it: later outputs for that engine id are dropped, so nothing more is published for a
+partition this worker no longer owns. During a rebalance the revoked partitions' streams are held (`hold`):
+their requests keep running, their tokens gather unsent and their final records wait, until the assignment
+says whether each partition stays (`release`: everything gathered goes out, with no gap in the chunk
+sequence) or moves (`close_where`: nothing of it is published; the new owner serves it under a higher
+attempt). A request the engine replays from its first token (the engine failed on a step it was in, see
 engine_thread.py) continues its stream without repeating what was sent; a poison request goes to Answers.
 """
 
@@ -109,11 +113,14 @@ class Streamer:
         self.streams: dict[str, RequestStream] = {}
         """By engine request id: every request handed to the engine and not yet finished."""
         self.num_open_by_priority = [0] * num_priorities
+        self.held_partitions: set = set()
+        """Revoked in the rebalance under way: nothing of theirs is published until released or closed."""
+        self._held_finals: list[tuple[RequestStream, RequestOutput]] = []
         self.num_completed = 0
         self.num_output_tokens = 0
 
     def __len__(self) -> int:
-        return len(self.streams)
+        return len(self.streams) + len(self._held_finals)
 
     def open(self, queued: QueuedRequest) -> None:
         self.streams[queued.engine_id] = RequestStream(queued)
@@ -124,7 +131,24 @@ class Streamer:
         ids = [eid for eid, stream in self.streams.items() if predicate(stream.queued)]
         for eid in ids:
             self.num_open_by_priority[self.streams.pop(eid).queued.priority] -= 1
+        self._held_finals = [(stream, out) for stream, out in self._held_finals if not predicate(stream.queued)]
         return ids
+
+    def hold(self, partitions: set) -> None:
+        self.held_partitions |= partitions
+
+    def release(self, partitions: set) -> None:
+        """The assignment settles every held partition: these stay with this worker, so what their requests
+        gathered meanwhile is published; the others were closed (close_where) before."""
+        self.held_partitions = set()
+        now = time.monotonic()
+        for stream in self.streams.values():
+            if stream.queued.partition in partitions and stream.queued.request.stream:
+                self._send_chunk(stream, now)
+        finals = [(s, o) for s, o in self._held_finals if s.queued.partition in partitions]
+        self._held_finals = [(s, o) for s, o in self._held_finals if s.queued.partition not in partitions]
+        for stream, out in finals:
+            self._finish(stream, out, now)
 
     async def handle(self, outputs: list[RequestOutput]) -> None:
         touched: dict[str, RequestStream] = {}
@@ -144,15 +168,21 @@ class Streamer:
             else:
                 touched[out.request_id] = stream
         now = time.monotonic()
+        held = self.held_partitions
         for stream in touched.values():
+            if held and stream.queued.partition in held:
+                continue
             if stream.queued.request.stream and now - stream.last_flush >= self.chunk_interval_s:
                 self._send_chunk(stream, now)
         for stream, out in finals:
-            self._finish(stream, out, now)
             queued = stream.queued
             self.service.observe_finished(queued.num_prompt_tokens, queued.request.max_new_tokens,
                                           out.num_prompt_tokens, len(stream.token_ids),
                                           out.finish_reason in ("stop", "length"), now)
+            if held and queued.partition in held:
+                self._held_finals.append((stream, out))
+            else:
+                self._finish(stream, out, now)
         await self.publisher.wait_room()
 
     def _send_chunk(self, stream: RequestStream, now: float) -> None:

@@ -14,9 +14,13 @@ drain_timeout_s, abort the rest (their offsets stay uncommitted, so they are red
 record's acknowledgement, commit, leave the group, exit 0. A broker that cannot be reached is retried with
 backoff, at start and while running; nothing is dropped meanwhile.
 
-Rebalance. On revocation the revoked partitions' safe offsets are committed, their requests are aborted in
-the engine and dropped from the local queue, and nothing more is published for them; the new owner serves
-them again under a higher attempt.
+Rebalance (aiokafka's protocol is eager: every member gives up every partition at each rebalance). On
+revocation the revoked partitions' safe offsets are committed, their waiting requests are set aside and their
+streams held: the engine keeps running them, but nothing of theirs is published. The assignment that ends
+the rebalance decides: a partition that stays with this worker (the sticky assignor keeps as many as the
+balance allows) resumes where it was, its requests streaming on under the same attempt with no gap; one that
+moved has its requests aborted and nothing more published, and the new owner serves them again under a
+higher attempt. README "Delivery semantics" argues why no two workers publish under the same attempt.
 """
 
 from __future__ import annotations
@@ -110,13 +114,21 @@ class Worker:
         if not self.started.is_set():
             return  # the first join of a starting worker: nothing is owned yet
         await self.intake.commit(revoked)
-        ids = self.streamer.close_where(lambda queued: queued.partition in revoked)
-        self.engine_thread.abort(ids)
+        self.streamer.hold(revoked)
         self.intake.on_revoked(revoked)
-        log.info("revoked %s; aborted %d in-flight requests", sorted(tp.partition for tp in revoked), len(ids))
+        log.info("revoked %s; their requests keep running, unpublished, until the assignment",
+                 sorted(tp.partition for tp in revoked))
 
     def _on_assigned(self, assigned: set[TopicPartition]) -> None:
+        held = set(self.streamer.held_partitions)
         self.intake.on_assigned(assigned, group_generation(self.consumer))
+        gone = held - assigned
+        ids = self.streamer.close_where(lambda queued: queued.partition in gone)
+        self.engine_thread.abort(ids)
+        self.streamer.release(held & assigned)
+        if held:
+            log.info("rebalance: kept %d partitions, gave up %d; aborted %d requests of those given up",
+                     len(held & assigned), len(held - assigned), len(ids))
 
     async def _connect(self) -> bool:
         """Create the clients and the parts, subscribe, start; retried with backoff until Kafka answers."""
