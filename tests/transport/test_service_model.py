@@ -65,13 +65,17 @@ def test_unread_records_are_priced_like_their_priority():
     assert model.mean_cost(2) == 200 and model.mean_cost(0) == 20
 
 
-def test_service_time_saturated_and_not():
+def test_service_time_at_the_batch_it_will_share():
     stats = EngineStats(num_running=3, num_waiting=2, step_time_base_s=0.05, step_time_per_token_s=0.001)
     model = make(stats)
     model.observe_read(0, 56, 8)
+    assert model.num_sharing(4) == 9
+    # Alone: one prefill step of 56 tokens and 8 decode steps of one, exactly, under the linear model.
+    assert model.service_s(56, 8, num_sharing=0) == pytest.approx(0.05 + 0.056 + 8 * (0.05 + 0.001))
+    # Beside 9 others: 10 seats, 64 / 9 tokens each a step.
+    assert model.service_s(56, 8, num_sharing=9) == pytest.approx(9 * (0.05 + 0.001 * 10 * 64 / 9))
+    # A full batch: the saturated step (455 tokens), however many more wait.
     t = model.saturated_step_tokens()
-    assert model.service_s(56, 8, saturated=True) == pytest.approx(9 * (0.05 + 0.001 * t))
-    # Not saturated: one prefill step beside the 3 running, then 8 decode steps of 4 tokens.
-    assert model.service_s(56, 8, saturated=False) == pytest.approx(0.05 + 0.001 * 59 + 8 * (0.05 + 0.001 * 4))
-    assert model.service_s(1200, 8, saturated=False) == pytest.approx(3 * (0.05 + 0.001 * 515) + 8 * 0.054)
+    assert model.service_s(56, 8, num_sharing=500) == pytest.approx(9 * (0.05 + 0.001 * t))
+    assert model.service_s(1200, 8, num_sharing=500) == pytest.approx(11 * (0.05 + 0.001 * t))  # 3 prefill chunks
     assert model.engine_tokens_waiting() == pytest.approx(2 * 64)

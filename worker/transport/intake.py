@@ -315,10 +315,10 @@ class Intake:
         it if the prediction, with its margin, is past the deadline."""
         tokens = self.queue.tokens_by_priority()
         ahead = sum(tokens[:queued.priority + 1]) + self.service.engine_tokens_waiting()
-        stats = self.engine_stats()
-        saturated = ahead > 0 or stats.num_waiting > 0 or stats.num_running >= self.service.max_num_seqs
+        num_ahead = sum(self.queue.num_waiting(q) for q in range(queued.priority + 1))
         wait = self.service.wait_s(ahead)
-        service = self.service.service_s(queued.num_prompt_tokens, queued.request.max_new_tokens, saturated)
+        service = self.service.service_s(queued.num_prompt_tokens, queued.request.max_new_tokens,
+                                         self.service.num_sharing(num_ahead))
         now_ms = time.time() * 1000.0
         queued.predicted_queue_ms = max(0.0, now_ms - queued.timestamp_ms) + (wait or 0.0) * 1000.0
         queued.predicted_e2e_ms = queued.predicted_queue_ms + service * 1000.0

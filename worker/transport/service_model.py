@@ -19,8 +19,13 @@ Capacity, in tokens per second when the engine is saturated:
   holds max_num_seqs seats, so a step carries T = min(max_num_batched_tokens, max_num_seqs × (P + O) / (O + 1))
   tokens and capacity = T / step_time(T).
 
-A new request's queue wait = the tokens ahead of it / capacity; its service = O + 1 steps of step_time(T)
-when the engine is saturated, else one prefill step beside today's batch and O decode steps.
+A new request's queue wait = the tokens ahead of it / capacity. Its service = its prefill step(s) + O decode
+steps, each at the step time of the batch it will share: n requests (those running, waiting in the engine and
+ahead of it locally, and itself, at most max_num_seqs) carry T(n) = min(max_num_batched_tokens,
+n × (P + O) / (O + 1)) tokens a step. For n = 1 this is exact under the linear step-time model (one prefill
+step of P tokens and O decode steps of one cost (O + 1) × base + (P + O) × per_token); for n = max_num_seqs it
+is the saturated step above. Counting the requests ahead, not only those running, matters on a CPU, where a
+step's time grows with its tokens: a burst admitted into an idle engine soon shares full steps.
 """
 
 from __future__ import annotations
@@ -111,10 +116,15 @@ class ServiceModel:
             self.rate.skip(now)
 
     # -- speed ----------------------------------------------------------------------------------------
-    def saturated_step_tokens(self) -> float:
+    def step_tokens(self, num_requests: float) -> float:
+        """Tokens a step carries with num_requests requests sharing the batch (capped at max_num_seqs)."""
         prompt, output = self._prompt.get(0.0), self._output.get(0.0)
         per_seat = (prompt + output) / (output + 1.0) if prompt + output > 0 else 1.0
-        return max(1.0, min(float(self.max_num_batched_tokens), self.max_num_seqs * per_seat))
+        seats = max(1.0, min(float(self.max_num_seqs), num_requests))
+        return max(1.0, min(float(self.max_num_batched_tokens), seats * per_seat))
+
+    def saturated_step_tokens(self) -> float:
+        return self.step_tokens(self.max_num_seqs)
 
     def step_time_s(self, num_tokens: float, stats: EngineStats | None = None) -> float:
         stats = stats or self.engine_stats()
@@ -135,17 +145,18 @@ class ServiceModel:
         capacity = self.capacity_tokens_per_s()
         return None if capacity is None else tokens_ahead / capacity
 
-    def service_s(self, estimated_prompt_tokens: int, max_new_tokens: int, saturated: bool) -> float:
-        """From its first step to its last, with max_new_tokens output tokens (the longest it can run)."""
-        stats = self.engine_stats()
+    def service_s(self, estimated_prompt_tokens: int, max_new_tokens: int, num_sharing: int) -> float:
+        """From its first step to its last, with max_new_tokens output tokens (the longest it can run), beside
+        num_sharing other requests (running, waiting in the engine, ahead of it locally)."""
         prompt = self.expected_prompt(estimated_prompt_tokens)
         # A prompt longer than the token budget is prefilled in chunks, one step each.
         prefill_steps = max(1, math.ceil(prompt / self.max_num_batched_tokens))
-        if saturated:
-            return (prefill_steps + max_new_tokens) * self.step_time_s(self.saturated_step_tokens(), stats)
-        running = stats.num_running
-        prefill = prefill_steps * self.step_time_s(running + min(prompt, self.max_num_batched_tokens), stats)
-        return prefill + max_new_tokens * self.step_time_s(running + 1, stats)
+        return (prefill_steps + max_new_tokens) * self.step_time_s(self.step_tokens(num_sharing + 1))
+
+    def num_sharing(self, num_ahead_locally: int = 0) -> int:
+        """Requests a new one would share steps with: running, waiting in the engine, ahead of it locally."""
+        stats = self.engine_stats()
+        return stats.num_running + stats.num_waiting + num_ahead_locally
 
     def engine_tokens_waiting(self) -> float:
         """Tokens of the requests waiting inside the engine (handed over, not yet running)."""
