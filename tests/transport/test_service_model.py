@@ -78,4 +78,17 @@ def test_service_time_at_the_batch_it_will_share():
     t = model.saturated_step_tokens()
     assert model.service_s(56, 8, num_sharing=500) == pytest.approx(9 * (0.05 + 0.001 * t))
     assert model.service_s(1200, 8, num_sharing=500) == pytest.approx(11 * (0.05 + 0.001 * t))  # 3 prefill chunks
-    assert model.engine_tokens_waiting() == pytest.approx(2 * 64)
+    assert model.engine_tokens_ahead(2) == pytest.approx(2 * 64)  # no per-priority counts: all count
+
+
+def test_only_more_urgent_engine_work_is_ahead():
+    open_now = [10, 30, 60]  # 100 requests in an engine of 64 seats
+    model = ServiceModel(3, max_num_seqs=64, max_num_batched_tokens=512, engine_stats=lambda: STEP,
+                         open_by_priority=lambda: open_now)
+    for p in range(3):
+        model.observe_read(p, 90, 10)
+    assert model.engine_waiting_by_priority() == [0, 0, 36]  # p0 and p1 fit the seats; 36 of p2 wait
+    assert model.engine_tokens_ahead(0) == 0 and model.engine_tokens_ahead(1) == 0
+    assert model.engine_tokens_ahead(2) == pytest.approx(36 * 100)
+    open_now[:] = [70, 0, 5]
+    assert model.engine_waiting_by_priority() == [6, 0, 5]

@@ -314,7 +314,7 @@ class Intake:
         """Predict its queue wait and completion (kept on the request, reported in its final record) and refuse
         it if the prediction, with its margin, is past the deadline."""
         tokens = self.queue.tokens_by_priority()
-        ahead = sum(tokens[:queued.priority + 1]) + self.service.engine_tokens_waiting()
+        ahead = sum(tokens[:queued.priority + 1]) + self.service.engine_tokens_ahead(queued.priority)
         num_ahead = sum(self.queue.num_waiting(q) for q in range(queued.priority + 1))
         wait = self.service.wait_s(ahead)
         service = self.service.service_s(queued.num_prompt_tokens, queued.request.max_new_tokens,

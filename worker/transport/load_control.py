@@ -61,8 +61,8 @@ class LoadControl:
         backlog = [n + waiting for n, waiting in zip(unread, waiting_by_priority)]
         costs = [self.service.mean_cost(p) or 0.0 for p in range(len(lag_by_priority))]
         local = waiting_tokens or [n * cost for n, cost in zip(waiting_by_priority, costs)]
-        tokens = [n * cost + t for n, cost, t in zip(unread, costs, local)]
-        tokens[0] += self.service.engine_tokens_waiting()  # ahead of every priority, roughly
+        engine = self.service.engine_waiting_by_priority()
+        tokens = [(n + e) * cost + t for n, e, cost, t in zip(unread, engine, costs, local)]
         shed = self.shedder.decide(backlog, tokens, self.service.capacity_tokens_per_s())
         newly_shed = shed.shed_priorities - self._shed_before
         self._shed_before = shed.shed_priorities

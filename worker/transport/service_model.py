@@ -59,6 +59,8 @@ class ServiceModel:
     max_num_batched_tokens: int
     engine_stats: Callable[[], EngineStats]
     is_saturated: Callable[[], bool] = lambda: False
+    open_by_priority: Callable[[], list[int]] | None = None
+    """Requests handed to the engine and not finished, per priority (the streamer's count)."""
     rate: CompletionRate = field(default_factory=lambda: CompletionRate(half_life_s=5.0))
     """Tokens of finished requests per second, over saturated intervals only."""
     prompt_ratio: Ewma = field(default_factory=Ewma)
@@ -158,8 +160,22 @@ class ServiceModel:
         stats = self.engine_stats()
         return stats.num_running + stats.num_waiting + num_ahead_locally
 
-    def engine_tokens_waiting(self) -> float:
-        """Tokens of the requests waiting inside the engine (handed over, not yet running)."""
-        stats = self.engine_stats()
-        mean = self._prompt.get(0.0) + self._output.get(0.0)
-        return stats.num_waiting * mean
+    def engine_waiting_by_priority(self) -> list[float]:
+        """Per priority, how many of its requests in the engine wait for a seat. The engine seats the most
+        urgent first and preempts less urgent ones for them, so priority p's requests wait only for the seats
+        that requests of priority <= p fill: max(0, open(<= p) - max_num_seqs), less the same for p - 1.
+        Without per-priority counts, the engine's whole waiting queue counts at priority 0."""
+        if self.open_by_priority is None:
+            return [float(self.engine_stats().num_waiting)] + [0.0] * (self.num_priorities - 1)
+        out, before, cumulative = [], 0.0, 0
+        for n in self.open_by_priority():
+            cumulative += n
+            waiting = max(0.0, float(cumulative - self.max_num_seqs))
+            out.append(waiting - before)
+            before = waiting
+        return out
+
+    def engine_tokens_ahead(self, priority: int) -> float:
+        """Tokens of the requests in the engine that a new request of `priority` would wait behind."""
+        waiting = self.engine_waiting_by_priority()
+        return sum(n * (self.mean_cost(p) or 0.0) for p, n in enumerate(waiting[:priority + 1]))

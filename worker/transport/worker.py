@@ -86,7 +86,8 @@ class Worker:
         self.engine_thread = EngineThread(self.engine, asyncio.get_running_loop(), self.outputs)
         self.queue = LocalQueue(kafka.num_priorities, settings.max_waiting)
         self.service = ServiceModel(kafka.num_priorities, self.max_num_seqs, self.max_num_batched_tokens,
-                                    lambda: self.engine_thread.stats, self._engine_saturated)
+                                    lambda: self.engine_thread.stats, self._engine_saturated,
+                                    lambda: self.streamer.num_open_by_priority)
         self.answers = Answers(publisher, self.tracker, self.metrics, settings.worker_id, kafka.result_topic,
                                kafka.dead_letter_topic)
         admission = Admission(kafka.result_topic, frozenset(kafka.allowed_reply_topics), list(settings.itl_target_ms),
