@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALL_STAMP := $(VENV)/.install-stamp
 
-.PHONY: setup jars model test test-fast broker-start broker-stop broker-status bench demo
+.PHONY: setup jars model test test-fast broker-start broker-stop broker-status bench bench-overload demo
 
 setup: $(INSTALL_STAMP) jars model
 
@@ -48,6 +48,12 @@ broker-status: $(INSTALL_STAMP)
 # took 111 min); writes benchmarks/results/<date>/. BENCH_ARGS passes options, e.g. make bench BENCH_ARGS=--quick.
 bench: setup
 	$(BIN)/python -m benchmarks.report $(BENCH_ARGS)
+
+# Overload benchmark (issue #14): capacity, then Poisson load at 2x and 5x of it with a priority mix and deadlines,
+# one fresh worker per phase (4-6 min on a 2-core CPU); writes benchmarks/results/<date>-overload-control/ and
+# fails when a floor does. make bench-overload BENCH_ARGS=--quick is a smoke run (2-3 min).
+bench-overload: setup
+	$(BIN)/python -m benchmarks.bench_overload $(BENCH_ARGS)
 
 # A broker, the topics, the model and a worker from nothing; streams answers, then overloads the worker.
 # Stops all it started at the end or on Ctrl-C. A few minutes on a 2-core CPU.

@@ -50,6 +50,7 @@ from schemas.decode import decode_result, decode_status, encode
 from schemas.priority import partition_for
 from schemas.request import GenerationRequest, SamplingSpec
 from schemas.result import FinalRecord, StreamChunk
+from schemas.status import WorkerStatus
 from worker.broker.topics import ensure_topics
 from worker.config import KafkaSettings
 from worker.model.runner import ModelRunner
@@ -119,20 +120,29 @@ def compare(inproc: list[dict], kafka: list[dict]) -> dict:
 # ---- Kafka path -----------------------------------------------------------------------------------------
 
 
-def worker_env(kafka, model: str, max_model_len: int, threads: int) -> dict[str, str]:
-    s = engine_settings("continuous", max_model_len)
+def kafka_env(kafka, threads: int) -> dict[str, str]:
+    """This process's environment plus the run's broker, topics and group, and the torch thread count (torch
+    reads OMP_NUM_THREADS / MKL_NUM_THREADS at start-up); no metrics endpoint (port 9400 may be taken)."""
     env = dict(os.environ)
     env.update({
         "KAFKA_BOOTSTRAP_SERVERS": kafka.bootstrap_servers, "KAFKA_REQUEST_TOPIC": kafka.request_topic,
         "KAFKA_RESULT_TOPIC": kafka.result_topic, "KAFKA_DEAD_LETTER_TOPIC": kafka.dead_letter_topic,
         "KAFKA_STATUS_TOPIC": kafka.status_topic, "KAFKA_GROUP_ID": kafka.group_id,
+        "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "WORKER_METRICS_PORT": "0",
+    })
+    return env
+
+
+def worker_env(kafka, model: str, max_model_len: int, threads: int) -> dict[str, str]:
+    s = engine_settings("continuous", max_model_len)
+    env = kafka_env(kafka, threads)
+    env.update({
         "ENGINE_MODEL": model, "ENGINE_POLICY": "continuous", "ENGINE_DEVICE": s.device, "ENGINE_DTYPE": s.dtype,
         "ENGINE_MAX_NUM_SEQS": str(s.max_num_seqs), "ENGINE_MAX_NUM_BATCHED_TOKENS": str(s.max_num_batched_tokens),
         "ENGINE_MAX_BATCH_SIZE": str(s.max_batch_size), "ENGINE_BLOCK_SIZE": str(s.block_size),
         "ENGINE_KV_CACHE_BYTES": str(s.kv_cache_bytes), "ENGINE_MAX_MODEL_LEN": str(s.max_model_len),
         "ENGINE_ENABLE_PREFIX_CACHING": "false",
-        "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-        "WORKER_METRICS_PORT": "0", "WORKER_MAX_QUEUE_TIME_S": NO_SHEDDING, "WORKER_WORKER_ID": "bench-kafka-path",
+        "WORKER_MAX_QUEUE_TIME_S": NO_SHEDDING, "WORKER_WORKER_ID": "bench-kafka-path",
     })
     env.pop("ENGINE_NUM_KV_BLOCKS", None)
     return env
@@ -142,7 +152,7 @@ async def run_kafka(bootstrap: str, trace: Trace, warmup: Trace, *, model: str, 
                     stream: bool, timeout_s: float, log_dir: Path) -> RunResult:
     """One measured replay of `trace` through fresh topics and a fresh worker subprocess, after the worker
     has joined its group and served `warmup`; the worker is stopped on every exit."""
-    run = await _KafkaRun.start(bootstrap, log_dir, stream)
+    run = await KafkaRun.start(bootstrap, log_dir, stream)
     run.start_worker(worker_env(run.kafka, model, max_model_len, threads))
     reader = asyncio.create_task(run.read_loop())
     try:
@@ -162,7 +172,7 @@ async def run_kafka(bootstrap: str, trace: Trace, warmup: Trace, *, model: str, 
                             "worker_log": str(run.log_path)})
 
 
-class _KafkaRun:
+class KafkaRun:
     """The client side of one Kafka run: fresh topics, a producer of requests, a consumer of the result and
     status topics, and the `llm-worker serve` subprocess, whose output goes to a log file in log_dir."""
 
@@ -186,7 +196,7 @@ class _KafkaRun:
         """When the current replay's first request was sent: its records' times count from here."""
 
     @classmethod
-    async def start(cls, bootstrap: str, log_dir: Path, stream: bool) -> "_KafkaRun":
+    async def start(cls, bootstrap: str, log_dir: Path, stream: bool) -> "KafkaRun":
         suffix = uuid.uuid4().hex[:8]
         kafka = KafkaSettings(bootstrap_servers=bootstrap, request_topic=f"kp.requests.{suffix}",
                               result_topic=f"kp.results.{suffix}", dead_letter_topic=f"kp.dlq.{suffix}",
@@ -211,11 +221,18 @@ class _KafkaRun:
             for tp, msgs in batches.items():
                 for msg in msgs:
                     if tp.topic == self.kafka.status_topic:
-                        status = decode_status(msg.value)
-                        if len(status.assigned_partitions) >= self.kafka.num_request_partitions:
-                            self.ready.set()
-                    elif self.tracker is not None:
-                        self.tracker.on_record(decode_result(msg.value), now - self.t0)
+                        self.on_status(decode_status(msg.value))
+                    else:
+                        self.on_result(decode_result(msg.value), now)
+
+    def on_status(self, status: WorkerStatus) -> None:
+        if len(status.assigned_partitions) >= self.kafka.num_request_partitions:
+            self.ready.set()
+
+    def on_result(self, record: StreamChunk | FinalRecord, now: float) -> None:
+        """now: time.monotonic() when the batch holding the record was read."""
+        if self.tracker is not None:
+            self.tracker.on_record(record, now - self.t0)
 
     async def replay(self, trace: Trace, what: str, limit_s: float) -> ResultTracker:
         """Sends the trace's requests at their arrival times and waits up to `limit_s` for every final."""
