@@ -10,7 +10,9 @@ num_tokens (prompt + output), and a step computes some of the difference. One lo
      by recompute, possibly the request itself;
   3. unless something was preempted, waiting requests the policy names (policies.py) are admitted in order,
      reusing prefix-cached blocks, until the budget, max_num_seqs or the blocks run out (the first one that
-     does not fit blocks the ones behind it, so priorities hold).
+     does not fit blocks the ones behind it, so priorities hold). A request that never ran and cannot finish
+     before its deadline, at `step_s` seconds a step (the engine's recent step time) for its prefill and
+     max_new_tokens, is dropped instead of started (FINISHED_DEADLINE): its tokens would be wasted.
 `update()` then appends the sampled tokens, advances num_computed_tokens and applies stop conditions.
 Times are time.monotonic() seconds; every method takes `now` so tests are deterministic.
 """
@@ -114,7 +116,9 @@ class Scheduler:
 
     # ---- one step -----------------------------------------------------------------------------------
 
-    def schedule(self, now: float | None = None) -> SchedulerOutput:
+    def schedule(self, now: float | None = None, step_s: float = 0.0) -> SchedulerOutput:
+        """`step_s`: the expected duration of a step, for refusing to start what cannot meet its deadline
+        (0: only deadlines already passed count)."""
         now = time.monotonic() if now is None else now
         output = SchedulerOutput(block_size=self.block_size)
         for request in self.waiting.pop_expired(now):
@@ -155,9 +159,13 @@ class Scheduler:
 
         if not output.preempted_request_ids:
             admitted = []
+            hopeless = []
             for request in self.policy.candidates(self.waiting, now):
                 if budget == 0:
                     break
+                if self._cannot_finish(request, now, step_s):
+                    hopeless.append(request)
+                    continue
                 if len(self.running) >= self.max_num_seqs:
                     freed = self._preempt_less_urgent(request, scheduled, output)
                     if freed < 0:
@@ -187,12 +195,22 @@ class Scheduler:
                 budget -= num_new_tokens
             for request in admitted:
                 self.waiting.remove(request)
+            for request in hopeless:
+                self.num_deadline_drops += 1
+                self._finish(request, RequestStatus.FINISHED_DEADLINE, now)
+                output.deadline_dropped.append(request)
 
         output.scheduled = list(scheduled.values())
         output.num_batched_tokens = self.max_num_batched_tokens - budget
         assert output.num_batched_tokens == sum(entry.num_new_tokens for entry in output.scheduled)
         assert len(output.scheduled) <= self.max_num_seqs
         return output
+
+    def _cannot_finish(self, request: Request, now: float, step_s: float) -> bool:
+        if request.deadline is None or step_s <= 0.0 or request.first_scheduled_time is not None:
+            return False  # a request that ran already keeps going until its deadline (its work is sunk)
+        num_prefill_steps = -(-request.num_prompt_tokens // self.max_num_batched_tokens)
+        return now + (num_prefill_steps + request.sampling.max_new_tokens) * step_s > request.deadline
 
     def update(
         self, output: SchedulerOutput, sampled_token_ids: dict[str, int], now: float | None = None

@@ -55,7 +55,8 @@ def final_for_output(
     elif reason in REJECTED_FINISH:
         status, reason, finish_reason = "rejected", REJECTED_FINISH[reason], None
         message = (f"deadline passed after {len(token_ids)} output tokens; generation stopped, the text so far is "
-                   "included" if token_ids else "deadline passed while waiting")
+                   "included" if token_ids else
+                   "not started: its deadline passed, or it could not finish before it at the engine's pace")
     else:
         status, finish_reason = "error", None
         reason, message = out.error_code or "internal", out.error_message or ""
