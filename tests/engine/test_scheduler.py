@@ -236,6 +236,25 @@ def test_a_request_that_cannot_finish_before_its_deadline_is_not_started():
     scheduler.check_invariants()
 
 
+def test_steps_shrink_so_a_running_request_keeps_its_deadline():
+    scheduler = make_scheduler(num_blocks=256, max_num_batched_tokens=512)
+    runner = FakeRunner(256, 4)
+    urgent = make_request("urgent", 4, 10, deadline=1.0)
+    scheduler.add_request(urgent)
+    step(scheduler, runner, now=0.0)  # prefill and its first token: 9 tokens left, 1 s to go
+    scheduler.add_request(make_request("long", 600, 4, arrival_time=0.1))
+    cost = (0.01, 0.001)  # a step of T tokens takes 10 ms + 1 ms per token
+    # 0.8 × 1 s / 9 tokens = 89 ms a step: at most 78 tokens (1 decode + 77 of the long prompt).
+    assert scheduler.deadline_budget(0.0, cost) == 78
+    output = scheduler.schedule(0.0, step_cost=cost)
+    assert output.num_batched_tokens == 78 and sorted(scheduled_ids(output)) == ["long", "urgent"]
+    scheduler.update(output, runner.step(output), 0.0)
+    assert scheduler.deadline_budget(0.0, (0.0, 0.0)) == 512  # no step-time model: the full budget
+    # A request that cannot be saved even by the smallest step does not shrink the others' steps.
+    assert scheduler.deadline_budget(0.999, cost) == 512
+    scheduler.check_invariants()
+
+
 def test_a_more_urgent_request_preempts_a_less_urgent_one_for_a_seat():
     scheduler = make_scheduler(max_num_seqs=2)
     runner = FakeRunner(64, 4)

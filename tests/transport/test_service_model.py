@@ -92,3 +92,22 @@ def test_only_more_urgent_engine_work_is_ahead():
     assert model.engine_tokens_ahead(2) == pytest.approx(36 * 100)
     open_now[:] = [70, 0, 5]
     assert model.engine_waiting_by_priority() == [6, 0, 5]
+
+
+def test_priority_zero_is_admitted_on_the_squeezed_service():
+    from types import SimpleNamespace
+
+    model = make()
+    model.observe_read(0, 56, 8)
+    squeezed = model.squeezed_service_s(56, 8, num_sharing=9)
+    # Prefill beside 9 decodes, then 8 steps of the 10 decodes alone.
+    assert squeezed == pytest.approx((0.05 + 0.001 * 65) + 8 * (0.05 + 0.001 * 10))
+    assert squeezed < model.service_s(56, 8, num_sharing=9)
+
+    def queued(priority, deadline_ms):
+        return SimpleNamespace(priority=priority, deadline_ms=deadline_ms, num_prompt_tokens=56,
+                               request=SimpleNamespace(max_new_tokens=8))
+
+    assert model.service_for(queued(0, 10_000), 9) == squeezed
+    assert model.service_for(queued(0, None), 9) == model.service_s(56, 8, 9)  # no deadline: nothing to squeeze for
+    assert model.service_for(queued(1, 10_000), 9) == model.service_s(56, 8, 9)

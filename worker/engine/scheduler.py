@@ -13,6 +13,13 @@ num_tokens (prompt + output), and a step computes some of the difference. One lo
      does not fit blocks the ones behind it, so priorities hold). A request that never ran and cannot finish
      before its deadline, at `step_s` seconds a step (the engine's recent step time) for its prefill and
      max_new_tokens, is dropped instead of started (FINISHED_DEADLINE): its tokens would be wasted.
+Deadline-aware step size: when the engine's step-time model is given (`step_cost`: base seconds + seconds per
+token), the step's token budget shrinks, if need be, so that every running request with a deadline can still
+produce its remaining tokens in time (with DEADLINE_STEP_SAFETY to spare): a step of T tokens takes about
+base + per_token × T, so a request with r tokens left and s seconds to go needs steps of at most s / r. Never
+below what lets every running request decode (len(running) + 1), and a request that cannot be saved even
+then does not shrink the steps of the others. On a CPU, where a step's time grows with its tokens, this is
+what keeps an urgent request's inter-token latency within its deadline while long prefills queue.
 `update()` then appends the sampled tokens, advances num_computed_tokens and applies stop conditions.
 Times are time.monotonic() seconds; every method takes `now` so tests are deterministic.
 """
@@ -27,6 +34,10 @@ from worker.engine.block_pool import BlockPool
 from worker.engine.policies import AdmissionPolicy, WaitingQueue
 from worker.engine.request import Request, RequestStatus
 from worker.engine.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput
+
+
+DEADLINE_STEP_SAFETY = 0.8
+"""Deadline-aware steps aim at this share of the time a running request has left per token it has left."""
 
 
 class Scheduler:
@@ -116,9 +127,11 @@ class Scheduler:
 
     # ---- one step -----------------------------------------------------------------------------------
 
-    def schedule(self, now: float | None = None, step_s: float = 0.0) -> SchedulerOutput:
+    def schedule(self, now: float | None = None, step_s: float = 0.0,
+                 step_cost: tuple[float, float] = (0.0, 0.0)) -> SchedulerOutput:
         """`step_s`: the expected duration of a step, for refusing to start what cannot meet its deadline
-        (0: only deadlines already passed count)."""
+        (0: only deadlines already passed count). `step_cost`: (base seconds, seconds per token) of the
+        step-time model, for deadline-aware step sizes ((0, 0): the budget is always max_num_batched_tokens)."""
         now = time.monotonic() if now is None else now
         output = SchedulerOutput(block_size=self.block_size)
         for request in self.waiting.pop_expired(now):
@@ -135,7 +148,8 @@ class Scheduler:
             self._finish(request, RequestStatus.FINISHED_DEADLINE, now)
             output.deadline_dropped.append(request)
 
-        budget = self.max_num_batched_tokens
+        budget = self.deadline_budget(now, step_cost)
+        full_budget = budget
         scheduled: dict[str, ScheduledRequest] = {}
         for request in list(self.running):
             if budget == 0:
@@ -201,10 +215,30 @@ class Scheduler:
                 output.deadline_dropped.append(request)
 
         output.scheduled = list(scheduled.values())
-        output.num_batched_tokens = self.max_num_batched_tokens - budget
+        output.num_batched_tokens = full_budget - budget
         assert output.num_batched_tokens == sum(entry.num_new_tokens for entry in output.scheduled)
         assert len(output.scheduled) <= self.max_num_seqs
         return output
+
+    def deadline_budget(self, now: float, step_cost: tuple[float, float]) -> int:
+        """This step's token budget: max_num_batched_tokens, or less so that the running requests with
+        deadlines keep theirs (module docstring)."""
+        base, per_token = step_cost
+        budget = self.max_num_batched_tokens
+        if per_token <= 0.0:
+            return budget
+        floor = min(budget, len(self.running) + 1)
+        for request in self.running:
+            if request.deadline is None:
+                continue
+            left = request.sampling.max_new_tokens - request.num_output_tokens
+            slack = request.deadline - now
+            if left <= 0 or slack <= 0:
+                continue
+            tokens = int((slack * DEADLINE_STEP_SAFETY / left - base) / per_token)
+            if tokens >= floor:  # below the floor it cannot be saved by smaller steps: it does not count
+                budget = min(budget, tokens)
+        return budget
 
     def _cannot_finish(self, request: Request, now: float, step_s: float) -> bool:
         if request.deadline is None or step_s <= 0.0 or request.first_scheduled_time is not None:

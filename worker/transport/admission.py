@@ -11,7 +11,9 @@ Order of checks for a decoded request (decode errors are handled by schemas.deco
    DEADLINE_SAFETY_S must fit before the deadline. Checked at intake, and again when the request leaves the
    local queue for the engine (its service alone, then). A request that would finish late is refused before it
    costs compute: its tokens would be wasted. With no estimate at all (an engine that has measured nothing)
-   only the queue wait is taken as 0.
+   only the queue wait is taken as 0. The most urgent priority (0) is admitted on the shortest service the
+   engine can give (ServiceModel.squeezed_service_s): the scheduler shrinks its steps for a running request
+   whose deadline needs it, at the expense of less urgent work's throughput.
 3. latency target (when moving a request from the local queue into the engine's batch): it is held back
    while admitting it would push the predicted step time past the inter-token latency target of a running
    request that is more urgent. With nothing more urgent running, a request is always admitted, so holding

@@ -86,8 +86,7 @@ class Dispatcher:
         now_ms = time.time() * 1000.0
         if now_ms >= queued.deadline_ms:
             return Verdict("rejected", "deadline", "deadline passed while waiting in the local queue")
-        service = self.service.service_s(queued.num_prompt_tokens, queued.request.max_new_tokens,
-                                         self.service.num_sharing())
+        service = self.service.service_for(queued, self.service.num_sharing())
         return self.admission.check_deadline(queued.deadline_ms, now_ms, 0.0, service)
 
     def _has_room(self, priority: int) -> bool:

@@ -317,8 +317,7 @@ class Intake:
         ahead = sum(tokens[:queued.priority + 1]) + self.service.engine_tokens_ahead(queued.priority)
         num_ahead = sum(self.queue.num_waiting(q) for q in range(queued.priority + 1))
         wait = self.service.wait_s(ahead)
-        service = self.service.service_s(queued.num_prompt_tokens, queued.request.max_new_tokens,
-                                         self.service.num_sharing(num_ahead))
+        service = self.service.service_for(queued, self.service.num_sharing(num_ahead))
         now_ms = time.time() * 1000.0
         queued.predicted_queue_ms = max(0.0, now_ms - queued.timestamp_ms) + (wait or 0.0) * 1000.0
         queued.predicted_e2e_ms = queued.predicted_queue_ms + service * 1000.0
