@@ -166,16 +166,22 @@ async def test_load_decisions_shed_pause_and_resume():
     assert decision.pause_reasons == {} and w.consumer.paused() == set()
 
 
-async def test_a_full_local_queue_fetches_only_shed_priorities():
+async def test_a_local_queue_full_of_less_urgent_work_still_fetches_urgent_records():
     w = build(max_waiting=2, resume_waiting=1)
     for i in range(3):
         send(w, 1, f"mid-{i}")
     await w.intake.fetch_once()
     assert len(w.queue) == 3  # one poll may overshoot by its records
-    send(w, 0, "urgent")
+    send(w, 1, "mid-3")
+    send(w, 2, "low")
     w.consumer.getmany_calls.clear()
-    await w.intake.fetch_once()  # no room and nothing shed: no fetch at all
-    assert w.consumer.getmany_calls == [] and len(w.queue) == 3
+    await w.intake.fetch_once()  # no room at priority 1 or below, nothing shed: only priority 0 is asked
+    urgent_partitions = {tp.partition for tp in w.intake.partitions_of(0)}
+    assert {p for call in w.consumer.getmany_calls for p in call} <= urgent_partitions and len(w.queue) == 3
+    send(w, 0, "urgent")  # the queue is full of priority 1, but the urgent record is read at once
+    await w.intake.fetch_once()
+    assert [q.request.id for q in w.queue][0] == "urgent" and len(w.queue) == 4
+    assert {p for call in w.consumer.getmany_calls for p in call} <= urgent_partitions
 
 
 async def test_the_end_of_input_follows_lag_and_the_local_queue():

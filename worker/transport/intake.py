@@ -10,9 +10,10 @@ carries a strictly higher attempt than every earlier delivery, without any extra
 attempt is therefore not 0 but the generation at that time: clients compare attempts, never expect 0.
 
 Fetch order. Each poll asks the most urgent priority's partitions first (getmany per priority, a shared
-max_poll_records budget), and fetches nothing while the local queue holds max_waiting requests, except from
-partitions being shed (their records are answered, never queued), so the local queue stays below
-max_waiting + max_poll_records.
+max_poll_records budget). A priority is fetched only while fewer than max_waiting requests of it or of more
+urgent priorities wait locally, except partitions being shed (their records are answered, never queued): a
+local queue full of less urgent work never keeps an urgent record unread in Kafka, and it stays below
+num_priorities × (max_waiting + max_poll_records).
 
 Unreadable batches. A record batch that cannot be read (a compression codec this process lacks, corrupt
 bytes) would fail every fetch of its partition forever. The partition is then read one record at a time: the
@@ -169,10 +170,14 @@ class Intake:
 
     # -- fetching ------------------------------------------------------------------------------------------
     async def fetch_once(self) -> None:
-        room = self.queue.max_waiting - len(self.queue)
         shed = self.load.shed_priorities if self.load else frozenset()
         budget = self.max_poll_records
-        priorities = range(self.num_priorities) if room > 0 else sorted(shed)
+        waiting, ahead, priorities = self.queue.num_waiting_by_priority(), 0, []
+        for priority in range(self.num_priorities):
+            ahead += waiting[priority]
+            if ahead < self.queue.max_waiting or priority in shed:
+                priorities.append(priority)
+        room = len(priorities) > 0
         # (partition, records, generation when getmany returned them): the generation read after the call,
         # since a rebalance inside getmany resets positions and the records then belong to the new one.
         batches: list[tuple[TopicPartition, list, int]] = []
@@ -183,13 +188,14 @@ class Intake:
                     batches.append((tp, msgs, self.group_generation))
                     budget -= len(msgs)
         if not batches:
-            if room <= 0:
+            if not room:
                 try:
                     await asyncio.wait_for(self.queue.space.wait(), 0.05)
                 except asyncio.TimeoutError:
                     pass
                 return
-            readable = sorted(tp for tp in self.assigned if tp not in self.paused)
+            readable = sorted(tp for tp in self.assigned if tp not in self.paused
+                              and self.priority_of(tp) in priorities)
             got = await self._fetch(readable, 50, budget)
             batches = [(tp, msgs, self.group_generation) for tp, msgs in
                        sorted(got.items(), key=lambda item: self.priority_of(item[0]))]
