@@ -220,18 +220,19 @@ def test_a_deadline_ends_waiting_and_running_requests_alike():
 def test_a_request_that_cannot_finish_before_its_deadline_is_not_started():
     scheduler = make_scheduler(max_num_seqs=4)
     runner = FakeRunner(64, 4)
-    hopeless = make_request("hopeless", 4, 10, deadline=2.0)  # 11 steps of 0.2 s from 0.0: done at 2.2 s
+    # Steps of 0.2 s + 0.1 ms a token: alone, a prefill step and 10 decode steps end at about 2.2 s.
+    hopeless = make_request("hopeless", 4, 10, deadline=2.0)
     feasible = make_request("feasible", 4, 10, arrival_time=0.1, deadline=2.5)
     free = make_request("free", 4, 10, arrival_time=0.2)  # no deadline: never refused
     for request in (hopeless, feasible, free):
         scheduler.add_request(request)
-    output = scheduler.schedule(0.0, step_s=0.2)
+    output = scheduler.schedule(0.0, step_cost=(0.2, 0.0001))
     assert output.deadline_dropped == [hopeless] and hopeless.status is RequestStatus.FINISHED_DEADLINE
     assert hopeless.first_scheduled_time is None and hopeless.block_ids == []  # never ran: nothing wasted
     assert sorted(scheduled_ids(output)) == ["feasible", "free"]
     scheduler.update(output, runner.step(output), 0.0)
     # Once running, a request is not refused for slow steps (its work is sunk); only its deadline stops it.
-    output = scheduler.schedule(0.1, step_s=10.0)
+    output = scheduler.schedule(0.1, step_cost=(10.0, 0.0))
     assert output.deadline_dropped == [] and sorted(scheduled_ids(output)) == ["feasible", "free"]
     scheduler.check_invariants()
 

@@ -11,8 +11,10 @@ num_tokens (prompt + output), and a step computes some of the difference. One lo
   3. unless something was preempted, waiting requests the policy names (policies.py) are admitted in order,
      reusing prefix-cached blocks, until the budget, max_num_seqs or the blocks run out (the first one that
      does not fit blocks the ones behind it, so priorities hold). A request that never ran and cannot finish
-     before its deadline, at `step_s` seconds a step (the engine's recent step time) for its prefill and
-     max_new_tokens, is dropped instead of started (FINISHED_DEADLINE): its tokens would be wasted.
+     before its deadline even in the smallest steps (its prefill beside the running decodes, then
+     max_new_tokens steps of one token per running request, timed by `step_cost`) is dropped instead of
+     started (FINISHED_DEADLINE): its tokens would be wasted. Anything slower than that, the deadline-aware
+     step size below can prevent once it runs.
 Deadline-aware step size: when the engine's step-time model is given (`step_cost`: base seconds + seconds per
 token), the step's token budget shrinks, if need be, so that every running request with a deadline can still
 produce its remaining tokens in time (with DEADLINE_STEP_SAFETY to spare): a step of T tokens takes about
@@ -127,11 +129,10 @@ class Scheduler:
 
     # ---- one step -----------------------------------------------------------------------------------
 
-    def schedule(self, now: float | None = None, step_s: float = 0.0,
-                 step_cost: tuple[float, float] = (0.0, 0.0)) -> SchedulerOutput:
-        """`step_s`: the expected duration of a step, for refusing to start what cannot meet its deadline
-        (0: only deadlines already passed count). `step_cost`: (base seconds, seconds per token) of the
-        step-time model, for deadline-aware step sizes ((0, 0): the budget is always max_num_batched_tokens)."""
+    def schedule(self, now: float | None = None, step_cost: tuple[float, float] = (0.0, 0.0)) -> SchedulerOutput:
+        """`step_cost`: (base seconds, seconds per token) of the engine's step-time model, for deadline-aware
+        step sizes and for refusing to start what cannot meet its deadline ((0, 0): the budget is always
+        max_num_batched_tokens, and only deadlines already passed count)."""
         now = time.monotonic() if now is None else now
         output = SchedulerOutput(block_size=self.block_size)
         for request in self.waiting.pop_expired(now):
@@ -177,7 +178,7 @@ class Scheduler:
             for request in self.policy.candidates(self.waiting, now):
                 if budget == 0:
                     break
-                if self._cannot_finish(request, now, step_s):
+                if self._cannot_finish(request, now, step_cost):
                     hopeless.append(request)
                     continue
                 if len(self.running) >= self.max_num_seqs:
@@ -240,11 +241,16 @@ class Scheduler:
                 budget = min(budget, tokens)
         return budget
 
-    def _cannot_finish(self, request: Request, now: float, step_s: float) -> bool:
-        if request.deadline is None or step_s <= 0.0 or request.first_scheduled_time is not None:
+    def _cannot_finish(self, request: Request, now: float, step_cost: tuple[float, float]) -> bool:
+        base, per_token = step_cost
+        if request.deadline is None or base + per_token <= 0.0 or request.first_scheduled_time is not None:
             return False  # a request that ran already keeps going until its deadline (its work is sunk)
+        running = len(self.running)
         num_prefill_steps = -(-request.num_prompt_tokens // self.max_num_batched_tokens)
-        return now + (num_prefill_steps + request.sampling.max_new_tokens) * step_s > request.deadline
+        prefill_s = num_prefill_steps * (base + per_token * (min(request.num_prompt_tokens,
+                                                                  self.max_num_batched_tokens) + running))
+        decode_s = request.sampling.max_new_tokens * (base + per_token * (running + 1))
+        return now + prefill_s + decode_s > request.deadline
 
     def update(
         self, output: SchedulerOutput, sampled_token_ids: dict[str, int], now: float | None = None
