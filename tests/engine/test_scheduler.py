@@ -244,15 +244,18 @@ def test_steps_shrink_so_a_running_request_keeps_its_deadline():
     scheduler.add_request(urgent)
     step(scheduler, runner, now=0.0)  # prefill and its first token: 9 tokens left, 1 s to go
     scheduler.add_request(make_request("long", 600, 4, arrival_time=0.1))
-    cost = (0.01, 0.001)  # a step of T tokens takes 10 ms + 1 ms per token
-    # 0.8 × 1 s / 9 tokens = 89 ms a step: at most 78 tokens (1 decode + 77 of the long prompt).
-    assert scheduler.deadline_budget(0.0, cost) == 78
+    cost = (0.01, 0.0005)  # a step of T tokens takes 10 ms + 0.5 ms per token
+    # 0.8 × 1 s / 9 tokens = 89 ms a step: at most 157 tokens (1 decode + 156 of the long prompt).
+    assert scheduler.deadline_budget(0.0, cost) == 157
     output = scheduler.schedule(0.0, step_cost=cost)
-    assert output.num_batched_tokens == 78 and sorted(scheduled_ids(output)) == ["long", "urgent"]
+    assert output.num_batched_tokens == 157 and sorted(scheduled_ids(output)) == ["long", "urgent"]
     scheduler.update(output, runner.step(output), 0.0)
     assert scheduler.deadline_budget(0.0, (0.0, 0.0)) == 512  # no step-time model: the full budget
-    # A request that cannot be saved even by the smallest step does not shrink the others' steps.
-    assert scheduler.deadline_budget(0.999, cost) == 512
+    # A request that cannot be saved even by the smallest step (a quarter of the budget) shrinks nothing.
+    assert scheduler.deadline_budget(0.5, cost) == 512
+    # Only the most urgent priority is protected this way: a priority-1 request near its deadline is not.
+    urgent.priority = 1
+    assert scheduler.deadline_budget(0.0, cost) == 512
     scheduler.check_invariants()
 
 

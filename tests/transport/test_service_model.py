@@ -99,15 +99,17 @@ def test_priority_zero_is_admitted_on_the_squeezed_service():
 
     model = make()
     model.observe_read(0, 56, 8)
-    squeezed = model.squeezed_service_s(56, 8, num_sharing=9)
-    # Prefill beside 9 decodes, then 8 steps of the 10 decodes alone.
-    assert squeezed == pytest.approx((0.05 + 0.001 * 65) + 8 * (0.05 + 0.001 * 10))
-    assert squeezed < model.service_s(56, 8, num_sharing=9)
+    squeezed = model.squeezed_service_s(56, 8, num_sharing=100)
+    # Prefill beside 100 others, then 8 steps of a quarter of the 512-token budget (more than 64 decodes).
+    assert squeezed == pytest.approx((0.05 + 0.001 * 156) + 8 * (0.05 + 0.001 * 128))
+    assert squeezed < model.service_s(56, 8, num_sharing=100)
+    # In a small batch the usual steps are already smaller than the squeezed ones.
+    assert model.squeezed_service_s(56, 8, num_sharing=3) == model.service_s(56, 8, num_sharing=3)
 
     def queued(priority, deadline_ms):
         return SimpleNamespace(priority=priority, deadline_ms=deadline_ms, num_prompt_tokens=56,
                                request=SimpleNamespace(max_new_tokens=8))
 
-    assert model.service_for(queued(0, 10_000), 9) == squeezed
-    assert model.service_for(queued(0, None), 9) == model.service_s(56, 8, 9)  # no deadline: nothing to squeeze for
-    assert model.service_for(queued(1, 10_000), 9) == model.service_s(56, 8, 9)
+    assert model.service_for(queued(0, 10_000), 100) == squeezed
+    assert model.service_for(queued(0, None), 100) == model.service_s(56, 8, 100)  # no deadline, no squeeze
+    assert model.service_for(queued(1, 10_000), 100) == model.service_s(56, 8, 100)

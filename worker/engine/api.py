@@ -12,6 +12,13 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 
+PROTECTED_PRIORITY = 0
+"""Requests of this priority or a more urgent one get deadline-aware step sizes in the engine (scheduler.py):
+steps shrink so that their deadlines hold. The transport admits them on that promise (service_model.py)."""
+MIN_BUDGET_FRACTION = 0.25
+"""Deadline-aware steps keep at least this share of max_num_batched_tokens (small steps cost throughput)."""
+
+
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
     max_new_tokens: int = 64

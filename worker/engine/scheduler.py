@@ -11,17 +11,21 @@ num_tokens (prompt + output), and a step computes some of the difference. One lo
   3. unless something was preempted, waiting requests the policy names (policies.py) are admitted in order,
      reusing prefix-cached blocks, until the budget, max_num_seqs or the blocks run out (the first one that
      does not fit blocks the ones behind it, so priorities hold). A request that never ran and cannot finish
-     before its deadline even in the smallest steps (its prefill beside the running decodes, then
-     max_new_tokens steps of one token per running request, timed by `step_cost`) is dropped instead of
-     started (FINISHED_DEADLINE): its tokens would be wasted. Anything slower than that, the deadline-aware
-     step size below can prevent once it runs.
+     before its deadline is dropped instead of started (FINISHED_DEADLINE): its tokens would be wasted. Its
+     prefill and max_new_tokens steps are timed by `step_cost` at the size the next steps will have (the
+     running decodes and the waiting prompts, up to the budget) or, for a protected priority (below), at the
+     smallest size deadline-aware steps go down to.
 Deadline-aware step size: when the engine's step-time model is given (`step_cost`: base seconds + seconds per
-token), the step's token budget shrinks, if need be, so that every running request with a deadline can still
-produce its remaining tokens in time (with DEADLINE_STEP_SAFETY to spare): a step of T tokens takes about
-base + per_token × T, so a request with r tokens left and s seconds to go needs steps of at most s / r. Never
-below what lets every running request decode (len(running) + 1), and a request that cannot be saved even
-then does not shrink the steps of the others. On a CPU, where a step's time grows with its tokens, this is
-what keeps an urgent request's inter-token latency within its deadline while long prefills queue.
+token), the step's token budget shrinks, if need be, so that every running request of a protected priority
+(<= PROTECTED_PRIORITY: the most urgent) with a deadline can still produce its remaining tokens in time (with
+DEADLINE_STEP_SAFETY to spare): a step of T tokens takes about base + per_token × T, so a request with r
+tokens left and s seconds to go needs steps of at most s / r. Never below max(len(running) + 1,
+max_num_batched_tokens × MIN_BUDGET_FRACTION), since small steps cost throughput (each pays the base), and a
+request that cannot be saved even then does not shrink the others' steps. Less urgent requests are not
+protected this way (they were admitted on full-size steps, and protecting each near its deadline would
+starve the batch: fewer tokens a step, so later starts, so more to protect); a deadline stops them. On a CPU,
+where a step's time grows with its tokens, this keeps an urgent request's latency within its deadline while
+long prefills queue.
 `update()` then appends the sampled tokens, advances num_computed_tokens and applies stop conditions.
 Times are time.monotonic() seconds; every method takes `now` so tests are deterministic.
 """
@@ -32,6 +36,7 @@ import time
 from collections.abc import Iterable
 
 from worker.config import EngineSettings
+from worker.engine.api import MIN_BUDGET_FRACTION, PROTECTED_PRIORITY
 from worker.engine.block_pool import BlockPool
 from worker.engine.policies import AdmissionPolicy, WaitingQueue
 from worker.engine.request import Request, RequestStatus
@@ -40,6 +45,7 @@ from worker.engine.scheduler_output import RequestUpdate, ScheduledRequest, Sche
 
 DEADLINE_STEP_SAFETY = 0.8
 """Deadline-aware steps aim at this share of the time a running request has left per token it has left."""
+
 
 
 class Scheduler:
@@ -175,10 +181,13 @@ class Scheduler:
         if not output.preempted_request_ids:
             admitted = []
             hopeless = []
+            # The size the next steps will have, for judging whether a waiting request can still finish.
+            next_tokens = min(self.max_num_batched_tokens, len(self.running) + sum(
+                r.num_prompt_tokens - r.num_computed_tokens for r in self.waiting)) if step_cost[1] > 0 else 0
             for request in self.policy.candidates(self.waiting, now):
                 if budget == 0:
                     break
-                if self._cannot_finish(request, now, step_cost):
+                if self._cannot_finish(request, now, step_cost, next_tokens):
                     hopeless.append(request)
                     continue
                 if len(self.running) >= self.max_num_seqs:
@@ -228,9 +237,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         if per_token <= 0.0:
             return budget
-        floor = min(budget, len(self.running) + 1)
+        floor = self.min_budget()
         for request in self.running:
-            if request.deadline is None:
+            if request.deadline is None or request.priority > PROTECTED_PRIORITY:
                 continue
             left = request.sampling.max_new_tokens - request.num_output_tokens
             slack = request.deadline - now
@@ -241,16 +250,17 @@ class Scheduler:
                 budget = min(budget, tokens)
         return budget
 
-    def _cannot_finish(self, request: Request, now: float, step_cost: tuple[float, float]) -> bool:
+    def min_budget(self) -> int:
+        return min(self.max_num_batched_tokens,
+                   max(len(self.running) + 1, int(self.max_num_batched_tokens * MIN_BUDGET_FRACTION)))
+
+    def _cannot_finish(self, request: Request, now: float, step_cost: tuple[float, float], next_tokens: int) -> bool:
         base, per_token = step_cost
         if request.deadline is None or base + per_token <= 0.0 or request.first_scheduled_time is not None:
             return False  # a request that ran already keeps going until its deadline (its work is sunk)
-        running = len(self.running)
-        num_prefill_steps = -(-request.num_prompt_tokens // self.max_num_batched_tokens)
-        prefill_s = num_prefill_steps * (base + per_token * (min(request.num_prompt_tokens,
-                                                                  self.max_num_batched_tokens) + running))
-        decode_s = request.sampling.max_new_tokens * (base + per_token * (running + 1))
-        return now + prefill_s + decode_s > request.deadline
+        tokens = self.min_budget() if request.priority <= PROTECTED_PRIORITY else next_tokens
+        num_steps = -(-request.num_prompt_tokens // self.max_num_batched_tokens) + request.sampling.max_new_tokens
+        return now + num_steps * (base + per_token * tokens) > request.deadline
 
     def update(
         self, output: SchedulerOutput, sampled_token_ids: dict[str, int], now: float | None = None

@@ -34,7 +34,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from worker.engine.api import EngineStats
+from worker.engine.api import MIN_BUDGET_FRACTION, PROTECTED_PRIORITY, EngineStats
 from worker.transport.shedding import CompletionRate
 
 
@@ -156,19 +156,21 @@ class ServiceModel:
         return (prefill_steps + max_new_tokens) * self.step_time_s(self.step_tokens(num_sharing + 1))
 
     def squeezed_service_s(self, estimated_prompt_tokens: int, max_new_tokens: int, num_sharing: int) -> float:
-        """The shortest service the engine can give it: steps of every running request's decode alone, which
-        its deadline-aware step sizing (worker/engine/scheduler.py) falls to when a deadline needs it."""
+        """The shortest service the engine can give a protected request: its deadline-aware step sizing
+        (worker/engine/scheduler.py) shrinks steps to every running request's decode, or a quarter of the token
+        budget, whichever is more, when a deadline needs it."""
         prompt = self.expected_prompt(estimated_prompt_tokens)
         prefill = self.step_time_s(min(prompt, self.max_num_batched_tokens) + num_sharing)
         prefill_steps = max(1, math.ceil(prompt / self.max_num_batched_tokens))
-        seats = min(self.max_num_seqs, num_sharing + 1)
-        return prefill_steps * prefill + max_new_tokens * self.step_time_s(seats)
+        smallest = max(min(self.max_num_seqs, num_sharing + 1), self.max_num_batched_tokens * MIN_BUDGET_FRACTION)
+        squeezed = prefill_steps * prefill + max_new_tokens * self.step_time_s(smallest)
+        return min(squeezed, self.service_s(estimated_prompt_tokens, max_new_tokens, num_sharing))
 
     def service_for(self, queued, num_sharing: int) -> float:
         """A queued request's service for admission: the usual estimate; for priority 0 with a deadline, the
         squeezed one (admission.py)."""
         prompt, max_new = queued.num_prompt_tokens, queued.request.max_new_tokens
-        if queued.priority == 0 and queued.deadline_ms is not None:
+        if queued.priority <= PROTECTED_PRIORITY and queued.deadline_ms is not None:
             return self.squeezed_service_s(prompt, max_new, num_sharing)
         return self.service_s(prompt, max_new, num_sharing)
 
