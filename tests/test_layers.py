@@ -28,7 +28,7 @@ PURE_MODULES = (
 )
 """Importing these, and whatever of ours they import in turn, pulls in nothing in HEAVY."""
 TORCH_OWNER = "worker.engine.engine"
-"""The one engine module that touches torch (it owns the sampling generators and calls the model runner)."""
+"""The one engine module that touches torch (it calls the model runner and the sampler)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -81,8 +81,9 @@ class EngineSettings(BaseSettings):
     """A Hugging Face Llama-family folder, or the name of a model provisioned by `llm-worker model pull`."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights and KV-cache dtype; auto is float32 on the CPU and bfloat16 on CUDA."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Where the model runs; auto picks CUDA when available."""
+    device: Literal["auto", "cpu", "cuda", "sim:h100", "sim:h200"] = "auto"
+    """Where the model runs; auto picks CUDA when available. sim:h100, sim:h200: a simulated GPU (no weights, no
+    KV memory; each step waits for its roofline time on that GPU and returns deterministic logits)."""
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     """auto: Triton on CUDA, torch on the CPU."""
     block_size: int = Field(16, ge=1, le=256)
@@ -109,6 +110,11 @@ class EngineSettings(BaseSettings):
     """dynamic policy: the longest the oldest waiting request waits before a partial batch starts."""
     seed: int = 0
     """Seed for requests that sample without a seed of their own."""
+    sim_model: str = ""
+    """Simulated devices: the model shape, smollm2-135m or llama-3.1-8b (shipped config.json copies), a folder or a
+    config.json path; empty: ENGINE_MODEL's own config.json. ENGINE_MODEL's tokenizer serves the text."""
+    sim_logits_width: int = Field(2048, ge=0)
+    """Simulated devices: columns of the logits the sampler sees (0: the model's vocabulary)."""
 
     @model_validator(mode="after")
     def _check(self) -> "EngineSettings":

@@ -21,6 +21,8 @@ log = logging.getLogger(__name__)
 
 
 def build_engine(kind: str, engine_settings: EngineSettings, instant_step_ms: float) -> Engine:
+    """`instant`: the model-free engine; `llm`: LLMEngine on the runner ENGINE_DEVICE names (a real device, or a
+    simulated GPU for sim:h100 / sim:h200, worker/model/sim.py)."""
     if kind == "instant":
         from worker.engine.instant import InstantEngine
 
@@ -36,6 +38,9 @@ def build_engine(kind: str, engine_settings: EngineSettings, instant_step_ms: fl
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model folder or provisioned name (ENGINE_MODEL)")
     parser.add_argument("--policy", choices=["continuous", "dynamic", "static"], help="batching policy (ENGINE_POLICY)")
+    parser.add_argument("--device", help="auto, cpu, cuda, or a simulated GPU: sim:h100, sim:h200 (ENGINE_DEVICE)")
+    parser.add_argument("--sim-model", help="simulated device: smollm2-135m, llama-3.1-8b or a config.json "
+                                            "(ENGINE_SIM_MODEL)")
     parser.add_argument("--bootstrap", help="Kafka bootstrap servers (KAFKA_BOOTSTRAP_SERVERS)")
     parser.add_argument("--group", help="consumer group (KAFKA_GROUP_ID)")
     parser.add_argument("--metrics-port", type=int, help="Prometheus port, 0 disables (WORKER_METRICS_PORT)")
@@ -49,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
     kafka_over = {k: v for k, v in (("bootstrap_servers", args.bootstrap), ("group_id", args.group)) if v}
     worker_over = {k: v for k, v in (("metrics_port", args.metrics_port), ("worker_id", args.worker_id))
                    if v is not None}
-    engine_over = {k: v for k, v in (("model", args.model), ("policy", args.policy)) if v}
+    engine_over = {k: v for k, v in (("model", args.model), ("policy", args.policy), ("device", args.device),
+                                      ("sim_model", args.sim_model)) if v}
     kafka, settings, engine_settings = KafkaSettings(**kafka_over), WorkerSettings(**worker_over), EngineSettings(**engine_over)
     if args.engine == "llm":
         log.info("engine configuration: %s", json.dumps(masked_dump(engine_settings), default=str))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from tests.engine.fake_runner import FakeRunner, make_request, make_scheduler
 from worker.engine.batch_builder import build_step_batch
 
@@ -31,3 +33,41 @@ def test_a_prefill_chunk_and_a_decode_are_laid_out_request_after_request():
     assert batch.query_start_loc == [0, 1, 6] and batch.seq_lens == [7, 9]
     assert batch.logits_indices == [0, 5]
     assert batch.block_table_rows == [[0, 1], [2, 3, 4]]
+
+
+def test_persistent_input_equals_the_explicit_layout_through_preemption_and_prefix_hits():
+    """Random traffic on a tight KV budget (preemptions, prefix-cache hits, chunked prefill): at every step the
+    runner's incremental tensors equal those of the explicit per-token batch, block tables compared over each
+    request's context (past it the persistent rows hold stale ids nothing reads)."""
+    import random
+
+    from tests.engine.fake_runner import Simulation
+    from worker.engine.batch_builder import build_step_requests
+    from worker.model.input import PersistentInput, build_model_input
+
+    rng = random.Random(3)
+    sim = Simulation(make_scheduler(num_blocks=24, max_num_batched_tokens=24, max_num_seqs=6))
+    inputs = PersistentInput(max_blocks_per_request=64, block_size=sim.scheduler.block_size, device="cpu",
+                             num_rows=2)  # grows as needed
+    num_checked = 0
+    for _ in range(300):
+        if rng.random() < 0.3:
+            sim.add(rng.randint(0, 32), rng.randint(1, 20), rng.randint(1, 12), rng.randint(0, 2), None, True)
+        output = sim.scheduler.schedule(sim.now)
+        inputs.release(output.preempted_request_ids)
+        if not output.is_empty:
+            ours = inputs.build(build_step_requests(output))
+            ref = build_model_input(build_step_batch(output), "cpu")
+            for name in ("input_ids", "positions", "logits_indices"):
+                assert torch.equal(getattr(ours, name), getattr(ref, name)), name
+            for name in ("slot_mapping", "query_start_loc", "seq_lens"):
+                assert torch.equal(getattr(ours.attn, name), getattr(ref.attn, name)), name
+            assert (ours.attn.max_query_len, ours.attn.max_seq_len) == (ref.attn.max_query_len, ref.attn.max_seq_len)
+            for row, seq_len in enumerate(ref.attn.seq_lens.tolist()):
+                span = -(-seq_len // sim.scheduler.block_size)
+                assert torch.equal(ours.attn.block_tables[row, :span], ref.attn.block_tables[row, :span])
+            num_checked += 1
+        updates = sim.scheduler.update(output, sim.runner.step(output), sim.now)
+        inputs.release(u.request_id for u in updates if u.finished)
+        sim.now += 0.01
+    assert num_checked > 200 and sim.scheduler.num_preemptions > 0 and sim.scheduler.pool.num_hit_tokens > 0

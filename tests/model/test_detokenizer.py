@@ -120,3 +120,33 @@ def test_nothing_after_stop(tokenizer, prompt_ids):
     assert detok.push(tokenizer.encode("a b", add_special_tokens=False)) == "a "
     assert detok.stopped
     assert detok.push(tokenizer.encode(" c", add_special_tokens=False)) == "" and detok.flush() == ""
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_byte_level_table_and_windows_give_decode_on_random_ids(tokenizer, prompt_ids, skip_special_tokens):
+    # Random ids (byte tokens, specials, pieces of multi-byte characters, invalid UTF-8 included): the byte
+    # table's text is decode()'s, and the window algorithm's too once flushed.
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.randrange(0, 49152) if rng.random() < 0.6 else rng.randrange(0, 300)
+               for _ in range(rng.randint(1, 10))]
+        expected = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        for byte_level in (True, False):
+            detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens,
+                                           byte_level=byte_level)
+            if byte_level:
+                assert detok._table is not None  # SmolLM2's tokenizer is byte-level BPE
+            deltas = stream(detok, ids, per_push=rng.randint(1, 3))
+            assert "".join(deltas) == detok.text
+            if byte_level or not any("\ufffd" in d for d in deltas):
+                assert "".join(deltas) == expected, (ids, byte_level)
+
+
+def test_window_algorithm_still_serves_the_stop_strings_tests(tokenizer, prompt_ids):
+    text = "The answer is 42. Then more text follows here."
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids, stop=("42. Then",), byte_level=False)
+    emitted = "".join(detok.push([i]) for i in ids) + detok.flush()
+    assert detok.stopped and emitted == "The answer is "

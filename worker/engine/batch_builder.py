@@ -1,12 +1,17 @@
-"""A step's `SchedulerOutput` as the model runner's `StepBatch`: plain ints gathered request after request.
+"""A step's `SchedulerOutput` as the model runner's input, plain ints request after request.
 
-Planning only, no torch: the model runner builds the tensors from it on its own device.
+`build_step_requests` is what the engine hands the runner each step: per request its id, block table, computed
+and new token counts; the runner derives positions, slots and padded block tables in vectorized form from
+buffers it keeps between steps. `build_step_batch` lays every token out explicitly (positions, slots, block
+table rows): the reference that the runner's incremental input is tested against.
+
+Planning only, no torch: the model runner builds the tensors on its own device.
 """
 
 from __future__ import annotations
 
 from worker.engine.scheduler_output import SchedulerOutput
-from worker.model.step_batch import StepBatch
+from worker.model.step_batch import StepBatch, StepRequests
 
 
 def build_step_batch(output: SchedulerOutput) -> StepBatch:
@@ -23,3 +28,24 @@ def build_step_batch(output: SchedulerOutput) -> StepBatch:
         # Only the blocks the context spans: the table may already hold blocks for later tokens.
         batch.block_table_rows.append(entry.request.block_ids[: -(-entry.seq_len // block_size)])
     return batch
+
+
+def build_step_requests(output: SchedulerOutput) -> StepRequests:
+    """The same step per request (no per-token lists): the runner derives positions, slots and block tables
+    from its persistent buffers. A decode entry costs a few list appends."""
+    scheduled = output.scheduled
+    requests = [entry.request for entry in scheduled]
+    input_ids: list[int] = []
+    for entry in scheduled:
+        if entry.num_new_tokens == 1 and entry.seq_len == entry.request.num_tokens and entry.request.output_token_ids:
+            input_ids.append(entry.request.output_token_ids[-1])  # a decode step: the last sampled token
+        else:
+            input_ids += entry.token_ids()
+    return StepRequests(
+        request_ids=[request.request_id for request in requests],
+        block_ids=[request.block_ids for request in requests],
+        num_computed=[entry.num_computed_before for entry in scheduled],
+        num_new=[entry.num_new_tokens for entry in scheduled],
+        samples=[entry.samples for entry in scheduled],
+        input_ids=input_ids,
+    )

@@ -11,18 +11,16 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
-import torch
-
 from worker.config import EngineSettings
 from worker.engine.api import EngineRequest, EngineStats, RequestOutput, SamplingParams
-from worker.engine.batch_builder import build_step_batch
+from worker.engine.batch_builder import build_step_requests
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.request import Request, RequestStatus
 from worker.engine.scheduler import Scheduler
 from worker.engine.scheduler_output import RequestUpdate
 from worker.engine.step_time import StepTimeModel
-from worker.model.runner import ModelRunner
-from worker.model.sampler import RowSampling, Sampler, make_generator
+from worker.model.runner import ModelRunner, make_runner
+from worker.model.sampler import RowSampling, Sampler
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +33,10 @@ class InvalidRequest(ValueError):
 
 @dataclass(slots=True)
 class _Live:
-    """Per-request state the scheduler does not keep: how its rows are sampled, its RNG and its text stream."""
+    """Per-request state the scheduler does not keep: how its rows are sampled (seed included) and its text."""
 
     detokenizer: IncrementalDetokenizer
     sampling: RowSampling
-    generator: torch.Generator | None
 
 
 @dataclass(slots=True)
@@ -53,14 +50,11 @@ class Completion:
     last: RequestOutput | None = None
 
 
-def _row_sampling(params: SamplingParams) -> RowSampling:
-    return RowSampling(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
-
-
 class LLMEngine:
     def __init__(self, settings: EngineSettings | None = None, runner: ModelRunner | None = None) -> None:
         self.settings = settings or EngineSettings()
-        self.runner = runner or ModelRunner(self.settings.model, self.settings)
+        self.runner = runner or make_runner(self.settings)
+        self.runner.reset()  # a shared runner may still hold rows of another engine's unfinished requests
         self.tokenizer = self.runner.tokenizer
         self.scheduler = Scheduler(self.settings, self.runner.num_blocks, self.runner.max_model_len)
         self.sampler = Sampler()
@@ -117,22 +111,20 @@ class LLMEngine:
             eos_token_ids=() if sampling.ignore_eos else tuple(self.runner.eos_token_ids),
         )
         self.scheduler.add_request(req)
-        row_sampling = _row_sampling(sampling)
         self._live[req.request_id] = _Live(
             IncrementalDetokenizer(self.tokenizer, token_ids, stop=sampling.stop),
-            row_sampling,
-            self._generator(req, row_sampling),
+            self._row_sampling(req.request_id, sampling),
         )
         return []
 
-    def _generator(self, request: Request, row_sampling: RowSampling) -> torch.Generator | None:
-        # The sampler's own greedy rule decides, so a row it samples always has a generator.
-        if row_sampling.greedy:
-            return None
-        seed = request.sampling.seed
-        if seed is None:
-            seed = self.settings.seed ^ zlib.crc32(request.request_id.encode())
-        return make_generator(seed, self.runner.device)
+    def _row_sampling(self, request_id: str, params: SamplingParams) -> RowSampling:
+        """Every sampled row gets a seed (the request's own, else ENGINE_SEED XOR crc32(request id)), so a
+        request's tokens are reproducible, also on a replay."""
+        row = RowSampling(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+        if row.greedy:
+            return row
+        seed = params.seed if params.seed is not None else self.settings.seed ^ zlib.crc32(request_id.encode())
+        return RowSampling(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=seed)
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
         return [self._final(request) for request in self.scheduler.abort(request_ids)]
@@ -149,16 +141,21 @@ class LLMEngine:
     # ---- one step -----------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule(time.monotonic())
+        sched = self.scheduler.schedule(time.monotonic(), self.step_time.coefficients())
         outputs = [self._final(request) for request in sched.deadline_dropped]
+        if sched.preempted_request_ids:
+            self.runner.release(sched.preempted_request_ids)  # they come back with new block tables
         if sched.is_empty:
             return outputs
         start = time.perf_counter()
-        model_input = self.runner.prepare_input(build_step_batch(sched))
+        model_input = self.runner.prepare_input(build_step_requests(sched))
         logits = self.runner.execute(model_input)  # [S, V]
-        sampling_ids = [entry.request_id for entry in sched.scheduled if entry.samples]  # row order of logits
-        live = [self._live[request_id] for request_id in sampling_ids]
-        token_ids = self.sampler.sample(logits, [x.sampling for x in live], [x.generator for x in live])
+        sampling = [entry for entry in sched.scheduled if entry.samples]  # row order of logits
+        sampling_ids = [entry.request_id for entry in sampling]
+        live = self._live
+        # The draw's counter is the index of the token being generated: stable across preemption and replay.
+        token_ids = self.sampler.sample(logits, [live[request_id].sampling for request_id in sampling_ids],
+                                        [entry.request.num_output_tokens for entry in sampling])
         self.step_time.observe(sched.num_batched_tokens, time.perf_counter() - start)
         self.num_steps += 1
         self._last_step = (sched.num_batched_tokens, len(sched.scheduled))
@@ -168,17 +165,19 @@ class LLMEngine:
 
     def _postprocess(self, update: RequestUpdate) -> RequestOutput:
         request = update.request
-        live = self._live[request.request_id]
-        text_ids = update.new_token_ids
-        if update.finish_status is RequestStatus.FINISHED_STOPPED:
-            text_ids = text_ids[:-1]  # the EOS or stop token: counted, never shown
-        text = live.detokenizer.push(text_ids) if text_ids else ""
-        if live.detokenizer.stopped and not request.is_finished:
-            request.stop_reason = live.detokenizer.stop_string
+        detokenizer = self._live[request.request_id].detokenizer
+        token_ids = update.new_token_ids
+        status = update.finish_status
+        if status is None:  # the common case, kept short: it runs for every running request at every step
+            text = detokenizer.push(token_ids)
+            if not detokenizer.stopped:
+                return self._output(request, token_ids, text)
+            request.stop_reason = detokenizer.stop_string
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
-        if request.is_finished:
-            return self._final(request, update.new_token_ids, text)
-        return self._output(request, update.new_token_ids, text)
+            return self._final(request, token_ids, text)
+        # The EOS or stop token that ended it is counted, never shown.
+        text_ids = token_ids[:-1] if status is RequestStatus.FINISHED_STOPPED else token_ids
+        return self._final(request, token_ids, detokenizer.push(text_ids) if text_ids else "")
 
     def _output(self, request: Request, token_ids: list[int], text: str) -> RequestOutput:
         return RequestOutput(
@@ -194,6 +193,8 @@ class LLMEngine:
         )
 
     def _final(self, request: Request, token_ids: list[int] | None = None, text: str = "") -> RequestOutput:
+        # Every way a request ends passes here (stop, length, abort, deadline), so its runner row is freed here.
+        self.runner.release([request.request_id])
         live = self._live.pop(request.request_id, None)
         if live is not None and request.status is not RequestStatus.FINISHED_ABORTED:
             text += live.detokenizer.flush()

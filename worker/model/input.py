@@ -1,16 +1,24 @@
-"""The tensors of one forward pass, built on the runner's device from the engine's plain `StepBatch`.
+"""The tensors of one forward pass, built on the runner's device from the engine's plain ints.
 
 T = tokens scheduled this step (all requests' new tokens concatenated, request after request),
 B = requests in the step, S = rows that get a next token sampled.
+
+`PersistentInput` is what the runner uses each step (as vLLM v1's persistent input batch): each request keeps
+a row of a block-table buffer from its first step until the engine releases it, and a step copies only the
+block ids added since; positions, slots and the step's block tables come out of vectorized numpy operations,
+with no per-token Python. `build_model_input` turns an explicit per-token `StepBatch` into the same tensors: the
+reference, and what model tests build by hand.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from worker.model.step_batch import StepBatch
+from worker.model.step_batch import StepBatch, StepRequests
 
 
 @dataclass(slots=True)
@@ -66,3 +74,116 @@ def build_model_input(batch: StepBatch, device: torch.device | str) -> ModelInpu
         attn=attn,
         logits_indices=tensor(batch.logits_indices, torch.int64),  # [S]
     )
+
+
+class PersistentInput:
+    """Builds a step's `ModelInput` from a `StepRequests`, keeping each request's block table between steps.
+
+    Block tables past a request's context hold stale or zero ids (never read: attention stops at seq_lens).
+    On a GPU the step's arrays go through pinned host buffers and are copied asynchronously; the next step
+    rewrites those buffers only after the sampler's transfer of this step's tokens has synchronized.
+    """
+
+    def __init__(self, max_blocks_per_request: int, block_size: int, device: torch.device | str,
+                 num_rows: int = 64) -> None:
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.block_table = np.zeros((num_rows, max_blocks_per_request), dtype=np.int32)
+        """[rows, max_blocks]: row r holds the block ids of the request that owns r."""
+        self._row_of: dict[str, int] = {}
+        self._num_copied: list[int] = [0] * num_rows
+        """Block ids of row r copied so far."""
+        self._free_rows = list(range(num_rows - 1, -1, -1))
+        self._pinned: dict[str, torch.Tensor] = {}
+
+    @property
+    def num_rows_in_use(self) -> int:
+        return len(self._row_of)
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Forget these requests' rows (finished or preempted: a preempted request comes back with a new block
+        table). Unknown ids are ignored."""
+        for request_id in request_ids:
+            row = self._row_of.pop(request_id, None)
+            if row is not None:
+                self._num_copied[row] = 0
+                self._free_rows.append(row)
+
+    def reset(self) -> None:
+        """Forget every request (an engine taking over this runner starts with empty block tables)."""
+        self.release(list(self._row_of))
+
+    def _grow(self) -> None:
+        old = self.block_table.shape[0]
+        self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)])
+        self._num_copied += [0] * old
+        self._free_rows += range(2 * old - 1, old - 1, -1)
+
+    def _rows(self, step: StepRequests) -> np.ndarray:  # [B] int64
+        rows = []
+        row_of, num_copied, table = self._row_of, self._num_copied, self.block_table
+        for request_id, block_ids in zip(step.request_ids, step.block_ids):
+            row = row_of.get(request_id)
+            if row is None:
+                if not self._free_rows:
+                    self._grow()
+                    table = self.block_table
+                row = row_of[request_id] = self._free_rows.pop()
+            copied = num_copied[row]
+            if len(block_ids) < copied:  # freed without a release (a caller's bug): copy the table afresh
+                copied = 0
+            if len(block_ids) > copied:
+                table[row, copied : len(block_ids)] = block_ids[copied:]
+                num_copied[row] = len(block_ids)
+            rows.append(row)
+        return np.array(rows, dtype=np.int64)
+
+    def build(self, step: StepRequests) -> ModelInput:
+        num_requests = len(step.request_ids)
+        rows = self._rows(step)  # [B]
+        num_computed = np.array(step.num_computed, dtype=np.int64)  # [B]
+        num_new = np.array(step.num_new, dtype=np.int64)  # [B]
+        qsl = np.zeros(num_requests + 1, dtype=np.int64)
+        np.cumsum(num_new, out=qsl[1:])
+        num_tokens = int(qsl[-1])
+        seq_lens = num_computed + num_new  # [B]
+        if num_tokens == num_requests:  # every request brings one token: a decode step
+            positions, token_rows = num_computed, rows  # [T]
+        else:
+            starts = np.repeat(num_computed - qsl[:-1], num_new)  # [T] position - token index
+            positions = starts + np.arange(num_tokens)
+            token_rows = np.repeat(rows, num_new)
+        bs = self.block_size
+        slot_mapping = self.block_table[token_rows, positions // bs] * bs + positions % bs  # [T] int64
+        max_seq_len = int(seq_lens.max()) if num_requests else 0
+        block_tables = self.block_table[rows, : -(-max_seq_len // bs)]  # [B, max_blocks] int32
+        logits_indices = qsl[1:][np.array(step.samples, dtype=bool)] - 1 if num_requests else qsl[:0]  # [S]
+        attn = AttentionMetadata(
+            slot_mapping=self._tensor("slot_mapping", slot_mapping),
+            query_start_loc=self._tensor("query_start_loc", qsl.astype(np.int32)),
+            seq_lens=self._tensor("seq_lens", seq_lens.astype(np.int32)),
+            block_tables=self._tensor("block_tables", block_tables),
+            max_query_len=int(num_new.max()) if num_requests else 0,
+            max_seq_len=max_seq_len,
+        )
+        return ModelInput(
+            input_ids=self._tensor("input_ids", np.array(step.input_ids, dtype=np.int64)),
+            positions=self._tensor("positions", positions),
+            attn=attn,
+            logits_indices=self._tensor("logits_indices", logits_indices),
+        )
+
+    def _tensor(self, name: str, array: np.ndarray) -> torch.Tensor:
+        array = np.ascontiguousarray(array)
+        if self.device.type == "cpu":
+            return torch.from_numpy(array)
+        staging = self._pinned.get(name)
+        if staging is None or staging.numel() < array.size or staging.dtype != _TORCH_DTYPES[array.dtype.type]:
+            size = max(array.size, 2 * (staging.numel() if staging is not None else 1024))
+            staging = self._pinned[name] = torch.empty(size, dtype=_TORCH_DTYPES[array.dtype.type]).pin_memory()
+        host = staging[: array.size]
+        host.numpy()[:] = array.ravel()
+        return host.view(array.shape).to(self.device, non_blocking=True)
+
+
+_TORCH_DTYPES = {np.int32: torch.int32, np.int64: torch.int64}

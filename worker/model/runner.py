@@ -1,9 +1,10 @@
 """`ModelRunner`: owns the model weights, the paged KV cache and the attention backend; runs one step.
 
-Each step the engine hands over a `StepBatch` of plain ints; `prepare_input` turns it into tensors on this
-runner's device and `execute` runs the forward, returning float32 logits for the rows that sample (two
-calls, so model tests can hand `execute` tensors they built by hand). Device, dtype and backend are chosen
-here once and logged, so a deployment's log says what actually runs.
+Each step the engine hands over a `StepRequests` of plain ints; `prepare_input` turns it into tensors on this
+runner's device (from buffers kept between steps, `PersistentInput`) and `execute` runs the forward, returning
+float32 logits for the rows that sample (two calls, so model tests can hand `execute` tensors they built by
+hand). `release` forgets a finished or preempted request's buffers. Device, dtype and backend are chosen here
+once and logged, so a deployment's log says what actually runs.
 """
 
 from __future__ import annotations
@@ -16,17 +17,28 @@ import torch
 from worker.config import EngineSettings
 from worker.model.attention import AttentionBackend
 from worker.model.config import ModelConfig, load_config, load_eos_token_ids
-from worker.model.input import ModelInput, build_model_input
+from worker.model.input import ModelInput, PersistentInput
 from worker.model.loader import load_model
 from worker.model.pull import resolve_model
-from worker.model.step_batch import StepBatch
+from worker.model.step_batch import StepRequests
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def make_runner(settings: EngineSettings):
+    """The runner the settings name: `ModelRunner`, or `SimRunner` (worker/model/sim.py) for a sim: device."""
+    if settings.device.startswith("sim:"):
+        from worker.model.sim import SimRunner
+
+        return SimRunner(settings)
+    return ModelRunner(settings.model, settings)
+
+
 def pick_device(setting: str) -> torch.device:
+    if setting.startswith("sim:"):
+        raise ValueError(f"ENGINE_DEVICE={setting}: a simulated device has no tensors; use make_runner")
     if setting == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if setting == "cuda" and not torch.cuda.is_available():
@@ -83,6 +95,8 @@ class ModelRunner:
             device=self.device, dtype=self.dtype,
         )
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(c.num_layers)]
+        self.inputs = PersistentInput(-(-self.max_model_len // self.block_size), self.block_size, self.device,
+                                      num_rows=settings.max_num_seqs)
 
         log.info(
             "model %s (%s, %d layers, %d/%d heads): device=%s dtype=%s attention=%s; KV cache %d blocks x %d "
@@ -123,8 +137,15 @@ class ModelRunner:
     def num_layers(self) -> int:
         return self.config.num_layers
 
-    def prepare_input(self, batch: StepBatch) -> ModelInput:
-        return build_model_input(batch, self.device)
+    def prepare_input(self, step: StepRequests) -> ModelInput:
+        return self.inputs.build(step)
+
+    def release(self, request_ids: list[str]) -> None:
+        self.inputs.release(request_ids)
+
+    def reset(self) -> None:
+        """A new engine takes over: no request holds input rows (benchmarks share one runner across engines)."""
+        self.inputs.reset()
 
     @torch.inference_mode()
     def execute(self, model_input: ModelInput) -> torch.Tensor:  # [S, V] float32

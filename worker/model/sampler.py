@@ -1,32 +1,57 @@
-"""Next-token selection: greedy argmax, or temperature -> top-k -> top-p -> a seeded random draw.
+"""Next-token selection for a whole step at once: greedy argmax, or temperature -> top-k -> top-p -> a seeded draw.
 
-Reproducibility per request: each sampled row draws only from its own `torch.Generator` and is processed
-on its own, with operations whose shape depends on that row alone. The same logits row, parameters and
-generator state therefore give the same token whatever else shares the batch. (The engine seeds each
-request's generator once, from the request's own seed, else from ENGINE_SEED XOR crc32(request id).)
+Batched: a fixed number of tensor operations per step, whatever the number of rows and their parameters (the
+sampler this replaces looped over rows: 80-130 µs per sampled request and step on the CPU, and a kernel launch
+per operation and row on a GPU). Only the final token ids cross to the host, in one transfer.
 
-The draw is the exponential race (argmax of p_i / E_i with E_i ~ Exp(1)), which picks token i with
-probability p_i exactly, never picks a zero-probability token, and needs no cumulative sums whose rounding
-could push a draw past the end. Top-p without top-k avoids sorting the whole vocabulary (slow on the CPU):
-the nucleus is looked for among the top 256, then the top 4096 tokens, and only then in a full sort.
+Reproducibility, counter-based. A sampled row draws with one uniform number u = hash(seed, counter), the
+counter being the index of the token being generated in its request (the engine passes num_output_tokens).
+There is no generator state: the same seed gives the same tokens whatever else shares the batch and in whatever
+row order, after a preemption, and when the request is replayed from scratch; and a request's k-th token never
+depends on how many draws came before it. Every operation works within a row (elementwise arithmetic, max,
+selection, row-wise cumulative sums): no reduction whose rounding could depend on how a kernel splits the batch.
+A row without a seed draws u from torch's global generator (not reproducible; the engine seeds every request).
 
-Every positive temperature is defined: below 0.01 the row max is subtracted before dividing (see `_scale`),
-so a temperature just above 0 sharpens to the argmax instead of overflowing to inf and a NaN softmax.
+The draw, with weights w = exp((logit - row max) / T):
+- no top-k, no top-p: in vocabulary order, the first token whose cumulative weight exceeds u · sum(w);
+- with a cut: tokens ranked by logit, descending, equal logits by token id; top-k keeps the first k; top-p
+  keeps the shortest prefix (of those) whose weight reaches top_p times the mass it is measured against (the
+  top k with top-k, the whole row without); the drawn rank is the first whose cumulative weight exceeds u times
+  the kept weight, and the token is the one at that rank.
+A token of weight 0 (cut, masked, or underflowed) is never drawn: its interval is empty, and the target is kept
+strictly below the total. Ties are broken by token id, so a cut keeps exactly k tokens and which ones does not
+depend on a kernel's tie order. For top-p without top-k the nucleus is looked for among the top 256, then the top
+4096 tokens before sorting the whole vocabulary.
+
+Every positive temperature is defined: the row max is subtracted before dividing by max(T, smallest normal
+float), so a temperature just above 0 sharpens to the argmax instead of overflowing to inf and a NaN softmax.
+
+On the CPU the draw runs in numpy (worker/model/sampler_numpy.py, same definition, several times faster).
+
+Changed in issue #16: the draw used to be an exponential race with a per-request torch.Generator, row by row;
+a given seed now gives other tokens than it did then (the same ones in any batch, as before).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-_NUCLEUS_CANDIDATES = (256, 4096)
-_SHIFT_BELOW_TEMPERATURE = 0.01
-"""Temperatures from here up divide the logits as they are, as the sampler always did, so a seed keeps
-giving the same tokens; logits/T overflows float32 there only for |logits| > 3e36, which no model emits."""
+from worker.model import sampler_numpy
+
+NUCLEUS_TIERS = (256, 4096)
+"""Top-p without top-k: candidates tried before the whole vocabulary (a tier is used when it is at most 1/8 of
+the vocabulary; each try costs a device sync on a GPU)."""
 _MIN_DIVISOR = torch.finfo(torch.float32).tiny
 """Smallest normal float32. A smaller temperature would round to 0 (0/0 = NaN at the max) or, on a GPU,
 whose division by a scalar multiplies by its reciprocal, give 1/T = inf (0*inf = NaN)."""
+_U64 = (1 << 64) - 1
+NUMPY_ON_CPU = True
+"""Logits on the CPU are drawn from in numpy and their argmax taken there. Tests turn it off to run the torch
+operations a GPU uses on CPU tensors."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -39,89 +64,176 @@ class RowSampling:
     top_p: float = 1.0
     top_k: int = 0
     """0 means no top-k cut."""
+    seed: int | None = None
+    """Reduced modulo 2**64. None: draws from torch's global generator (not reproducible)."""
 
     @property
     def greedy(self) -> bool:
-        # top_k == 1 leaves one candidate: argmax, without spending a random draw.
+        # top_k == 1 leaves one candidate: argmax, without spending a draw.
         return self.temperature <= 0.0 or self.top_k == 1
 
 
-def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    return torch.Generator(device=device).manual_seed(seed)
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer (Steele, Lea, Flood 2014): a bijection of uint64 with full avalanche."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
 
 
-def _top_p_candidates(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """probs: [V] -> (sorted descending probabilities [n], their token ids [n]) holding the nucleus."""
-    vocab = probs.shape[0]
-    for k in _NUCLEUS_CANDIDATES:
-        if k >= vocab:
-            break
-        values, ids = probs.topk(k)
-        if float(values.sum()) >= top_p:
-            return values, ids
-    return probs.sort(descending=True)
+def counter_uniforms(seeds: Sequence[int], counters: Sequence[int]) -> np.ndarray:  # [n] float64 in [0, 1)
+    """u = hash(seed, counter): independent uniforms per (seed, counter), 53 random bits each."""
+    s, c = _u64(seeds), _u64(counters)
+    with np.errstate(over="ignore"):  # uint64 arithmetic wraps modulo 2**64, as intended
+        z = _mix64(_mix64(s + np.uint64(0x9E3779B97F4A7C15)) + c * np.uint64(0xD1B54A32D192ED03))
+    return (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
-def _scale(
-    logits: torch.Tensor,  # [V] float32
-    temperature: float,
-) -> torch.Tensor:  # [V] float32, logits / temperature up to a shift (softmax ignores shifts)
-    if temperature >= _SHIFT_BELOW_TEMPERATURE:
-        return logits / temperature
-    # With the max at 0 every quotient is <= 0: none can reach +inf, the max stays exactly 0 (so the softmax
-    # sum is >= 1), and the others may overflow to -inf, which is probability 0, as it should be this cold.
-    # Masked (-inf) logits stay -inf. Decided on the host from the temperature: no sync on a GPU.
-    return (logits - logits.max()) / max(temperature, _MIN_DIVISOR)
+def _u64(values: Sequence[int]) -> np.ndarray:
+    try:
+        return np.array(values, dtype=np.uint64)
+    except OverflowError:  # negative, or 2**64 and above
+        return np.array([x & _U64 for x in values], dtype=np.uint64)
+
+
+def _on_numpy(x: torch.Tensor) -> bool:
+    return NUMPY_ON_CPU and x.device.type == "cpu"
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:  # [S] int64
+    if _on_numpy(logits):
+        # torch's CPU argmax is ~15x slower than numpy's vectorized one at [256, 2048]; both take the first max.
+        return torch.from_numpy(logits.float().numpy().argmax(-1).astype(np.int64))
+    return logits.argmax(dim=-1)
 
 
 class Sampler:
+    def __init__(self) -> None:
+        self._scratch = sampler_numpy.Scratch()
+
     def sample(
         self,
         logits: torch.Tensor,  # [S, V] float32
-        params: list[RowSampling],
-        generators: list[torch.Generator | None],
+        params: Sequence[RowSampling],
+        counters: Sequence[int] | None = None,
     ) -> list[int]:
-        """One token id per row. Rows that sample use generators[i] (None: torch's global RNG, not
-        reproducible); a generator on another device than logits works, at the cost of a copy."""
+        """One token id per row. counters[i]: the index of the token row i generates in its request (the
+        draw's counter; default 0)."""
         num_rows = logits.shape[0]
-        if len(params) != num_rows or len(generators) != num_rows:
-            raise ValueError(f"{num_rows} logits rows but {len(params)} params and {len(generators)} generators")
-        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-        tokens: list[int] = [0] * num_rows
-        if len(greedy_rows) == num_rows:
-            return logits.argmax(dim=-1).tolist()
-        if greedy_rows:
-            index = torch.tensor(greedy_rows, device=logits.device)
-            for row, token in zip(greedy_rows, logits.index_select(0, index).argmax(dim=-1).tolist()):
-                tokens[row] = token
+        if len(params) != num_rows or (counters is not None and len(counters) != num_rows):
+            raise ValueError(f"{num_rows} logits rows but {len(params)} params and "
+                             f"{None if counters is None else len(counters)} counters")
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-        # Tokens stay on the device until one transfer at the end (a sync per row would stall a GPU).
-        drawn = torch.stack([self._sample_row(logits[i], params[i], generators[i]) for i in sampled_rows])
-        for row, token in zip(sampled_rows, drawn.tolist()):
-            tokens[row] = token
-        return tokens
-
-    @staticmethod
-    def _sample_row(
-        logits: torch.Tensor,  # [V]
-        params: RowSampling,
-        generator: torch.Generator | None,
-    ) -> torch.Tensor:  # [] int64 token id
-        x = _scale(logits.float(), params.temperature)  # [V]
-        vocab = x.shape[0]
-        ids: torch.Tensor | None = None  # token id of each candidate; None: candidates are the vocabulary
-        if 0 < params.top_k < vocab:
-            values, ids = x.topk(params.top_k)  # [k], sorted descending
-            probs = values.softmax(dim=-1)  # renormalized over the top k, as top-p then sees it
-        elif params.top_p < 1.0:
-            probs, ids = _top_p_candidates(x.softmax(dim=-1), params.top_p)
+        if not sampled_rows:
+            return _argmax(logits).tolist()
+        picked = [params[i] for i in sampled_rows]
+        u = _uniforms(picked, [0] * len(picked) if counters is None else [counters[i] for i in sampled_rows])
+        if _on_numpy(logits):
+            a = logits.float().numpy()
+            drawn = torch.from_numpy(sampler_numpy.draw(
+                a if len(sampled_rows) == num_rows else a[sampled_rows],
+                np.array([p.temperature for p in picked], dtype=np.float32),
+                np.array([p.top_k for p in picked], dtype=np.int64),
+                np.array([p.top_p for p in picked], dtype=np.float64),
+                u, NUCLEUS_TIERS, self._scratch,
+            ))
         else:
-            probs = x.softmax(dim=-1)
-        if params.top_p < 1.0:
-            # probs is sorted descending here: keep the shortest prefix whose mass reaches top_p.
-            mass_before = probs.cumsum(dim=-1) - probs
-            probs = probs.masked_fill(mass_before >= params.top_p, 0.0)
-        device = generator.device if generator is not None else probs.device
-        noise = torch.empty(probs.shape, device=device, dtype=torch.float32).exponential_(generator=generator)
-        choice = (probs / noise.to(probs.device)).argmax()
-        return ids[choice] if ids is not None else choice
+            x = logits if len(sampled_rows) == num_rows else logits.index_select(
+                0, torch.tensor(sampled_rows, device=logits.device))
+            drawn = _draw(x.float(), picked, torch.from_numpy(u).to(logits.device))  # [R]
+        if len(sampled_rows) == num_rows:
+            return drawn.tolist()
+        tokens = _argmax(logits)
+        tokens[torch.tensor(sampled_rows, device=tokens.device)] = drawn.to(tokens.device)
+        return tokens.tolist()
+
+
+def _uniforms(params: list[RowSampling], counters: list[int]) -> np.ndarray:  # [R] float64
+    seeded = [i for i, p in enumerate(params) if p.seed is not None]
+    if len(seeded) == len(params):
+        return counter_uniforms([p.seed for p in params], counters)
+    u = torch.rand(len(params), dtype=torch.float64).numpy()
+    if seeded:
+        u[seeded] = counter_uniforms([params[i].seed for i in seeded], [counters[i] for i in seeded])
+    return u
+
+
+# ---- the draw in torch (any device; what a GPU runs) ------------------------------------------------------
+
+
+def _draw(
+    x: torch.Tensor,  # [R, V] float32 logits of the rows that sample
+    params: list[RowSampling],
+    u: torch.Tensor,  # [R] float64
+) -> torch.Tensor:  # [R] int64 token ids
+    rows, vocab = x.shape
+    device = x.device
+    divisor = torch.tensor([max(p.temperature, _MIN_DIVISOR) for p in params], device=device)[:, None]  # [R, 1]
+    cut = [0 < p.top_k < vocab or p.top_p < 1.0 for p in params]
+    tokens = torch.empty(rows, dtype=torch.int64, device=device)
+    for want, fn in ((False, _draw_whole_rows), (True, _draw_cut_rows)):
+        group = [i for i in range(rows) if cut[i] == want]
+        if len(group) == rows:
+            return fn(x, divisor, [params[i] for i in group], u)
+        if group:
+            index = torch.tensor(group, device=device)
+            tokens[index] = fn(x.index_select(0, index), divisor.index_select(0, index),
+                               [params[i] for i in group], u.index_select(0, index))
+    return tokens
+
+
+def _scaled(x: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
+    # With the max at 0 every quotient is <= 0: none reaches +inf, the max stays exactly 0, and the others may
+    # overflow to -inf (weight 0), as they should this cold. Masked (-inf) logits stay -inf.
+    return (x - x.amax(dim=-1, keepdim=True)) / divisor
+
+
+def _draw_whole_rows(x, divisor, params, u) -> torch.Tensor:
+    """Vocabulary order: the first token whose cumulative weight exceeds u · total."""
+    cdf = _scaled(x, divisor).exp().cumsum(dim=-1)  # [R, V] non-decreasing
+    total = cdf[:, -1:]  # [R, 1] >= 1
+    target = torch.minimum(u.to(cdf.dtype)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+
+
+def _draw_cut_rows(x, divisor, params, u) -> torch.Tensor:
+    """Rank order (logit descending, then token id): keep the first n, draw a rank, find its token."""
+    rows, vocab = x.shape
+    device = x.device
+    ks = torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params], device=device)  # [R]
+    max_k = int(max(p.top_k if 0 < p.top_k < vocab else 0 for p in params))
+    top_p = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], device=device,
+                         dtype=torch.float64)
+    nucleus_only = (ks == 0) & ~torch.isinf(top_p)
+    row_max = x.amax(dim=-1, keepdim=True)
+    row_mass = None
+    tiers = [max_k]
+    if any(p.top_p < 1.0 and not 0 < p.top_k < vocab for p in params):
+        tiers = [t for t in NUCLEUS_TIERS if 8 * t <= vocab] + [vocab]
+        # Top-p without top-k measures the nucleus against the whole row's mass.
+        row_mass = _scaled(x, divisor).exp().to(torch.float64).cumsum(dim=-1)[:, -1]
+    for width in tiers:
+        width = max(width, max_k)
+        ordered = x.topk(width).values if width < vocab else x.sort(dim=-1, descending=True).values  # [R, K]
+        weights = ((ordered - row_max) / divisor).to(torch.float64).exp()  # [R, K] the first is 1
+        in_top_k = torch.arange(width, device=device)[None, :] < torch.where(ks > 0, ks, width)[:, None]
+        weights = weights.masked_fill(~in_top_k, 0.0)  # top-k first
+        cumulative = weights.cumsum(dim=-1)  # [R, K]
+        total = cumulative[:, -1] if row_mass is None else torch.where(nucleus_only, row_mass, cumulative[:, -1])
+        if width < vocab and row_mass is not None:
+            # A top-p-only row's nucleus must end inside this tier, or a wider tier decides (a sync).
+            if not bool((~nucleus_only | (cumulative[:, -1] >= top_p * total)).all()):
+                continue
+        # Top-p: the shortest prefix whose mass reaches p (>= 1 token: nothing comes before the first).
+        reach = top_p * total
+        num_kept = torch.minimum(torch.where(ks > 0, ks, width), ((cumulative - weights) < reach[:, None]).sum(-1))
+        num_kept = num_kept.clamp(min=1)  # a top_p so small that p * total underflows still keeps the first
+        kept_mass = cumulative.gather(1, (num_kept - 1)[:, None]).squeeze(1)
+        target = torch.minimum(u * kept_mass, torch.nextafter(kept_mass, torch.zeros_like(kept_mass)))
+        rank = (cumulative <= target[:, None]).sum(dim=-1)  # first rank whose cumulative weight exceeds it
+        value = ordered.gather(1, rank[:, None])  # [R, 1]
+        before = rank - (ordered > value).sum(dim=-1)  # [R] equal logits ranked before it
+        equal = x == value  # [R, V]
+        # The (before+1)-th token holding that logit in vocabulary order.
+        at = equal & (equal.to(torch.int32).cumsum(dim=-1) == (before + 1)[:, None].to(torch.int32))
+        return at.to(torch.uint8).argmax(dim=-1)
+    raise AssertionError("the last tier is the whole vocabulary")

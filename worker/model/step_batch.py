@@ -1,9 +1,11 @@
 """What the engine hands the model runner for one step, as plain Python ints: no tensor exists yet.
 
-The engine fills a `StepBatch` from its scheduler's output without torch; the model runner turns it into
-the tensors of one forward pass on its own device (worker/model/input.py). The batch is flat and ragged (no
-padding): T = tokens scheduled this step (all requests' new tokens concatenated, request after request),
-B = requests in the step, S = rows that get a next token sampled.
+The engine fills a `StepRequests` (per request: id, block table, token counts; the step's input ids) from its
+scheduler's output without torch; the model runner turns it into the tensors of one forward pass on its own
+device, from buffers it keeps between steps (worker/model/input.py). `StepBatch` lays out every token
+explicitly: the reference the runner's input is tested against, and what model tests build by hand. The batch
+is flat and ragged (no padding): T = tokens scheduled this step (all requests' new tokens concatenated, request
+after request), B = requests in the step, S = rows that get a next token sampled.
 """
 
 from __future__ import annotations
@@ -27,3 +29,28 @@ class StepBatch:
     """[B] rows of block ids: the blocks each request's context spans, unpadded (the tensor pads them)."""
     logits_indices: list[int] = field(default_factory=list)
     """[S]: indices into T whose logits are computed (last token of each request that samples)."""
+
+
+@dataclass(slots=True)
+class StepRequests:
+    """One step per request, for the runner's persistent input buffers (worker/model/input.py): B entries,
+    request after request, plus the step's input ids. Per-token positions, slots and padded block tables are
+    derived on the runner's side in vectorized form; a block table is copied only where it grew.
+
+    `block_ids[b]` is the engine's own block-table list of request b, passed by reference and read only while
+    the runner prepares this step. Between a request's release (finish or preemption: the engine calls the
+    runner's `release`) and its next appearance, its list only grows, so the runner may keep what it copied.
+    """
+
+    request_ids: list[str] = field(default_factory=list)
+    """[B]"""
+    block_ids: list[list[int]] = field(default_factory=list)
+    """[B] each request's whole block table (it may already hold blocks for later tokens)."""
+    num_computed: list[int] = field(default_factory=list)
+    """[B] tokens whose K/V were in the cache before this step."""
+    num_new: list[int] = field(default_factory=list)
+    """[B] tokens computed this step (>= 1)."""
+    samples: list[bool] = field(default_factory=list)
+    """[B] whether the step reaches the request's last token, so a next token is sampled from it."""
+    input_ids: list[int] = field(default_factory=list)
+    """[T] the new tokens, request after request."""

@@ -1,0 +1,89 @@
+"""LLMEngine on the simulated accelerator: requests complete, outputs are the simulation's deterministic tokens,
+the same in any batch and on every run, sampled ones too; `serve` builds it from the settings alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from worker.config import EngineSettings
+from worker.engine.api import EngineRequest, SamplingParams
+from worker.engine.engine import LLMEngine
+from worker.model.sim import SimRunner
+
+
+def settings(model_path, **overrides) -> EngineSettings:
+    values = dict(model=str(model_path), device="sim:h200", sim_model="llama-3.1-8b", block_size=16,
+                  max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024, num_kv_blocks=40)
+    return EngineSettings(**{**values, **overrides})
+
+
+def sim_engine(model_path, waits: list[float] | None = None, **overrides) -> LLMEngine:
+    waits = [] if waits is None else waits
+    engine_settings = settings(model_path, **overrides)
+    return LLMEngine(engine_settings, SimRunner(engine_settings, sleep=waits.append))
+
+
+SAMPLINGS = [SamplingParams(max_new_tokens=12),
+             SamplingParams(max_new_tokens=9, temperature=0.8, seed=5),
+             SamplingParams(max_new_tokens=7, temperature=1.0, top_k=20, top_p=0.9),  # seeded by the engine
+             SamplingParams(max_new_tokens=10, temperature=0.7, top_p=0.5, seed=11)]
+
+
+def requests() -> list[EngineRequest]:
+    return [EngineRequest(f"r{i}", prompt_token_ids=[200 + 7 * i + j for j in range(5 + 13 * i)],
+                          sampling=SAMPLINGS[i % len(SAMPLINGS)]) for i in range(6)]
+
+
+def test_requests_complete_with_the_simulations_tokens_in_any_batch(tiny_model_path):
+    waits: list[float] = []
+    engine = sim_engine(tiny_model_path, waits)
+    together = engine.generate(requests())
+    assert all(c.finish_reason == "length" for c in together.values())
+    assert [len(together[r.request_id].token_ids) for r in requests()] == [r.sampling.max_new_tokens
+                                                                            for r in requests()]
+    # Greedy tokens follow the simulation's rule: a function of the previous token and its position.
+    runner = engine.runner
+    greedy = requests()[0]
+    context = list(greedy.prompt_token_ids)
+    for token in together["r0"].token_ids:
+        assert token == int(runner.next_token_ids(np.array([context[-1]]), np.array([len(context) - 1]))[0])
+        context.append(token)
+    assert together["r0"].text  # detokenized by the real tokenizer
+    # Each request alone, in another order, on fresh engines: the same tokens, sampled ones included.
+    for request in reversed(requests()):
+        alone = sim_engine(tiny_model_path).generate([request])[request.request_id]
+        assert alone.token_ids == together[request.request_id].token_ids, request.request_id
+    # The steps waited their simulated time (minus the host work of producing the logits).
+    assert len(waits) == engine.num_steps and 0 < sum(waits) <= runner.simulated_s
+    engine.scheduler.check_invariants()
+    assert engine.runner.inputs.num_rows_in_use == 0  # every request's input row was released
+
+
+def test_preemption_on_the_simulated_device_keeps_outputs(tiny_model_path):
+    # 12 blocks of 16 tokens cannot hold six requests at once: some are preempted and recomputed.
+    tight_engine = sim_engine(tiny_model_path, num_kv_blocks=12)
+    tight = tight_engine.generate(requests())
+    roomy = sim_engine(tiny_model_path).generate(requests())
+    assert tight_engine.scheduler.num_preemptions > 0
+    assert {k: v.token_ids for k, v in tight.items()} == {k: v.token_ids for k, v in roomy.items()}
+
+
+def test_serve_builds_a_simulated_engine_from_the_settings(tiny_model_path, monkeypatch):
+    from worker.serve import build_engine
+
+    monkeypatch.setenv("ENGINE_DEVICE", "sim:h100")
+    monkeypatch.setenv("ENGINE_SIM_MODEL", "smollm2-135m")
+    monkeypatch.setenv("ENGINE_MODEL", str(tiny_model_path))
+    engine_settings = EngineSettings()
+    assert (engine_settings.device, engine_settings.sim_model) == ("sim:h100", "smollm2-135m")
+    engine = build_engine("llm", engine_settings, 0.0)
+    assert isinstance(engine, LLMEngine) and isinstance(engine.runner, SimRunner)
+    assert engine.runner.profile.name.startswith("NVIDIA H100")
+    assert engine.scheduler.pool.num_blocks == engine.runner.num_blocks > 100_000  # 80 GB less 0.27 GB, in blocks
+    assert engine.runner.vocab_size == 49152 and engine.runner.max_model_len == 8192
+
+
+def test_an_unknown_simulated_model_is_refused(tiny_model_path):
+    with pytest.raises(FileNotFoundError, match="llama-3.1-8b"):
+        SimRunner(settings(tiny_model_path, sim_model="gpt-5"))
