@@ -178,6 +178,11 @@ class WorkerSettings(BaseSettings):
     """How often safe offsets are committed."""
     max_poll_records: int = Field(500, ge=1)
     """Records fetched per poll."""
+    fetch_min_bytes: int = Field(1, ge=1)
+    """Request consumer: the broker answers a fetch once this many bytes are there, or after fetch_max_wait_ms.
+    1 answers at once; a few KiB batch the records of a busy topic into fewer fetches (less broker work)."""
+    fetch_max_wait_ms: int = Field(500, ge=0)
+    """Request consumer: the longest the broker holds a fetch waiting for fetch_min_bytes."""
     metrics_port: int = Field(9400, ge=0, le=65535)
     """Prometheus metrics HTTP port; 0 disables the endpoint."""
     pause_dwell_s: float = Field(0.5, ge=0)

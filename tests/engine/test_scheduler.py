@@ -267,14 +267,32 @@ def test_a_more_urgent_request_preempts_a_less_urgent_one_for_a_seat():
     step(scheduler, runner, now=0.0)
     scheduler.add_request(make_request("urgent", 4, 3, arrival_time=0.5, priority=0))
     output, _ = step(scheduler, runner, now=0.5)
-    assert output.preempted_request_ids == ["bulk-a"]  # the least urgent, not bulk-b
+    assert output.preempted_request_ids == []  # one step's grace: a finishing request may free a seat
+    output, _ = step(scheduler, runner, now=0.55)
+    assert output.preempted_request_ids == ["bulk-a"]  # none did: the least urgent goes, not bulk-b
     assert set(scheduled_ids(output)) == {"bulk-b", "urgent"}
     scheduler.add_request(make_request("same", 4, 3, arrival_time=0.6, priority=0))
-    output, _ = step(scheduler, runner, now=0.6)
+    step(scheduler, runner, now=0.6)
+    output, _ = step(scheduler, runner, now=0.65)
     assert output.preempted_request_ids == ["bulk-b"]
     scheduler.add_request(make_request("peer", 4, 3, arrival_time=0.7, priority=0))
-    output, _ = step(scheduler, runner, now=0.7)
-    assert output.preempted_request_ids == []  # never within a priority
+    for now in (0.7, 0.75):
+        output, _ = step(scheduler, runner, now=now)
+        assert output.preempted_request_ids == []  # never within a priority
+    run_to_completion(scheduler, runner, now=1.0)
+
+
+def test_a_seat_freed_by_a_finishing_request_spares_a_preemption():
+    scheduler = make_scheduler(max_num_seqs=2)
+    runner = FakeRunner(64, 4)
+    scheduler.add_request(make_request("short", 4, 2, priority=2))
+    scheduler.add_request(make_request("long", 4, 20, priority=2))
+    step(scheduler, runner, now=0.0)  # both prefill, "short" has its first token
+    scheduler.add_request(make_request("urgent", 4, 3, arrival_time=0.1, priority=0))
+    output, _ = step(scheduler, runner, now=0.1)  # seats full: urgent waits; "short" finishes
+    assert output.preempted_request_ids == [] and "urgent" not in scheduled_ids(output)
+    output, _ = step(scheduler, runner, now=0.2)
+    assert output.preempted_request_ids == [] and "urgent" in scheduled_ids(output)  # the freed seat
     run_to_completion(scheduler, runner, now=1.0)
 
 

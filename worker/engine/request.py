@@ -55,6 +55,8 @@ class Request:
 
     Filled lazily by the block pool; tokens never change once appended, so the list only grows."""
     num_preemptions: int = 0
+    seat_wait_step: int | None = None
+    """The scheduler step at which it first found every seat taken (it may preempt for one a step later)."""
     stop_reason: int | str | None = None
     """The EOS or stop token id, or the stop string, that finished the request (None for other endings)."""
     first_scheduled_time: float | None = None

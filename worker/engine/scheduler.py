@@ -65,6 +65,7 @@ class Scheduler:
         self._num_added = 0
         self.num_preemptions = 0
         self.num_deadline_drops = 0
+        self._num_schedules = 0
 
     # ---- queries ------------------------------------------------------------------------------------
 
@@ -140,6 +141,7 @@ class Scheduler:
         step sizes and for refusing to start what cannot meet its deadline ((0, 0): the budget is always
         max_num_batched_tokens, and only deadlines already passed count)."""
         now = time.monotonic() if now is None else now
+        self._num_schedules += 1
         output = SchedulerOutput(block_size=self.block_size)
         for request in self.waiting.pop_expired(now):
             self.num_deadline_drops += 1
@@ -191,6 +193,12 @@ class Scheduler:
                     hopeless.append(request)
                     continue
                 if len(self.running) >= self.max_num_seqs:
+                    # Every seat taken: wait one step first, since seats free up as requests finish, and a
+                    # preemption costs the victim's whole recompute; preempt if none freed in that step.
+                    if request.seat_wait_step is None:
+                        request.seat_wait_step = self._num_schedules
+                    if self._num_schedules == request.seat_wait_step:
+                        break
                     freed = self._preempt_less_urgent(request, scheduled, output)
                     if freed < 0:
                         break
@@ -316,8 +324,9 @@ class Scheduler:
         """continuous policy: make room for `request` by preempting the least urgent running request, if it is
         of a strictly less urgent priority (never within a priority: that would only trade places). Returns the
         token budget the victim had been given this step (0 if it was not scheduled yet), or -1 when there is
-        no such victim. A more urgent request thus never waits behind less urgent work for a seat (max_num_seqs)
-        or for KV blocks beyond the step it arrives in."""
+        no such victim. A more urgent request thus never waits behind less urgent work for KV blocks beyond the
+        step it arrives in, nor for a seat (max_num_seqs) beyond the step after: for a seat it first waits one
+        step, in which finishing requests usually free one, since preempting costs the victim's recompute."""
         if self.policy.name != "continuous" or not self.running:
             return -1
         victim = max(self.running, key=self._victim_key)

@@ -22,6 +22,8 @@ def make_consumer(kafka: KafkaSettings, settings: WorkerSettings) -> AIOKafkaCon
         auto_offset_reset="earliest",
         partition_assignment_strategy=(assignor,),
         max_poll_records=settings.max_poll_records,
+        fetch_min_bytes=settings.fetch_min_bytes,
+        fetch_max_wait_ms=settings.fetch_max_wait_ms,
         session_timeout_ms=int(settings.session_timeout_s * 1000),
         heartbeat_interval_ms=max(100, int(settings.session_timeout_s * 1000) // 4),
     )
