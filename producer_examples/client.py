@@ -209,7 +209,9 @@ class LLMClient:
 
         timeout_s: default wait of the handle's stream() and result(), from now. Unset, it is the request's
         own deadline plus DEADLINE_GRACE_S, or the client's default_timeout_s when the request has none.
-        Before sending, waits (bounded) while a worker reports this priority congested; see backoff.py.
+        Before sending, waits (bounded) while a worker reports this priority congested; see backoff.py. A
+        request with timeout_ms is sent with the time it waited taken off, so its deadline stays where the
+        caller put it (the worker counts timeout_ms from the record's timestamp, which comes after the wait).
         """
         if self._producer is None:
             raise ClientError("the client is not started (use `async with LLMClient(...)`)")
@@ -232,6 +234,9 @@ class LLMClient:
         self._handles[request.id] = handle
         try:
             handle.backoff_s = await wait_while_congested(self.board, self.backoff, priority, deadline_at)
+            if handle.backoff_s > 0 and request.timeout_ms is not None:
+                left_ms = max(1, request.timeout_ms - round(handle.backoff_s * 1000))
+                request = msgspec.structs.replace(request, timeout_ms=left_ms)
             await self._producer.send_and_wait(self.settings.request_topic, encode(request),
                                                key=request.id.encode(), partition=partition)
         except BaseException:

@@ -167,6 +167,10 @@ async def test_submit_backs_off_while_a_worker_sheds_that_priority(kafka_topics)
         assert 0.1 <= handle.backoff_s <= 0.7
     records = await read_topic(kafka, kafka.request_topic, 4)
     assert len(records) == 4
+    # The time spent backing off is taken off timeout_ms: the deadline stays where the caller put it.
+    held = [r for r in records if decode_request(r.value).id == handle.request_id]
+    sent_timeout = decode_request(held[0].value).timeout_ms
+    assert 400 - handle.backoff_s * 1000 - 2 <= sent_timeout <= 400 - handle.backoff_s * 1000 + 2
 
 
 async def test_backoff_ends_when_the_worker_stops_shedding(kafka_topics):
