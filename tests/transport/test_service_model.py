@@ -113,3 +113,12 @@ def test_priority_zero_is_admitted_on_the_squeezed_service():
     assert model.service_for(queued(0, 10_000), 100) == squeezed
     assert model.service_for(queued(0, None), 100) == model.service_s(56, 8, 100)  # no deadline, no squeeze
     assert model.service_for(queued(1, 10_000), 100) == model.service_s(56, 8, 100)
+
+
+def test_a_busy_engine_takes_new_requests_between_steps():
+    busy = EngineStats(num_running=3, last_step_num_tokens=100, step_time_base_s=0.05, step_time_per_token_s=0.001)
+    model = make(busy)
+    model.rate.rate = 1000.0
+    assert model.wait_s(0) == pytest.approx(0.5 * 0.15)  # half the step under way, on average
+    assert model.wait_s(500) == pytest.approx(0.075 + 0.5)
+    assert make(EngineStats(step_time_base_s=0.05)).wait_s(0) == 0.0  # idle: the next step starts at once

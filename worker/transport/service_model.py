@@ -141,11 +141,15 @@ class ServiceModel:
         return tokens / step if step > 0.0 else None
 
     def wait_s(self, tokens_ahead: float) -> float | None:
-        """Seconds until tokens_ahead tokens of work are served; None with no estimate (nothing measured)."""
+        """Seconds until a new request's first step: the step under way ends (half a step on average: the
+        engine takes new requests between steps), then tokens_ahead tokens of work are served first; None
+        with no estimate (nothing measured)."""
+        stats = self.engine_stats()
+        current = 0.5 * self.step_time_s(stats.last_step_num_tokens, stats) if stats.num_running else 0.0
         if tokens_ahead <= 0:
-            return 0.0
+            return current
         capacity = self.capacity_tokens_per_s()
-        return None if capacity is None else tokens_ahead / capacity
+        return None if capacity is None else current + tokens_ahead / capacity
 
     def service_s(self, estimated_prompt_tokens: int, max_new_tokens: int, num_sharing: int) -> float:
         """From its first step to its last, with max_new_tokens output tokens (the longest it can run), beside
