@@ -155,9 +155,11 @@ class WorkerSettings(BaseSettings):
     worker_id: str = Field(default_factory=_default_worker_id)
     """Name in status records, final records and logs; hostname-pid by default."""
     max_waiting: int = Field(256, ge=1)
-    """Local waiting-queue high watermark: above it, partitions pause (lowest priority first)."""
+    """Local waiting-queue high watermark, per priority counting it and the more urgent ones: above it, that
+    priority is no longer fetched and its partitions pause (a queue of less urgent work never pauses an
+    urgent priority)."""
     resume_waiting: int = Field(128, ge=0)
-    """Local waiting-queue low watermark: below it, paused partitions resume."""
+    """Local waiting-queue low watermark (counted the same way): below it, paused partitions resume."""
     kv_pause_threshold: float = Field(0.95, gt=0, le=1)
     """KV-cache usage above which partitions pause."""
     kv_resume_threshold: float = Field(0.85, ge=0, le=1)

@@ -1,4 +1,5 @@
-"""Pause/resume decisions: least urgent first, one level per dwell period, hysteresis between watermarks."""
+"""Pause/resume decisions: queue pressure per priority (counting only more urgent work), KV pressure least
+urgent first one level per dwell period, hysteresis between watermarks."""
 
 from worker.config import WorkerSettings
 from worker.transport.backpressure import Backpressure, LoadSnapshot
@@ -11,38 +12,37 @@ def make(**overrides) -> Backpressure:
     return Backpressure.from_settings(WorkerSettings(**settings), num_priorities=3)
 
 
-def load(num_waiting=0, kv=0.0, backlog=(0, 0, 0)) -> LoadSnapshot:
-    return LoadSnapshot(num_waiting=num_waiting, kv_usage=kv, backlog_by_priority=list(backlog))
+def load(waiting=(0, 0, 0), kv=0.0, backlog=(0, 0, 0)) -> LoadSnapshot:
+    return LoadSnapshot(waiting_by_priority=list(waiting), kv_usage=kv, backlog_by_priority=list(backlog))
 
 
-def test_queue_pressure_pauses_least_urgent_first_one_level_per_dwell():
+def test_queue_pressure_pauses_a_priority_only_for_work_as_urgent_or_more():
     bp = make()
-    assert bp.decide(load(101), now=0.0).paused_priorities == {2}
-    assert bp.decide(load(150), now=0.2).paused_priorities == {2}  # dwell not yet over
-    assert bp.decide(load(150), now=0.6).paused_priorities == {1, 2}
-    decision = bp.decide(load(150), now=1.2)
+    assert bp.decide(load((0, 0, 101)), now=0.0).paused_priorities == {2}
+    # A queue full of priority-1 work pauses priorities 1 and 2, never the urgent one.
+    assert bp.decide(load((0, 120, 30)), now=1.0).paused_priorities == {1, 2}
+    decision = bp.decide(load((101, 0, 0)), now=2.0)
     assert decision.paused_priorities == {0, 1, 2}
     assert decision.reasons == {0: "queue", 1: "queue", 2: "queue"}
 
 
-def test_hysteresis_holds_between_watermarks_then_resumes_most_urgent_first():
+def test_hysteresis_holds_between_watermarks_then_resumes():
     bp = make()
-    for t in (0.0, 0.6, 1.2):
-        bp.decide(load(200), now=t)
-    assert bp.decide(load(75), now=2.0).paused_priorities == {0, 1, 2}  # between 50 and 100: hold
-    assert bp.decide(load(49), now=2.1).paused_priorities == {1, 2}
-    assert bp.decide(load(49), now=2.3).paused_priorities == {1, 2}
-    assert bp.decide(load(10), now=2.7).paused_priorities == {2}
-    assert bp.decide(load(10), now=3.3).paused_priorities == set()
+    bp.decide(load((0, 150, 50)), now=0.0)
+    assert bp.decide(load((0, 75, 0)), now=1.0).paused_priorities == {1, 2}  # between 50 and 100: hold
+    assert bp.decide(load((0, 40, 20)), now=2.0).paused_priorities == {2}  # p1: 40 < 50; p2: 60 holds
+    assert bp.decide(load((0, 40, 20)), now=2.3).paused_priorities == {2}
+    assert bp.decide(load((0, 10, 10)), now=3.0).paused_priorities == set()
 
 
 def test_kv_pressure_pauses_with_its_reason_and_needs_both_signals_low_to_resume():
     bp = make()
-    decision = bp.decide(load(0, kv=0.95), now=0.0)
+    decision = bp.decide(load(kv=0.95), now=0.0)
     assert decision.reasons == {2: "kv"}
-    assert bp.decide(load(0, kv=0.8), now=1.0).paused_priorities == {2}  # above kv_resume
-    assert bp.decide(load(60, kv=0.5), now=2.0).paused_priorities == {2}  # queue above resume_waiting
-    assert bp.decide(load(10, kv=0.5), now=3.0).paused_priorities == set()
+    assert bp.decide(load(kv=0.95), now=0.6).reasons == {1: "kv", 2: "kv"}  # one more level per dwell
+    assert bp.decide(load(kv=0.8), now=1.2).paused_priorities == {1, 2}  # between the watermarks: hold
+    assert bp.decide(load(kv=0.5), now=2.0).paused_priorities == {2}  # below: one level per dwell
+    assert bp.decide(load(kv=0.5), now=3.0).paused_priorities == set()
 
 
 def test_urgent_backlog_pauses_every_less_urgent_priority_until_it_halves():

@@ -2,12 +2,14 @@
 
 Two independent reasons to pause a priority's partitions:
 
-* **load** ("queue" or "kv"): the local waiting queue is above `max_waiting`, or KV usage is above
-  `kv_pause_threshold`. Priorities pause from the least urgent upward, one more level per decision while
-  the pressure lasts (at most one change per `dwell_s`), down to the most urgent once pressure persists:
-  memory must stay bounded whatever the mix. They resume one level per decision, most urgent first, once
-  the queue is below `resume_waiting` and KV usage below `kv_resume_threshold`. Between the two watermarks
-  nothing changes, which is the hysteresis.
+* **queue**: a priority pauses while more than `max_waiting` requests of it or of more urgent priorities
+  wait locally, and resumes once fewer than `resume_waiting` do (between the two watermarks nothing
+  changes: hysteresis). This is the intake's fetch rule (intake.py) made visible to producers and to
+  aiokafka's prefetcher: a queue full of less urgent work never pauses an urgent priority, and memory stays
+  bounded (at most max_waiting + a poll per priority).
+* **kv**: KV usage above `kv_pause_threshold` pauses priorities from the least urgent upward, one more level
+  per decision while it lasts, down to the most urgent; they resume one level per decision, most urgent
+  first, once usage is below `kv_resume_threshold`.
 * **priority backlog**: while a more urgent priority has a backlog (its consumer lag plus its locally waiting
   records) above `backlog_threshold`, every less urgent priority is paused, so fetch capacity goes to the
   urgent one. It resumes when every more urgent backlog is at or below half the threshold.
@@ -23,8 +25,8 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True, frozen=True)
 class LoadSnapshot:
-    num_waiting: int
-    """Requests in the transport's local queue, all priorities."""
+    waiting_by_priority: list[int]
+    """Per priority: requests in the transport's local queue."""
     kv_usage: float
     backlog_by_priority: list[int]
     """Per priority: consumer lag plus locally waiting requests."""
@@ -47,9 +49,10 @@ class Backpressure:
     backlog_threshold: int
     dwell_s: float = 0.5
     load_level: int = 0
-    """Number of least urgent priorities paused for load (0..num_priorities)."""
-    load_reason: str = "queue"
+    """Number of least urgent priorities paused for KV usage (0..num_priorities)."""
     _level_changed_at: float = float("-inf")
+    _queue_paused: set[int] = field(default_factory=set)
+    _queue_changed_at: dict[int, float] = field(default_factory=dict)
     _backlog_paused: set[int] = field(default_factory=set)
     _backlog_changed_at: dict[int, float] = field(default_factory=dict)
 
@@ -66,29 +69,42 @@ class Backpressure:
         )
 
     def decide(self, load: LoadSnapshot, now: float) -> PauseDecision:
-        self._update_load_level(load, now)
+        self._update_kv_level(load, now)
+        self._update_queue_pauses(load, now)
         self._update_backlog_pauses(load, now)
         reasons: dict[int, str] = {}
         for priority in sorted(self._backlog_paused):
             reasons[priority] = "priority_backlog"
         # A load pause names its cause even when a backlog pause also holds: load is the stronger reason.
+        for priority in sorted(self._queue_paused):
+            reasons[priority] = "queue"
         for priority in range(self.num_priorities - self.load_level, self.num_priorities):
-            reasons[priority] = self.load_reason
+            reasons[priority] = "kv"
         return PauseDecision(frozenset(reasons), reasons)
 
-    def _update_load_level(self, load: LoadSnapshot, now: float) -> None:
-        queue_high = load.num_waiting > self.max_waiting
-        kv_high = load.kv_usage > self.kv_pause_threshold
-        relieved = load.num_waiting < self.resume_waiting and load.kv_usage < self.kv_resume_threshold
+    def _update_kv_level(self, load: LoadSnapshot, now: float) -> None:
         if now - self._level_changed_at < self.dwell_s:
             return
-        if (queue_high or kv_high) and self.load_level < self.num_priorities:
+        if load.kv_usage > self.kv_pause_threshold and self.load_level < self.num_priorities:
             self.load_level += 1
-            self.load_reason = "kv" if kv_high and not queue_high else "queue"
             self._level_changed_at = now
-        elif relieved and self.load_level > 0:
+        elif load.kv_usage < self.kv_resume_threshold and self.load_level > 0:
             self.load_level -= 1
             self._level_changed_at = now
+
+    def _update_queue_pauses(self, load: LoadSnapshot, now: float) -> None:
+        ahead = 0
+        for priority, waiting in enumerate(load.waiting_by_priority):
+            ahead += waiting
+            is_paused = priority in self._queue_paused
+            if now - self._queue_changed_at.get(priority, float("-inf")) < self.dwell_s:
+                continue
+            if ahead > self.max_waiting and not is_paused:
+                self._queue_paused.add(priority)
+                self._queue_changed_at[priority] = now
+            elif ahead < self.resume_waiting and is_paused:
+                self._queue_paused.discard(priority)
+                self._queue_changed_at[priority] = now
 
     def _update_backlog_pauses(self, load: LoadSnapshot, now: float) -> None:
         backlog = load.backlog_by_priority

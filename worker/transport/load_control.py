@@ -69,7 +69,7 @@ class LoadControl:
         if newly_shed:
             log.warning("shedding priorities %s: %s", sorted(shed.shed_priorities),
                         [shed.message(p) for p in sorted(shed.shed_priorities)])
-        pauses = self.backpressure.decide(LoadSnapshot(sum(waiting_by_priority), kv_usage, backlog), now)
+        pauses = self.backpressure.decide(LoadSnapshot(list(waiting_by_priority), kv_usage, backlog), now)
         pause_reasons = {p: r for p, r in pauses.reasons.items() if p not in shed.shed_priorities}
         return LoadDecision(
             lag_by_priority=list(lag_by_priority), backlog_by_priority=backlog, shed=shed, newly_shed=newly_shed,
