@@ -26,6 +26,8 @@ times in milliseconds on the wire."""
 
 MAX_INT32 = 2**31 - 1
 MAX_SEED = 2**63 - 1
+MAX_TOP_LOGPROBS = 20
+"""Protocol bound on sampling.top_logprobs (as OpenAI's API)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ import msgspec
 from msgspec import Meta
 
 from schemas.limits import DEFAULT_LIMITS as _L
-from schemas.limits import MAX_ID_CHARS, MAX_INT32, MAX_SAFE_INT, MAX_SEED, SCHEMA_VERSION
+from schemas.limits import MAX_ID_CHARS, MAX_INT32, MAX_SAFE_INT, MAX_SEED, MAX_TOP_LOGPROBS, SCHEMA_VERSION
 
 # Visible ASCII only: an id becomes a Kafka key, a log field and a metric label, where spaces, control
 # characters and look-alike Unicode cause more trouble than they are worth.
@@ -89,6 +89,40 @@ class SamplingSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         ),
     ] = []
     ignore_eos: Annotated[bool, Meta(description="Keep going past EOS (benchmarks of fixed length).")] = False
+    min_tokens: Annotated[
+        int,
+        Meta(ge=0, le=MAX_INT32, description="EOS and stop tokens cannot end the output before this many tokens "
+             "(at most max_new_tokens). Stop strings still apply."),
+    ] = 0
+    presence_penalty: Annotated[
+        float,
+        Meta(ge=-2.0, le=2.0, description="Subtracted from the logit of every token already in the output "
+             "(OpenAI's definition)."),
+    ] = 0.0
+    frequency_penalty: Annotated[
+        float,
+        Meta(ge=-2.0, le=2.0, description="Times the number of occurrences in the output so far, subtracted from "
+             "a token's logit (OpenAI's definition)."),
+    ] = 0.0
+    repetition_penalty: Annotated[
+        float,
+        Meta(gt=0.0, description="1 means none. Each token of the prompt or output: a positive logit is divided "
+             "by it, another multiplied (vLLM, transformers). Above 1 discourages repeats."),
+    ] = 1.0
+    logprobs: Annotated[
+        bool,
+        Meta(description="Return each output token's log-probability: under the model's distribution after "
+             "penalties and min_tokens, before temperature, top_k and top_p."),
+    ] = False
+    top_logprobs: Annotated[
+        int,
+        Meta(ge=0, le=MAX_TOP_LOGPROBS, description="With logprobs: also this many most likely tokens at each "
+             "step, with their log-probabilities."),
+    ] = 0
+
+    def __post_init__(self) -> None:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
 
 
 class GenerationRequest(WireRecord, kw_only=True):
@@ -192,6 +226,9 @@ class GenerationRequest(WireRecord, kw_only=True):
         given = [name for name in PROMPT_FIELDS if getattr(self, name) is not None]
         if len(given) != 1:
             raise ValueError(f"exactly one of {', '.join(PROMPT_FIELDS)} must be given, got {given or 'none'}")
+        if self.sampling.min_tokens > self.max_new_tokens:
+            raise ValueError(f"sampling.min_tokens ({self.sampling.min_tokens}) exceeds max_new_tokens "
+                             f"({self.max_new_tokens})")
 
     def deadline_at_ms(self, record_timestamp_ms: int) -> int | None:
         """The absolute deadline in epoch ms: the earlier of deadline_ms and timestamp + timeout_ms."""

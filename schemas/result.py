@@ -50,6 +50,22 @@ Attempt = Annotated[
 Count = Annotated[int, Meta(ge=0, le=MAX_SAFE_INT)]
 
 
+class TopLogprob(msgspec.Struct, kw_only=True, frozen=True):
+    token_id: TokenId
+    logprob: Annotated[float, Meta(description="<= 0; a masked token's -inf is sent as -3.4028235e38.")]
+
+
+class TokenLogprob(msgspec.Struct, kw_only=True, frozen=True):
+    """One output token's log-probability under the model's distribution after penalties and min_tokens, before
+    temperature, top_k and top_p (so a sampled token's value does not depend on them)."""
+
+    token_id: TokenId
+    logprob: Annotated[float, Meta(description="<= 0; a masked token's -inf is sent as -3.4028235e38.")]
+    top_logprobs: Annotated[
+        list[TopLogprob], Meta(description="The sampling.top_logprobs most likely tokens, most likely first.")
+    ] = []
+
+
 class StreamChunk(WireRecord, kw_only=True, tag_field="kind", tag="chunk"):
     """New tokens of one request since its previous chunk."""
 
@@ -58,6 +74,9 @@ class StreamChunk(WireRecord, kw_only=True, tag_field="kind", tag="chunk"):
     seq: Annotated[int, Meta(ge=0, le=MAX_SAFE_INT, description="0, 1, 2, ... within one attempt.")]
     token_ids: list[TokenId] = []
     text: Annotated[str, Meta(description="Text delta; may be empty while a multi-byte character is pending.")] = ""
+    logprobs: Annotated[
+        list[TokenLogprob], Meta(description="With sampling.logprobs: one per token id, in the same order.")
+    ] | None = None
 
 
 class Usage(msgspec.Struct, kw_only=True, frozen=True):
@@ -103,6 +122,9 @@ class FinalRecord(WireRecord, kw_only=True, tag_field="kind", tag="final"):
     timings: Timings = msgspec.field(default_factory=Timings)
     text: Annotated[str, Meta(description="The whole output text; always set when stream is false.")] | None = None
     token_ids: Annotated[list[TokenId], Meta(description="The whole output; set with text.")] | None = None
+    logprobs: Annotated[
+        list[TokenLogprob], Meta(description="With sampling.logprobs: one per token id of token_ids, in order.")
+    ] | None = None
     num_chunks: Annotated[
         int, Meta(ge=0, le=MAX_SAFE_INT, description="Chunks sent in this attempt, so a client can tell it saw all.")
     ] = 0

@@ -266,6 +266,13 @@ OK_AND_BAD = [
     ({"priority": 255}, {"priority": 256}),
     ({"stream": False}, {"stream": 0}),
     ({"max_new_tokens": 5}, {"max_new_tokens": 5.0}),
+    ({"sampling": {"presence_penalty": -2.0}}, {"sampling": {"presence_penalty": -2.01}}),
+    ({"sampling": {"frequency_penalty": 2.0}}, {"sampling": {"frequency_penalty": 2.01}}),
+    ({"sampling": {"repetition_penalty": 1e-3}}, {"sampling": {"repetition_penalty": 0.0}}),
+    ({"sampling": {"min_tokens": 256}}, {"sampling": {"min_tokens": 257}}),  # at most max_new_tokens (256)
+    ({"sampling": {"min_tokens": 0}}, {"sampling": {"min_tokens": -1}}),
+    ({"sampling": {"logprobs": True, "top_logprobs": 20}}, {"sampling": {"logprobs": True, "top_logprobs": 21}}),
+    ({"sampling": {"logprobs": True, "top_logprobs": 0}}, {"sampling": {"top_logprobs": 2}}),  # needs logprobs
 ]
 
 
@@ -382,3 +389,22 @@ def test_default_limits_are_the_documented_ones():
 def test_limits_reject_nonsense(bad):
     with pytest.raises(ValueError):
         Limits(**bad)
+
+
+def test_sampling_options_and_logprobs_round_trip():
+    from schemas.request import SamplingSpec
+    from schemas.result import TokenLogprob, TopLogprob
+
+    sampling = SamplingSpec(min_tokens=3, presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.2,
+                            logprobs=True, top_logprobs=2)
+    request = GenerationRequest(id="r-1", prompt="x", max_new_tokens=8, sampling=sampling)
+    assert decode_request(encode(request)) == request
+    logprobs = [TokenLogprob(token_id=5, logprob=-0.25, top_logprobs=[TopLogprob(token_id=5, logprob=-0.25),
+                                                                       TopLogprob(token_id=9, logprob=-2.5)])]
+    chunk = StreamChunk(id="r-1", seq=0, token_ids=[5], text="a", logprobs=logprobs)
+    final = FinalRecord(id="r-1", status="completed", reason="stop", finish_reason="stop", text="a", token_ids=[5],
+                        logprobs=logprobs)
+    for record, name in ((chunk, "result"), (final, "result")):
+        assert decode_result(encode(record)) == record
+        assert validator(name).is_valid(msgspec.json.decode(encode(record)))
+    assert decode_result(encode(StreamChunk(id="r-1", seq=0))).logprobs is None

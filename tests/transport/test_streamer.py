@@ -136,3 +136,45 @@ async def test_held_during_a_rebalance_then_released_or_closed():
     finals = publisher.finals()
     assert set(finals) == {"stays"} and finals["stays"].text == "<1><2><3>" and finals["stays"].attempt == 3
     assert len(streamer) == 0 and streamer.held_partitions == set()
+
+
+async def test_logprobs_follow_token_ids_across_chunks_replays_and_into_the_final():
+    from schemas.request import SamplingSpec
+    from worker.engine.api import TokenLogprobs
+
+    publisher, tracker = FakePublisher(), OffsetTracker()
+    streamer = make_streamer(publisher, tracker)
+    q = QueuedRequest(request=GenerationRequest(id="lp", prompt="p", sampling=SamplingSpec(logprobs=True,
+                                                                                           top_logprobs=2)),
+                      partition=TopicPartition(TOPIC, 0), offset=0, priority=1, attempt=0,
+                      timestamp_ms=int(time.time() * 1000), deadline_ms=None, reply_topic="llm.results",
+                      num_prompt_tokens=1)
+    plain = queued("plain", 1)
+    streamer.open(q)
+    streamer.open(plain)
+
+    def with_lp(token: int, finished: bool = False) -> RequestOutput:
+        out = output(q, token, finished, "length" if finished else None)
+        out.new_logprobs = [TokenLogprobs(token, -token / 10, [token, 99], [-token / 10, -5.0])]
+        return out
+
+    streamer.chunk_interval_s = 3600.0  # tokens 1 and 2 gather into one chunk
+    await streamer.handle([with_lp(1), output(plain, 1)])
+    await streamer.handle([with_lp(2)])
+    streamer.chunk_interval_s = 0.0
+    await streamer.handle([with_lp(3)])
+    await streamer.handle([replayed(q)])
+    await streamer.handle([with_lp(1)])
+    await streamer.handle([with_lp(2)])
+    await streamer.handle([with_lp(3)])
+    await streamer.handle([with_lp(4, True), output(plain, 2, True, "length")])
+    chunks = [c for c in publisher.chunks() if c.id == "lp"]
+    assert [c.token_ids for c in chunks] == [[1, 2, 3], [4]]
+    for chunk in chunks:
+        assert [lp.token_id for lp in chunk.logprobs] == chunk.token_ids
+        assert [lp.logprob for lp in chunk.logprobs] == [-t / 10 for t in chunk.token_ids]
+        assert [[t.token_id for t in lp.top_logprobs] for lp in chunk.logprobs] == [[t, 99] for t in chunk.token_ids]
+    finals = publisher.finals()
+    assert [lp.token_id for lp in finals["lp"].logprobs] == finals["lp"].token_ids == [1, 2, 3, 4]
+    assert finals["plain"].logprobs is None
+    assert all(c.logprobs is None for c in publisher.chunks() if c.id == "plain")

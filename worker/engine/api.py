@@ -17,6 +17,8 @@ PROTECTED_PRIORITY = 0
 steps shrink so that their deadlines hold. The transport admits them on that promise (service_model.py)."""
 MIN_BUDGET_FRACTION = 0.25
 """Deadline-aware steps keep at least this share of max_num_batched_tokens (small steps cost throughput)."""
+MAX_TOP_LOGPROBS = 20
+"""The most alternatives a request may ask for at each step (as OpenAI's API)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -34,6 +36,18 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     """Stop strings; generation ends before them and they are not emitted."""
     ignore_eos: bool = False
+    min_tokens: int = 0
+    """EOS and stop tokens cannot be generated before this many output tokens (stop strings still apply)."""
+    presence_penalty: float = 0.0
+    """In [-2, 2]: logit -= presence_penalty for every token already in the output."""
+    frequency_penalty: float = 0.0
+    """In [-2, 2]: logit -= frequency_penalty * (times the token occurs in the output so far)."""
+    repetition_penalty: float = 1.0
+    """> 0; 1 means none. Tokens of the prompt or output: logit > 0 ? logit / p : logit * p."""
+    logprobs: bool = False
+    """Return each output token's log-probability (`TokenLogprobs`)."""
+    top_logprobs: int = 0
+    """With logprobs: also the most likely alternatives at each step, 0 to 20."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -44,6 +58,26 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_new_tokens], got {self.min_tokens}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+
+
+@dataclass(slots=True, frozen=True)
+class TokenLogprobs:
+    """One generated token's log-probability under the model's distribution after penalties and min_tokens
+    masking, before temperature, top-k and top-p; and the top alternatives (descending)."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -81,6 +115,8 @@ class RequestOutput:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
+    """Aligned with new_token_ids when the request asked for logprobs; None otherwise."""
     replayed: bool = False
     """Set on an output with no tokens that says: this request starts over from its first token (the engine
     failed on a step it was in, and it was not the cause); the outputs that follow repeat what was sent."""
@@ -100,6 +136,8 @@ class EngineStats:
     step_time_base_s: float = 0.0
     """Online linear model of step time: base + per_token * num_batched_tokens."""
     step_time_per_token_s: float = 0.0
+    max_model_len: int = 0
+    """Prompt + max_new_tokens the engine accepts (0: unknown); longer requests end in prompt_too_long."""
 
 
 class Engine(Protocol):

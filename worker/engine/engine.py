@@ -12,7 +12,7 @@ import zlib
 from dataclasses import dataclass, field
 
 from worker.config import EngineSettings
-from worker.engine.api import EngineRequest, EngineStats, RequestOutput, SamplingParams
+from worker.engine.api import EngineRequest, EngineStats, RequestOutput, SamplingParams, TokenLogprobs
 from worker.engine.batch_builder import build_step_requests
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.request import Request, RequestStatus
@@ -113,18 +113,23 @@ class LLMEngine:
         self.scheduler.add_request(req)
         self._live[req.request_id] = _Live(
             IncrementalDetokenizer(self.tokenizer, token_ids, stop=sampling.stop),
-            self._row_sampling(req.request_id, sampling),
+            self._row_sampling(req.request_id, sampling, req.eos_token_ids),
         )
         return []
 
-    def _row_sampling(self, request_id: str, params: SamplingParams) -> RowSampling:
+    def _row_sampling(self, request_id: str, params: SamplingParams, eos_token_ids: tuple[int, ...]) -> RowSampling:
         """Every sampled row gets a seed (the request's own, else ENGINE_SEED XOR crc32(request id)), so a
         request's tokens are reproducible, also on a replay."""
-        row = RowSampling(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
-        if row.greedy:
-            return row
-        seed = params.seed if params.seed is not None else self.settings.seed ^ zlib.crc32(request_id.encode())
-        return RowSampling(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=seed)
+        seed = None
+        if not (params.temperature <= 0.0 or params.top_k == 1):  # RowSampling.greedy
+            seed = params.seed if params.seed is not None else self.settings.seed ^ zlib.crc32(request_id.encode())
+        return RowSampling(
+            temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=seed,
+            presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+            repetition_penalty=params.repetition_penalty, min_tokens=params.min_tokens,
+            min_tokens_stop_ids=(eos_token_ids + params.stop_token_ids) if params.min_tokens else (),
+            logprobs=params.logprobs, top_logprobs=params.top_logprobs if params.logprobs else 0,
+        )
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
         return [self._final(request) for request in self.scheduler.abort(request_ids)]
@@ -154,13 +159,24 @@ class LLMEngine:
         sampling_ids = [entry.request_id for entry in sampling]
         live = self._live
         # The draw's counter is the index of the token being generated: stable across preemption and replay.
-        token_ids = self.sampler.sample(logits, [live[request_id].sampling for request_id in sampling_ids],
-                                        [entry.request.num_output_tokens for entry in sampling])
+        sampled = self.sampler.sample_step(
+            logits, [live[request_id].sampling for request_id in sampling_ids],
+            [entry.request.num_output_tokens for entry in sampling],
+            # Asked only for the rows with penalties.
+            lambda row: (sampling[row].request.prompt_token_ids, sampling[row].request.output_token_ids),
+        )
+        token_ids = sampled.token_ids
+        logprobs = {sampling_ids[row]: lp for row, lp in sampled.logprobs.items()} if sampled.logprobs else None
         self.step_time.observe(sched.num_batched_tokens, time.perf_counter() - start)
         self.num_steps += 1
         self._last_step = (sched.num_batched_tokens, len(sched.scheduled))
         updates = self.scheduler.update(sched, dict(zip(sampling_ids, token_ids)), time.monotonic())
         outputs += [self._postprocess(update) for update in updates]
+        if logprobs:
+            for out in outputs:
+                lp = logprobs.get(out.request_id)
+                if lp is not None and out.new_token_ids:
+                    out.new_logprobs = [TokenLogprobs(out.new_token_ids[-1], *lp)]
         return outputs
 
     def _postprocess(self, update: RequestUpdate) -> RequestOutput:
@@ -220,6 +236,7 @@ class LLMEngine:
             last_step_num_seqs=self._last_step[1],
             step_time_base_s=base,
             step_time_per_token_s=per_token,
+            max_model_len=self.scheduler.max_model_len,
         )
 
     def generate(self, requests: list[EngineRequest]) -> dict[str, Completion]:

@@ -35,12 +35,13 @@ a given seed now gives other tokens than it did then (the same ones in any batch
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from worker.model import sampler_numpy
+from worker.model import penalties, sampler_numpy
 
 NUCLEUS_TIERS = (256, 4096)
 """Top-p without top-k: candidates tried before the whole vocabulary (a tier is used when it is at most 1/8 of
@@ -66,11 +67,39 @@ class RowSampling:
     """0 means no top-k cut."""
     seed: int | None = None
     """Reduced modulo 2**64. None: draws from torch's global generator (not reproducible)."""
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    """1 means none. Penalties: worker/model/penalties.py."""
+    min_tokens: int = 0
+    min_tokens_stop_ids: tuple[int, ...] = ()
+    """Masked while the row's counter (its number of output tokens) is below min_tokens: EOS and stop ids."""
+    logprobs: bool = False
+    """Return the chosen token's log-probability (and top_logprobs alternatives) with it."""
+    top_logprobs: int = 0
+    uses_history: bool = field(init=False, default=False)
+    """Penalties need the request's prompt and output token ids."""
+    plain: bool = field(init=False, default=True)
+    """No penalty, no min_tokens, no logprobs: the sampler's fast path."""
+
+    def __post_init__(self) -> None:
+        history = self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+        object.__setattr__(self, "uses_history", history)
+        object.__setattr__(self, "plain", not (history or self.min_tokens > 0 or self.logprobs))
 
     @property
     def greedy(self) -> bool:
         # top_k == 1 leaves one candidate: argmax, without spending a draw.
         return self.temperature <= 0.0 or self.top_k == 1
+
+
+class SampledStep(NamedTuple):
+    token_ids: list[int]
+    """One per logits row."""
+    logprobs: dict[int, tuple[float, list[int], list[float]]]
+    """For the rows that asked, by row: (the chosen token's log-probability, the top_logprobs most likely token
+    ids, their log-probabilities), from log_softmax of the row's logits after penalties and min_tokens masking
+    and before temperature, top-k and top-p (the model's distribution as processed, not the one drawn from)."""
 
 
 def _mix64(z: np.ndarray) -> np.ndarray:
@@ -115,13 +144,42 @@ class Sampler:
         logits: torch.Tensor,  # [S, V] float32
         params: Sequence[RowSampling],
         counters: Sequence[int] | None = None,
+        history: penalties.History | None = None,
     ) -> list[int]:
         """One token id per row. counters[i]: the index of the token row i generates in its request (the
-        draw's counter; default 0)."""
+        draw's counter and min_tokens' count; default 0). history(i): the prompt and output token ids of row i,
+        asked only for rows with penalties. Rows with penalties or min_tokens have their logits changed in
+        place."""
+        return self.sample_step(logits, params, counters, history).token_ids
+
+    def sample_step(
+        self,
+        logits: torch.Tensor,  # [S, V] float32
+        params: Sequence[RowSampling],
+        counters: Sequence[int] | None = None,
+        history: penalties.History | None = None,
+    ) -> SampledStep:
+        """`sample`, with the log-probabilities of the rows that ask for them."""
         num_rows = logits.shape[0]
         if len(params) != num_rows or (counters is not None and len(counters) != num_rows):
             raise ValueError(f"{num_rows} logits rows but {len(params)} params and "
                              f"{None if counters is None else len(counters)} counters")
+        special = [i for i, p in enumerate(params) if not p.plain]
+        if not special:
+            return SampledStep(self._pick(logits, params, counters), {})
+        logits = logits.float().contiguous()  # no copy when it already is
+        adjusted = [i for i in special if params[i].uses_history or params[i].min_tokens > 0]
+        if adjusted:
+            penalties.apply(logits, adjusted, [params[i] for i in adjusted], counters, history, _on_numpy(logits))
+        token_ids = self._pick(logits, params, counters)
+        wanted = [i for i in special if params[i].logprobs]
+        if not wanted:
+            return SampledStep(token_ids, {})
+        return SampledStep(token_ids, _logprobs(logits, wanted, [token_ids[i] for i in wanted],
+                                                [params[i].top_logprobs for i in wanted]))
+
+    def _pick(self, logits: torch.Tensor, params: Sequence[RowSampling], counters: Sequence[int] | None) -> list[int]:
+        num_rows = logits.shape[0]
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not sampled_rows:
             return _argmax(logits).tolist()
@@ -155,6 +213,43 @@ def _uniforms(params: list[RowSampling], counters: list[int]) -> np.ndarray:  # 
     if seeded:
         u[seeded] = counter_uniforms([params[i].seed for i in seeded], [counters[i] for i in seeded])
     return u
+
+
+def _logprobs(
+    logits: torch.Tensor,  # [S, V] float32, after penalties
+    rows: list[int],
+    token_ids: list[int],
+    top: list[int],
+) -> dict[int, tuple[float, list[int], list[float]]]:
+    """log_softmax of the given rows at their chosen tokens, and their top alternatives (by log-probability,
+    descending; equal ones by token id). -inf (a masked token) comes back as float32's lowest finite value, as
+    JSON has no infinities."""
+    k = min(max(top), logits.shape[1])
+    floor = float(np.finfo(np.float32).min)
+    if _on_numpy(logits):
+        a = logits.numpy()[rows]  # [L, V] a copy
+        m = a.max(axis=1, keepdims=True)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            lse = m + np.log(np.exp(a - m).sum(axis=1, keepdims=True))  # [L, 1]
+        chosen = a[np.arange(len(rows)), token_ids] - lse[:, 0]  # [L]
+        if k:
+            part = np.argpartition(-a, k - 1, axis=1)[:, :k]  # [L, k] the k largest, unordered
+            values = np.take_along_axis(a, part, axis=1)
+            order = np.lexsort((part, -values), axis=-1)  # by value descending, then token id
+            top_ids = np.take_along_axis(part, order, axis=1)
+            top_lps = np.take_along_axis(values, order, axis=1) - lse
+    else:
+        x = torch.log_softmax(logits.index_select(0, torch.tensor(rows, device=logits.device)), dim=-1)  # [L, V]
+        chosen_t = x.gather(1, torch.tensor(token_ids, device=x.device)[:, None])[:, 0]
+        chosen = chosen_t.cpu().numpy()
+        if k:
+            top_t = x.topk(k, dim=-1)  # sorted, descending
+            top_ids, top_lps = top_t.indices.cpu().numpy(), top_t.values.cpu().numpy()
+    chosen = np.maximum(chosen, floor).tolist()
+    if not k:
+        return {row: (chosen[j], [], []) for j, row in enumerate(rows)}
+    top_ids, top_lps = top_ids.tolist(), np.maximum(top_lps, floor).tolist()
+    return {row: (chosen[j], top_ids[j][:n], top_lps[j][:n]) for j, (row, n) in enumerate(zip(rows, top))}
 
 
 # ---- the draw in torch (any device; what a GPU runs) ------------------------------------------------------

@@ -28,7 +28,9 @@ def to_engine_request(queued: QueuedRequest) -> EngineRequest:
     sampling = SamplingParams(
         max_new_tokens=req.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
         stop_token_ids=tuple(s.stop_token_ids) if s.stop_token_ids else (), stop=tuple(s.stop) if s.stop else (),
-        ignore_eos=s.ignore_eos,
+        ignore_eos=s.ignore_eos, min_tokens=s.min_tokens, presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty, logprobs=s.logprobs,
+        top_logprobs=s.top_logprobs,
     )
     now_mono, now_ms = time.monotonic(), time.time() * 1000.0
     deadline = None if queued.deadline_ms is None else now_mono + (queued.deadline_ms - now_ms) / 1000.0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from schemas.result import FinalRecord, Timings, Usage
+from schemas.result import FinalRecord, Timings, TokenLogprob, Usage
 from worker.engine.api import RequestOutput
 
 REJECTED_FINISH = {"deadline": "deadline"}
@@ -28,11 +28,12 @@ def _since(ms: float | None, base_ms: int) -> float | None:
 def final_for_output(
     request_id: str, attempt: int, timestamp_ms: int, metadata: dict[str, str] | None, out: RequestOutput,
     token_ids: list[int], text: str, num_chunks: int, worker_id: str,
-    predicted: tuple[float | None, float | None] = (None, None),
+    predicted: tuple[float | None, float | None] = (None, None), logprobs: list[TokenLogprob] | None = None,
 ) -> FinalRecord:
     """The final record of a request the engine finished (completed, rejected on deadline, or error);
     `token_ids` and `text` are everything it generated, `num_chunks` the chunk records sent before it,
-    `predicted` the intake's predicted queue time and completion time (ms from the record's timestamp)."""
+    `predicted` the intake's predicted queue time and completion time (ms from the record's timestamp), `logprobs`
+    (when the request asked) one per token id."""
     now_mono, now_ms = time.monotonic(), time.time() * 1000.0
     first_token_ms = epoch_ms(out.first_token_time, now_mono, now_ms)
     finish_ms = epoch_ms(out.finish_time, now_mono, now_ms) or now_ms
@@ -72,6 +73,7 @@ def final_for_output(
         timings=timings,
         text=text if with_output else None,
         token_ids=list(token_ids) if with_output else None,
+        logprobs=list(logprobs) if with_output and logprobs is not None else None,
         num_chunks=num_chunks,
         metadata=metadata,
         worker_id=worker_id,

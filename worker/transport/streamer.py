@@ -16,12 +16,13 @@ engine_thread.py) continues its stream without repeating what was sent; a poison
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from schemas.decode import encode
-from schemas.result import StreamChunk
+from schemas.result import StreamChunk, TokenLogprob, TopLogprob
 from worker.engine.api import RequestOutput
 from worker.transport.answers import Answers
 from worker.transport.local_queue import QueuedRequest
@@ -30,6 +31,8 @@ from worker.transport.offsets import OffsetTracker
 from worker.transport.publisher import Publisher
 from worker.transport.records import final_for_output
 from worker.transport.service_model import ServiceModel
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -40,6 +43,8 @@ class RequestStream:
     seq: int = 0
     """The next chunk's sequence number (= chunks sent so far)."""
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    """Aligned with token_ids when the request asked for logprobs (set by Streamer.open)."""
     text_parts: list[str] = field(default_factory=list)
     num_unsent_tokens: int = 0
     unsent_text: list[str] = field(default_factory=list)
@@ -57,6 +62,8 @@ class RequestStream:
             return
         self.token_ids += out.new_token_ids
         self.num_unsent_tokens += len(out.new_token_ids)
+        if self.logprobs is not None:
+            self._add_logprobs(out, 0)
         if out.text_delta:
             self.text_parts.append(out.text_delta)
             self.unsent_text.append(out.text_delta)
@@ -76,9 +83,23 @@ class RequestStream:
             # of one token in practice, so its whole delta is new text.
             self.token_ids += rest
             self.num_unsent_tokens += len(rest)
+            if self.logprobs is not None:
+                self._add_logprobs(out, len(repeated))
             if out.text_delta:
                 self.text_parts.append(out.text_delta)
                 self.unsent_text.append(out.text_delta)
+
+    def _add_logprobs(self, out: RequestOutput, skip: int) -> None:
+        if not out.new_token_ids:
+            return
+        if out.new_logprobs is None or len(out.new_logprobs) != len(out.new_token_ids):
+            # An engine without logprobs (a model-free one): none are sent rather than misaligned ones.
+            log.warning("request %s asked for logprobs; its engine gives none", out.request_id)
+            self.logprobs = None
+            return
+        self.logprobs += [TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top_logprobs=[
+            TopLogprob(token_id=t, logprob=v) for t, v in zip(lp.top_token_ids, lp.top_logprobs)])
+            for lp in out.new_logprobs[skip:]]
 
     def take_chunk(self, now: float) -> StreamChunk | None:
         """The tokens since the last chunk as one StreamChunk; None when there is nothing new."""
@@ -90,6 +111,7 @@ class RequestStream:
             seq=self.seq,
             token_ids=self.token_ids[len(self.token_ids) - self.num_unsent_tokens:],
             text="".join(self.unsent_text),
+            logprobs=None if self.logprobs is None else self.logprobs[len(self.logprobs) - self.num_unsent_tokens:],
         )
         self.seq += 1
         self.num_unsent_tokens = 0
@@ -123,7 +145,8 @@ class Streamer:
         return len(self.streams) + len(self._held_finals)
 
     def open(self, queued: QueuedRequest) -> None:
-        self.streams[queued.engine_id] = RequestStream(queued)
+        logprobs = [] if queued.request.sampling.logprobs else None
+        self.streams[queued.engine_id] = RequestStream(queued, logprobs=logprobs)
         self.num_open_by_priority[queued.priority] += 1
 
     def close_where(self, predicate: Callable[[QueuedRequest], bool]) -> list[str]:
@@ -203,7 +226,7 @@ class Streamer:
             self._send_chunk(stream, now)
         final = final_for_output(
             queued.request.id, queued.attempt, queued.timestamp_ms, queued.request.metadata, out,
-            stream.token_ids, "".join(stream.text_parts), stream.seq, self.worker_id,
+            stream.token_ids, "".join(stream.text_parts), stream.seq, self.worker_id, logprobs=stream.logprobs,
             predicted=(queued.predicted_queue_ms, queued.predicted_e2e_ms),
         )
         self.num_completed += 1
