@@ -29,6 +29,7 @@ from confluent_kafka import Producer
 
 from schemas.decode import RequestError, decode_request
 from schemas.request import GenerationRequest
+from worker.engine.calibrate import calibrate
 from tests.transport.kafka_helpers import Collector, running_worker, worker_settings
 from tests.transport.real_producers import CODECS, request_partition, wait_until_committed_to_end
 from tests.transport.test_stream_kafka import tiny_engine
@@ -459,6 +460,7 @@ def check(records: list[Rec], results, request_topic: str) -> list[str]:
 async def test_ten_thousand_hostile_records_of_sixty_kinds_and_every_codec(kafka_topics, tiny_model_path):
     kafka = kafka_topics
     engine = tiny_engine(tiny_model_path)
+    calibrate(engine, repeats=1)  # as `llm-worker serve` does: load estimates start from measured step times
     records = build_records(kafka, Ctx(vocab_size=engine.runner.vocab_size, now_ms=int(time.time() * 1000)))
     hostile = [rec for rec in records if rec.kind is not None]
     valid = [rec for rec in records if rec.kind is None]

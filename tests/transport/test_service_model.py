@@ -122,3 +122,14 @@ def test_a_busy_engine_takes_new_requests_between_steps():
     assert model.wait_s(0) == pytest.approx(0.5 * 0.15)  # half the step under way, on average
     assert model.wait_s(500) == pytest.approx(0.075 + 0.5)
     assert make(EngineStats(step_time_base_s=0.05)).wait_s(0) == 0.0  # idle: the next step starts at once
+
+
+def test_requests_the_engine_refuses_at_once_cost_nothing():
+    model = make(EngineStats(step_time_base_s=0.05, step_time_per_token_s=0.001, max_model_len=2048))
+    assert model.expected_cost(100, 4096) == 0.0  # max_new_tokens past the model length
+    assert model.expected_cost(4500, 2) == 0.0  # a prompt estimated past it
+    assert model.expected_cost(2040, 100) == 0.0  # together past it
+    assert model.expected_cost(1500, 500) == 2000.0
+    for _ in range(100):
+        model.observe_read(1, 100, 4096)  # a flood of such records does not price the priority's lag up
+    assert model.mean_cost(1) < 1.0

@@ -10,8 +10,7 @@ finished requests actually produced (EOS ends most chat answers early).
 
 Capacity, in tokens per second when the engine is saturated:
 - measured: prompt + output tokens of finished requests per second, an EWMA folded only over intervals during
-  which the engine was saturated at both ends (requests waiting in it or in the local queue, or every seat
-  taken). An idle or lightly loaded worker finishes what it is given, which says nothing about what it could
+  which the engine was saturated at both ends (requests waiting inside it, or every seat taken). An idle or lightly loaded worker finishes what it is given, which says nothing about what it could
   do, so such intervals are skipped instead of pulling the estimate down.
 - before that (a cold worker): the engine's step-time model, calibrated at start-up (worker/engine/
   calibrate.py), at the step size a saturated engine runs for the average request of the backlog (P prompt
@@ -84,14 +83,20 @@ class ServiceModel:
         return max_new_tokens * self.output_ratio.get(1.0)
 
     def expected_cost(self, estimated_prompt_tokens: int, max_new_tokens: int) -> float:
+        """Expected tokens of work. A request the engine will refuse at once (prompt + max_new_tokens past
+        the model length; for a text prompt, by its estimate) costs nothing."""
+        limit = self.engine_stats().max_model_len
+        if limit and estimated_prompt_tokens + max_new_tokens > limit:
+            return 0.0
         return self.expected_prompt(estimated_prompt_tokens) + self.expected_output(max_new_tokens)
 
     def observe_read(self, priority: int, estimated_prompt_tokens: int, max_new_tokens: int) -> None:
         """A request read from `priority`'s partitions: the unread records behind it are priced like it."""
-        prompt, output = self.expected_prompt(estimated_prompt_tokens), self.expected_output(max_new_tokens)
-        self._cost[priority].observe(prompt + output)
-        self._prompt.observe(prompt)
-        self._output.observe(output)
+        cost = self.expected_cost(estimated_prompt_tokens, max_new_tokens)
+        self._cost[priority].observe(cost)
+        if cost > 0:  # the step-size estimate follows requests that run
+            self._prompt.observe(self.expected_prompt(estimated_prompt_tokens))
+            self._output.observe(self.expected_output(max_new_tokens))
 
     def mean_cost(self, priority: int) -> float | None:
         """Expected tokens of an unread request of this priority (any priority's mean before one is read)."""

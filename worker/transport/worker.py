@@ -107,9 +107,10 @@ class Worker:
         self.reporter = StatusReporter(publisher, self.metrics, settings.worker_id, kafka.status_topic)
 
     def _engine_saturated(self) -> bool:
-        """The engine cannot take more work now: requests wait for it (in it or locally) or every seat is taken."""
+        """The engine cannot take more work now: requests wait inside it, or every seat is taken. (Requests
+        in the local queue do not count: the transport may be what holds them, e.g. decoding a flood.)"""
         stats = self.engine_thread.stats
-        return stats.num_waiting > 0 or stats.num_running >= self.max_num_seqs or len(self.queue) > 0
+        return stats.num_waiting > 0 or stats.num_running >= self.max_num_seqs
 
     async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
         if not self.started.is_set():
