@@ -87,7 +87,7 @@ class PhaseTimer:
     PHASES = (
         ("schedule", "scheduler", "schedule"),
         ("prepare_input", "runner", "prepare_input"),
-        ("sample", "sampler", "sample"),
+        ("sample", "sampler", "sample_step"),
         ("update", "scheduler", "update"),
         ("postprocess", "engine", "_postprocess_all"),
         ("postprocess", "engine", "_postprocess"),
