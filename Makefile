@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALL_STAMP := $(VENV)/.install-stamp
 
-.PHONY: setup jars model test test-fast broker-start broker-stop broker-status bench bench-overload demo
+.PHONY: setup jars model test test-fast broker-start broker-stop broker-status bench bench-overload bench-sim demo
 
 setup: $(INSTALL_STAMP) jars model
 
@@ -54,6 +54,13 @@ bench: setup
 # fails when a floor does. make bench-overload BENCH_ARGS=--quick is a smoke run (2-3 min).
 bench-overload: setup
 	$(BIN)/python -m benchmarks.bench_overload $(BENCH_ARGS)
+
+# The whole worker on the simulated H200 (issue #16): one offline trace per point through the engine alone and
+# through the broker and an `llm-worker serve` subprocess (WORKER_CHUNK_INTERVAL_MS 0, 20, 50); output tok/s
+# against the forward-only ceiling, TTFT / ITL percentiles, records/s. ~2 min (BENCH_ARGS="--reps 2": ~4); writes
+# benchmarks/results/<date>-sim-kafka/ and fails when the floor (Kafka >= 0.85 x engine, 8B at 256) does.
+bench-sim: setup
+	$(BIN)/python -m benchmarks.bench_sim_kafka $(BENCH_ARGS)
 
 # A broker, the topics, the model and a worker from nothing; streams answers, then overloads the worker.
 # Stops all it started at the end or on Ctrl-C. A few minutes on a 2-core CPU.
