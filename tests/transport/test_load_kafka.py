@@ -50,10 +50,11 @@ async def test_partitions_pause_when_the_queue_fills_and_resume_when_it_drains(k
     paused_statuses = [s for s in statuses if s.paused_partitions]
     assert paused_statuses
     # Least urgent first: priority 2 pauses first (priority 1 at the same time at most, its work counts
-    # for both), and priority 0, which had no requests waiting, never pauses.
+    # for both), and a more urgent priority never pauses without it (the model-free engine reports its
+    # seats as KV usage, so KV pressure may pause priority 0 too, after the others).
     assert {4, 5} <= set(paused_statuses[0].paused_partitions)
-    assert all({4, 5} <= set(s.paused_partitions) for s in paused_statuses if {2, 3} & set(s.paused_partitions))
-    assert not any({0, 1} & set(s.paused_partitions) for s in statuses)
+    assert all({4, 5} <= set(s.paused_partitions) for s in paused_statuses
+               if {0, 1, 2, 3} & set(s.paused_partitions))
     assert statuses[-1].paused_partitions == []
     assert all(f[0].status == "completed" for f in collector.results.finals.values())
 
