@@ -187,3 +187,27 @@ class PersistentInput:
 
 
 _TORCH_DTYPES = {np.int32: torch.int32, np.int64: torch.int64}
+
+
+class PersistentInputRunner:
+    """What every model runner (the real one, the simulated one) does with its `PersistentInput` rows: build a
+    step's tensors from them, and free them when requests leave or a new engine takes over."""
+
+    inputs: PersistentInput
+    config: object
+    """The model's shape (a ModelConfig); only num_layers is read here."""
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    def prepare_input(self, step: StepRequests) -> ModelInput:
+        return self.inputs.build(step)
+
+    def release(self, request_ids: list[str]) -> None:
+        self.inputs.release(request_ids)
+
+    def reset(self) -> None:
+        """A new engine takes over: no request holds input rows (benchmarks share one runner across engines)."""
+        self.inputs.reset()
+

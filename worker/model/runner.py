@@ -17,10 +17,9 @@ import torch
 from worker.config import EngineSettings
 from worker.model.attention import AttentionBackend
 from worker.model.config import ModelConfig, load_config, load_eos_token_ids
-from worker.model.input import ModelInput, PersistentInput
+from worker.model.input import ModelInput, PersistentInput, PersistentInputRunner
 from worker.model.loader import load_model
 from worker.model.pull import resolve_model
-from worker.model.step_batch import StepRequests
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +64,7 @@ def make_backend(setting: str, device: torch.device) -> AttentionBackend:
     return TorchAttention()
 
 
-class ModelRunner:
+class ModelRunner(PersistentInputRunner):
     def __init__(self, model_path: str | Path, settings: EngineSettings) -> None:
         self.settings = settings
         self.model_path = resolve_model(model_path)
@@ -132,20 +131,6 @@ class ModelRunner:
 
             self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         return self._tokenizer
-
-    @property
-    def num_layers(self) -> int:
-        return self.config.num_layers
-
-    def prepare_input(self, step: StepRequests) -> ModelInput:
-        return self.inputs.build(step)
-
-    def release(self, request_ids: list[str]) -> None:
-        self.inputs.release(request_ids)
-
-    def reset(self) -> None:
-        """A new engine takes over: no request holds input rows (benchmarks share one runner across engines)."""
-        self.inputs.reset()
 
     @torch.inference_mode()
     def execute(self, model_input: ModelInput) -> torch.Tensor:  # [S, V] float32

@@ -59,9 +59,8 @@ import torch
 
 from worker.config import EngineSettings
 from worker.model.config import ModelConfig, load_eos_token_ids, parse_config
-from worker.model.input import ModelInput, PersistentInput
+from worker.model.input import ModelInput, PersistentInput, PersistentInputRunner
 from worker.model.pull import resolve_model
-from worker.model.step_batch import StepRequests
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +187,7 @@ def _load_tokenizer(model_path: Path):
     return AutoTokenizer.from_pretrained(model_path)
 
 
-class SimRunner:
+class SimRunner(PersistentInputRunner):
     """The model runner's interface (prepare_input, execute, release, tokenizer, num_blocks, ...) on a simulated
     device. `sleep` is injectable so tests can run the simulation without waiting."""
 
@@ -249,20 +248,6 @@ class SimRunner:
             self._tokenizer = _load_tokenizer(self.model_path)
             self._build_background(self.settings.max_num_seqs)  # here, not in a step's simulated time
         return self._tokenizer
-
-    @property
-    def num_layers(self) -> int:
-        return self.config.num_layers
-
-    def prepare_input(self, step: StepRequests) -> ModelInput:
-        return self.inputs.build(step)
-
-    def release(self, request_ids: list[str]) -> None:
-        self.inputs.release(request_ids)
-
-    def reset(self) -> None:
-        """A new engine takes over: no request holds input rows (benchmarks share one runner across engines)."""
-        self.inputs.reset()
 
     def execute(self, model_input: ModelInput) -> torch.Tensor:  # [S, W] float32
         start = time.perf_counter()
