@@ -101,7 +101,8 @@ class OverloadRun(KafkaRun):
             [entries[p].lag + entries[p].num_waiting if p in entries else 0 for p in range(num_p)],
             [p in worker_paused or bool(p in entries and entries[p].paused_partitions) for p in range(num_p)],
             [bool(p in entries and entries[p].shed) for p in range(num_p)],
-            [entries[p].est_wait_s if p in entries else None for p in range(num_p)], status.num_running)
+            [entries[p].est_wait_s if p in entries else None for p in range(num_p)], status.num_running,
+            status.num_preemptions, status.last_step_ms)
 
     @property
     def all_answered(self) -> bool:

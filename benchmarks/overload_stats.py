@@ -82,6 +82,9 @@ class StatusSample:
     shed: list[bool]
     est_wait_s: list[float | None]
     num_running: int = 0
+    num_preemptions: int = 0
+    """Cumulative, since the worker started."""
+    last_step_ms: float = 0.0
 
 
 def outcome(r: RequestLog) -> str:
@@ -224,6 +227,14 @@ def time_series(requests: list[RequestLog], statuses: list[StatusSample], num_pr
     out["paused"] = from_status(lambda ss, p: any(s.paused[p] for s in ss))
     out["shed"] = from_status(lambda ss, p: any(s.shed[p] for s in ss))
     out["running"] = [max(s.num_running for s in ss) if ss else None for ss in per_bin]
+    # Preemptions per second (from the cumulative count) and the slowest engine step seen in each second.
+    preempted = [max(s.num_preemptions for s in ss) if ss else None for ss in per_bin]
+    last = 0
+    out["preemptions"] = []
+    for count in preempted:
+        out["preemptions"].append(None if count is None else max(0, count - last))
+        last = count if count is not None else last
+    out["step_ms"] = [max(s.last_step_ms for s in ss) if ss else None for ss in per_bin]
     return out
 
 

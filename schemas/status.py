@@ -59,3 +59,6 @@ class WorkerStatus(WireRecord, kw_only=True):
         list[Partition], Meta(description="Request-topic partitions paused for backpressure.")
     ] = []
     assigned_partitions: Annotated[list[Partition], Meta(description="Request-topic partitions this worker owns.")] = []
+    num_preemptions: Annotated[int, Meta(ge=0, le=MAX_SAFE_INT, description=(
+        "Running requests preempted (to be recomputed) since the worker started."))] = 0
+    last_step_ms: Annotated[float, Meta(ge=0.0, description="How long the engine's last step took.")] = 0.0

@@ -144,6 +144,17 @@ def test_time_series_bins_requests_by_second_and_status_records_by_max_and_any()
     assert ts["queue"][0] == [3, None, 0, None] and ts["queue"][2] == [5, None, 0, None]
     assert ts["paused"][2] == [True, None, False, None] and ts["shed"][2] == [True, None, False, None]
     assert ts["running"] == [4, None, 1, None]
+    assert ts["preemptions"] == [0, None, 0, None] and ts["step_ms"] == [0.0, None, 0.0, None]
+
+
+def test_preemptions_per_second_come_from_the_cumulative_count():
+    def sample(at_s, preemptions, step_ms):
+        return StatusSample(at_s, [0] * 3, [False] * 3, [False] * 3, [None] * 3, 8, preemptions, step_ms)
+
+    statuses = [sample(0.2, 5, 300.0), sample(0.8, 7, 900.0), sample(2.5, 20, 400.0), sample(3.1, 20, 350.0)]
+    ts = time_series([], statuses, 3, 4.0)
+    assert ts["preemptions"] == [7, None, 13, 0]  # a second without a record reports nothing, not zero
+    assert ts["step_ms"] == [900.0, None, 400.0, 350.0]
 
 
 def _summary(in_time_by_priority: dict[int, tuple[int, int]], goodput_ratio: float, wasted: float,

@@ -133,6 +133,8 @@ class EngineStats:
     num_steps: int = 0
     last_step_num_tokens: int = 0
     last_step_num_seqs: int = 0
+    last_step_s: float = 0.0
+    """How long the last step took (forward and sampling)."""
     step_time_base_s: float = 0.0
     """Online linear model of step time: base + per_token * num_batched_tokens."""
     step_time_per_token_s: float = 0.0

@@ -60,7 +60,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.step_time = StepTimeModel()
         self.num_steps = 0
-        self._last_step = (0, 0)
+        self._last_step = (0, 0, 0.0)
         self._live: dict[str, _Live] = {}
         log.info("engine: policy=%s max_num_batched_tokens=%d max_num_seqs=%d block_size=%d prefix_caching=%s",
                  self.settings.policy, self.settings.max_num_batched_tokens, self.settings.max_num_seqs,
@@ -167,9 +167,10 @@ class LLMEngine:
         )
         token_ids = sampled.token_ids
         logprobs = {sampling_ids[row]: lp for row, lp in sampled.logprobs.items()} if sampled.logprobs else None
-        self.step_time.observe(sched.num_batched_tokens, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self.step_time.observe(sched.num_batched_tokens, seconds)
         self.num_steps += 1
-        self._last_step = (sched.num_batched_tokens, len(sched.scheduled))
+        self._last_step = (sched.num_batched_tokens, len(sched.scheduled), seconds)
         updates = self.scheduler.update(sched, dict(zip(sampling_ids, token_ids)), time.monotonic())
         outputs += [self._postprocess(update) for update in updates]
         if logprobs:
@@ -234,6 +235,7 @@ class LLMEngine:
             num_steps=self.num_steps,
             last_step_num_tokens=self._last_step[0],
             last_step_num_seqs=self._last_step[1],
+            last_step_s=self._last_step[2],
             step_time_base_s=base,
             step_time_per_token_s=per_token,
             max_model_len=self.scheduler.max_model_len,

@@ -82,6 +82,8 @@ class StatusReporter:
             shedding=bool(decision.shed_priorities),
             paused_partitions=sorted(p for parts in view.paused_by_priority for p in parts),
             assigned_partitions=sorted(view.assigned_partitions),
+            num_preemptions=stats.num_preemptions,
+            last_step_ms=max(0.0, stats.last_step_s * 1000.0),
         )
 
     async def publish(self, view: LoadView) -> None:
