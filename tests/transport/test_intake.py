@@ -41,7 +41,7 @@ def build(**settings_overrides) -> SimpleNamespace:
     admission = Admission(KAFKA.result_topic, frozenset(KAFKA.allowed_reply_topics), list(settings.itl_target_ms))
     streamer = Streamer(publisher, tracker, answers, metrics, service, settings.worker_id, KAFKA.num_priorities, 0.0)
     dispatcher = Dispatcher(queue, streamer, engine, admission, answers, service, max_in_engine=4)
-    intake = Intake(consumer, tracker, queue, answers, admission, service, lambda: engine.stats,
+    intake = Intake(consumer, tracker, queue, answers, admission, service,
                     num_priorities=KAFKA.num_priorities, num_partitions=KAFKA.num_request_partitions,
                     result_topic=KAFKA.result_topic, max_poll_records=settings.max_poll_records, limits=DEFAULT_LIMITS,
                     max_clock_skew_ms=settings.max_clock_skew_ms)

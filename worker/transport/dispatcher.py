@@ -70,7 +70,7 @@ class Dispatcher:
         stats: EngineStats = self.engine.stats
         for priority in range(len(self.streamer.num_open_by_priority)):
             while self._has_room(priority) and (queued := self.queue.head(priority)) is not None:
-                verdict = self._check_deadline(queued, stats)
+                verdict = self._check_deadline(queued)
                 if verdict is not None:
                     self.queue.pop(priority)
                     self.answers.reject_queued(queued, verdict)
@@ -82,7 +82,7 @@ class Dispatcher:
                 self.streamer.open(queued)
                 self.engine.add(to_engine_request(queued))
 
-    def _check_deadline(self, queued: QueuedRequest, stats: EngineStats) -> Verdict | None:
+    def _check_deadline(self, queued: QueuedRequest) -> Verdict | None:
         if queued.deadline_ms is None:
             return None
         now_ms = time.time() * 1000.0

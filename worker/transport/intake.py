@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import CorruptRecordException, KafkaError, RecordTooLargeError, UnsupportedCodecError
@@ -40,7 +39,6 @@ from aiokafka.errors import CorruptRecordException, KafkaError, RecordTooLargeEr
 from schemas.decode import RequestError, decode_request
 from schemas.limits import Limits
 from schemas.priority import priority_of_partition
-from worker.engine.api import EngineStats
 from worker.transport.admission import Admission, Verdict, estimate_prompt_tokens
 from worker.transport.answers import Answers
 from worker.transport.load_control import LoadDecision
@@ -65,7 +63,7 @@ without another error (the error did not repeat)."""
 class Intake:
     def __init__(
         self, consumer: AIOKafkaConsumer, tracker: OffsetTracker, queue: LocalQueue, answers: Answers,
-        admission: Admission, service: ServiceModel, engine_stats: Callable[[], EngineStats], *,
+        admission: Admission, service: ServiceModel, *,
         num_priorities: int, num_partitions: int, result_topic: str, max_poll_records: int, limits: Limits,
         max_clock_skew_ms: float = 1000.0,
     ) -> None:
@@ -75,7 +73,6 @@ class Intake:
         self.answers = answers
         self.admission = admission
         self.service = service
-        self.engine_stats = engine_stats
         self.num_priorities = num_priorities
         self.num_partitions = num_partitions
         self.result_topic = result_topic

@@ -97,7 +97,7 @@ class Worker:
         self.dispatcher = Dispatcher(self.queue, self.streamer, self.engine_thread, admission, self.answers,
                                      self.service, self.max_in_engine)
         self.intake = Intake(
-            consumer, self.tracker, self.queue, self.answers, admission, self.service, lambda: self.engine_thread.stats,
+            consumer, self.tracker, self.queue, self.answers, admission, self.service,
             num_priorities=kafka.num_priorities, num_partitions=kafka.num_request_partitions,
             result_topic=kafka.result_topic, max_poll_records=settings.max_poll_records, limits=self.limits,
             max_clock_skew_ms=settings.max_clock_skew_ms,
