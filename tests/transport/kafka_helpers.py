@@ -62,6 +62,26 @@ class Results:
     def stream_text(self, request_id: str, attempt: int) -> str:
         return "".join(c.text for c in self.chunks[(request_id, attempt)])
 
+    def summary(self) -> str:
+        """What was collected, and each worker's latest status: what a timed-out wait reports."""
+        statuses = {}
+        for s in self.statuses:
+            statuses[s.worker_id] = s
+        finals = [f for fs in self.finals.values() for f in fs]
+        lines = [f"{len(self.finals)} requests with finals ({len(finals)} finals, "
+                 f"{sum(f.status == 'completed' for f in finals)} completed), {len(self.chunks)} streams, "
+                 f"{len(self.dead_letters)} dead letters, {len(self.statuses)} statuses"]
+        for wid, s in sorted(statuses.items()):
+            lines.append(f"  {wid} at {s.ts_ms}: partitions {s.assigned_partitions} paused {s.paused_partitions} "
+                         f"running {s.num_running} waiting {s.num_waiting} kv {s.kv_usage:.2f} "
+                         f"last step {s.last_step_ms:.0f} ms, preemptions {s.num_preemptions}")
+        return "\n".join(lines)
+
+
+class WaitTimeout(TimeoutError, AssertionError):
+    """A collector's wait ran out: a TimeoutError for callers that expect one, and a failed check with what was
+    collected for pytest."""
+
 
 class Collector:
     """Reads the result, dead-letter and status topics from the beginning, in the background."""
@@ -106,9 +126,12 @@ class Collector:
                         r.undecodable += 1
 
     async def wait_until(self, predicate, timeout_s: float, what: str = "condition") -> None:
-        async with asyncio.timeout(timeout_s):
-            while not predicate(self.results):
-                await asyncio.sleep(0.1)
+        try:
+            async with asyncio.timeout(timeout_s):
+                while not predicate(self.results):
+                    await asyncio.sleep(0.1)
+        except TimeoutError:
+            raise WaitTimeout(f"{what} not met in {timeout_s} s; {self.results.summary()}") from None
 
 
 @contextlib.asynccontextmanager

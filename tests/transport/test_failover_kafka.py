@@ -93,7 +93,7 @@ async def test_sigkill_one_of_two_workers_loses_nothing(kafka_topics, tmp_path, 
             await collector.wait_until(lambda r: len(r.finals) >= 20, 30)
             procs[0].send_signal(signal.SIGKILL)
             await procs[0].wait()
-            await collector.wait_until(lambda r: all_completed(r, requests), 50)
+            await collector.wait_until(lambda r: all_completed(r, requests), 90, "all completed")
             await asyncio.sleep(0.5)
             assert procs[1].returncode is None
         finally:
@@ -123,7 +123,7 @@ async def test_sigterm_drains_exits_zero_and_a_restart_finishes_the_rest(kafka_t
         assert num_before_restart < len(requests)
         second = await start_worker_process(kafka, [*worker_args, "--worker-id", "second"], tmp_path / "second.log")
         try:
-            await collector.wait_until(lambda r: all_completed(r, requests), 50)
+            await collector.wait_until(lambda r: all_completed(r, requests), 90, "all completed")
         finally:
             second.send_signal(signal.SIGTERM)
             assert await asyncio.wait_for(second.wait(), 30) == 0

@@ -4,6 +4,7 @@ priority, recent throughput), so producers can slow down a priority that is shed
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -13,6 +14,11 @@ from worker.engine.api import EngineStats
 from worker.transport.load_control import LoadDecision
 from worker.transport.metrics import WorkerMetrics
 from worker.transport.publisher import Publisher
+
+log = logging.getLogger(__name__)
+
+PROGRESS_LOG_INTERVAL_S = 10.0
+"""How often a worker with work logs one line of progress (the log is what a failed run leaves behind)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -38,6 +44,7 @@ class StatusReporter:
         self.worker_id = worker_id
         self.status_topic = status_topic
         self._last_status = (time.monotonic(), 0, 0)
+        self._last_progress_log = (time.monotonic(), 0)
 
     def update_metrics(self, view: LoadView) -> None:
         m, stats = self.metrics, view.stats
@@ -88,4 +95,18 @@ class StatusReporter:
 
     async def publish(self, view: LoadView) -> None:
         status = self.build_status(view)
+        self._log_progress(status, view.num_completed)
         await self.publisher.publish(self.status_topic, status.worker_id.encode(), encode(status))
+
+    def _log_progress(self, status: WorkerStatus, num_completed: int) -> None:
+        then, done_then = self._last_progress_log
+        now = time.monotonic()
+        if now - then < PROGRESS_LOG_INTERVAL_S:
+            return
+        self._last_progress_log = (now, num_completed)
+        if num_completed == done_then and not (status.num_running or status.num_waiting):
+            return  # idle: nothing to say
+        log.info("progress: %d completed (+%d), %d running, %d waiting, kv %.2f, last step %.0f ms, "
+                 "partitions %s, paused %s, shedding %s", num_completed, num_completed - done_then,
+                 status.num_running, status.num_waiting, status.kv_usage, status.last_step_ms,
+                 status.assigned_partitions, status.paused_partitions, status.shedding)
