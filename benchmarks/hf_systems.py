@@ -49,18 +49,38 @@ def _records(trace: Trace) -> dict[str, RequestRecord]:
 
 
 class HFBaselines:
-    def __init__(self, model_path: Path, kv_budget_tokens: int | None = None) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Each system's model is loaded on first use (in float32 on the CPU unless told otherwise: the GPU check
+    runs bf16 on CUDA)."""
+
+    def __init__(self, model_path: Path, kv_budget_tokens: int | None = None, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
+        from transformers import AutoTokenizer
         self.model_path = model_path
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.kv_budget_tokens = kv_budget_tokens
-        load = dict(dtype=torch.float32, attn_implementation="sdpa")
-        self.static_model = AutoModelForCausalLM.from_pretrained(model_path, **load).eval()
-        # Its own instance: the continuous-batching manager switches the model's attention implementation.
-        self.cb_model = AutoModelForCausalLM.from_pretrained(model_path, **load).eval()
+        self.device, self.dtype = device, dtype
+        self._models: dict[str, torch.nn.Module] = {}
+
+    def _model(self, system: str):
+        # One instance per system: the continuous-batching manager switches the model's attention implementation.
+        if system not in self._models:
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, attn_implementation="sdpa")
+            self._models[system] = model.to(self.device).eval()
+        return self._models[system]
+
+    @property
+    def static_model(self):
+        return self._model("hf-static")
+
+    @property
+    def cb_model(self):
+        return self._model("hf-cb")
 
     def run(self, system: str, trace: Trace) -> RunResult:
+        self._model(system)  # loaded before the replay's clock starts
         if system == "hf-static":
             return self.run_static(trace)
         if system == "hf-cb":
@@ -98,6 +118,7 @@ class HFBaselines:
         for row, r in enumerate(batch):
             input_ids[row, prompt_len - r.num_prompt_tokens:] = torch.tensor(r.prompt_token_ids)
             attention_mask[row, prompt_len - r.num_prompt_tokens:] = 1
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
         num_steps = max(r.max_new_tokens for r in batch)
         clock = _TokenClock()
         self.static_model.generate(
@@ -119,22 +140,32 @@ class HFBaselines:
     # ---- transformers' continuous batching --------------------------------------------------------------
 
     def _cb_manager(self):
-        from transformers import ContinuousBatchingConfig, GenerationConfig
+        import inspect
+
+        import transformers
+        from transformers import GenerationConfig
 
         budget = self.kv_budget_tokens or KV_CACHE_BYTES // self._bytes_per_token()
-        cb_config = ContinuousBatchingConfig(
+        options = dict(
             page_size=BLOCK_SIZE, num_blocks=budget // BLOCK_SIZE,
             max_batch_tokens=MAX_NUM_BATCHED_TOKENS, max_requests_per_batch=MAX_NUM_SEQS,
             allow_block_sharing=False, use_cuda_graph=False, use_async_batching=False, auto_switch_to_flash=False,
         )
         gen_config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=self.pad_id, max_new_tokens=16)
+        config_cls = getattr(transformers, "ContinuousBatchingConfig", None)
+        if config_cls is None:  # older transformers (the GPU machine's may be): the options ride on GenerationConfig
+            for key, value in options.items():
+                setattr(gen_config, "block_size" if key == "page_size" else key, value)
+            return self.cb_model.init_continuous_batching(generation_config=gen_config)
+        known = inspect.signature(config_cls).parameters
+        cb_config = config_cls(**{k: v for k, v in options.items() if k in known})
         return self.cb_model.init_continuous_batching(generation_config=gen_config,
                                                       continuous_batching_config=cb_config)
 
     def _bytes_per_token(self) -> int:
         c = self.cb_model.config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 4  # K and V, float32
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * self.dtype.itemsize  # K and V
 
     def run_cb(self, trace: Trace) -> RunResult:
         requests, records = trace.requests, _records(trace)

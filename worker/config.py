@@ -31,6 +31,8 @@ class KafkaSettings(BaseSettings):
     """Topic for records that cannot be decoded or that poison the worker."""
     status_topic: str = "llm.status"
     """Topic on which each worker publishes its load status every second."""
+    control_topic: str = "llm.control"
+    """Topic of control records (cancels), key = request id; every worker reads all of its partitions."""
     num_priorities: int = Field(3, ge=1, le=16)
     """Number of priority levels; priority 0 is the most urgent."""
     partitions_per_priority: int = Field(2, ge=1, le=256)
@@ -86,6 +88,15 @@ class EngineSettings(BaseSettings):
     KV memory; each step waits for its roofline time on that GPU and returns deterministic logits)."""
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     """auto: Triton on CUDA, torch on the CPU."""
+    cuda_graphs: Literal["auto", "on", "off"] = "auto"
+    """Decode-only steps of up to the largest of cuda_graph_batch_sizes requests run padded to the next of those
+    sizes from static input buffers, each size's forward captured once at start-up as a CUDA graph and replayed.
+    auto: on with CUDA and the Triton backend (not under TRITON_INTERPRET), off otherwise. on: the same, but
+    where nothing can be captured (the CPU, the interpreter) the padded static-buffer path runs eagerly (tests
+    check it token for token against off); CUDA with the torch backend is refused. Simulated devices ignore it."""
+    cuda_graph_batch_sizes: list[int] = []
+    """Batch sizes with a CUDA graph, each in [1, max_num_seqs]; empty: 1, 2, 4, the multiples of 8 below
+    max_num_seqs, and max_num_seqs. Larger decode batches and steps with prefill tokens run eagerly."""
     block_size: int = Field(16, ge=1, le=256)
     """Tokens per KV-cache block."""
     kv_cache_bytes: int = Field(256 * 1024**2, ge=1)
@@ -120,6 +131,8 @@ class EngineSettings(BaseSettings):
     def _check(self) -> "EngineSettings":
         if self.policy != "continuous" and self.max_batch_size > self.max_num_seqs:
             raise ValueError("max_batch_size must not exceed max_num_seqs")
+        if any(not 1 <= n <= self.max_num_seqs for n in self.cuda_graph_batch_sizes):
+            raise ValueError("cuda_graph_batch_sizes must lie in [1, max_num_seqs]")
         return self
 
 
@@ -203,6 +216,15 @@ class WorkerSettings(BaseSettings):
     max_engine_inflight: int = Field(0, ge=0)
     """Requests handed to the engine and not finished; the rest wait in the local queue where they can still be
     shed or reordered. 0: twice the engine's max_num_seqs."""
+    cancel_ttl_s: float = Field(900.0, gt=0)
+    """How long a cancel counts, from its record's timestamp: a request read within it is answered `cancelled`
+    at once (a cancel may come before its request, or before a rebalance moves the request here). At start a
+    worker reads the control topic back this far; keep it below that topic's retention (1 hour)."""
+    cancel_max_ids: int = Field(100_000, ge=1)
+    """Most cancelled ids a worker remembers; past it the oldest are forgotten first."""
+    cancel_sync_timeout_s: float = Field(3.0, ge=0)
+    """At start, how long request intake waits for the control topic to be read up to date (so that a
+    redelivered request that was cancelled is not run first); past it intake starts anyway."""
 
     @model_validator(mode="after")
     def _check(self) -> "WorkerSettings":

@@ -50,6 +50,21 @@ class ModelInput:
     """[S] int64: indices into T whose logits are computed (last token of each request that samples)."""
 
 
+@dataclass(slots=True)
+class StepArrays:
+    """One step's inputs on the host, as `PersistentInput.arrays` derives them (numpy, int64 unless noted)."""
+
+    input_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    slot_mapping: np.ndarray  # [T]
+    query_start_loc: np.ndarray  # [B + 1]
+    seq_lens: np.ndarray  # [B]
+    block_tables: np.ndarray  # [B, blocks of the longest context] int32
+    logits_indices: np.ndarray  # [S]
+    max_query_len: int
+    max_seq_len: int
+
+
 def build_model_input(batch: StepBatch, device: torch.device | str) -> ModelInput:
     rows = batch.block_table_rows
     max_blocks = max((len(row) for row in rows), default=0)
@@ -138,7 +153,9 @@ class PersistentInput:
             rows.append(row)
         return np.array(rows, dtype=np.int64)
 
-    def build(self, step: StepRequests) -> ModelInput:
+    def arrays(self, step: StepRequests) -> StepArrays:
+        """The step's inputs as host arrays (what `build` turns into tensors; the bucketed decode path of
+        worker/model/cuda_graphs.py copies them into its static buffers instead)."""
         num_requests = len(step.request_ids)
         rows = self._rows(step)  # [B]
         num_computed = np.array(step.num_computed, dtype=np.int64)  # [B]
@@ -158,19 +175,33 @@ class PersistentInput:
         max_seq_len = int(seq_lens.max()) if num_requests else 0
         block_tables = self.block_table[rows, : -(-max_seq_len // bs)]  # [B, max_blocks] int32
         logits_indices = qsl[1:][np.array(step.samples, dtype=bool)] - 1 if num_requests else qsl[:0]  # [S]
-        attn = AttentionMetadata(
-            slot_mapping=self._tensor("slot_mapping", slot_mapping),
-            query_start_loc=self._tensor("query_start_loc", qsl.astype(np.int32)),
-            seq_lens=self._tensor("seq_lens", seq_lens.astype(np.int32)),
-            block_tables=self._tensor("block_tables", block_tables),
+        return StepArrays(
+            input_ids=np.array(step.input_ids, dtype=np.int64),
+            positions=positions,
+            slot_mapping=slot_mapping,
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+            logits_indices=logits_indices,
             max_query_len=int(num_new.max()) if num_requests else 0,
             max_seq_len=max_seq_len,
         )
+
+    def build(self, step: StepRequests) -> ModelInput:
+        a = self.arrays(step)
+        attn = AttentionMetadata(
+            slot_mapping=self._tensor("slot_mapping", a.slot_mapping),
+            query_start_loc=self._tensor("query_start_loc", a.query_start_loc.astype(np.int32)),
+            seq_lens=self._tensor("seq_lens", a.seq_lens.astype(np.int32)),
+            block_tables=self._tensor("block_tables", a.block_tables),
+            max_query_len=a.max_query_len,
+            max_seq_len=a.max_seq_len,
+        )
         return ModelInput(
-            input_ids=self._tensor("input_ids", np.array(step.input_ids, dtype=np.int64)),
-            positions=self._tensor("positions", positions),
+            input_ids=self._tensor("input_ids", a.input_ids),
+            positions=self._tensor("positions", a.positions),
             attn=attn,
-            logits_indices=self._tensor("logits_indices", logits_indices),
+            logits_indices=self._tensor("logits_indices", a.logits_indices),
         )
 
     def _tensor(self, name: str, array: np.ndarray) -> torch.Tensor:

@@ -4,7 +4,10 @@ Each step the engine hands over a `StepRequests` of plain ints; `prepare_input` 
 runner's device (from buffers kept between steps, `PersistentInput`) and `execute` runs the forward, returning
 float32 logits for the rows that sample (two calls, so model tests can hand `execute` tensors they built by
 hand). `release` forgets a finished or preempted request's buffers. Device, dtype and backend are chosen here
-once and logged, so a deployment's log says what actually runs.
+once and logged, so a deployment's log says what actually runs. Decode-only steps of up to the largest CUDA-graph
+batch size go through `DecodeGraphs` (worker/model/cuda_graphs.py, ENGINE_CUDA_GRAPHS): padded to a bucket in
+static buffers and replayed as a CUDA graph captured here at start-up (or, where nothing can be captured and the
+setting is `on`, run eagerly the same way).
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ import torch
 from worker.config import EngineSettings
 from worker.model.attention import AttentionBackend
 from worker.model.config import ModelConfig, load_config, load_eos_token_ids
+from worker.model.cuda_graphs import BucketedInput, DecodeGraphs, batch_sizes, graph_mode, triton_interpreted
 from worker.model.input import ModelInput, PersistentInput, PersistentInputRunner
 from worker.model.loader import load_model
 from worker.model.pull import resolve_model
+from worker.model.step_batch import StepRequests
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +70,9 @@ def make_backend(setting: str, device: torch.device) -> AttentionBackend:
 
 
 class ModelRunner(PersistentInputRunner):
-    def __init__(self, model_path: str | Path, settings: EngineSettings) -> None:
+    def __init__(self, model_path: str | Path, settings: EngineSettings, capture_graphs: bool = True) -> None:
+        """`capture_graphs=False` runs the bucketed decode path (ENGINE_CUDA_GRAPHS) without capturing it even
+        where it could be: the eager reference that benchmarks/gpu_engine_check.py compares replays with."""
         self.settings = settings
         self.model_path = resolve_model(model_path)
         self.config: ModelConfig = load_config(self.model_path)
@@ -75,6 +82,9 @@ class ModelRunner(PersistentInputRunner):
         self.config.check_max_model_len(self.max_model_len)
         self.block_size = settings.block_size
         self.backend = make_backend(settings.attention_backend, self.device)
+        self.graph_mode = graph_mode(settings.cuda_graphs, self.device.type, self.backend.name, triton_interpreted())
+        if self.graph_mode == "capture" and not capture_graphs:
+            self.graph_mode = "eager"
 
         self.model = load_model(
             self.config, self.model_path, self.backend, self.max_model_len, self.device, self.dtype
@@ -89,8 +99,10 @@ class ModelRunner(PersistentInputRunner):
         # K and V of every layer in one allocation: [layers, 2, blocks, block_size, Hkv, D].
         self.bytes_per_block = 2 * c.num_layers * self.block_size * c.kv_size * self.dtype.itemsize
         self.num_blocks = self._num_blocks()
+        # The bucketed decode path pads its batches with rows whose K/V go to one extra block, past the engine's.
+        num_pad_blocks = 1 if self.graph_mode else 0
         self.kv_cache = torch.zeros(
-            c.num_layers, 2, self.num_blocks, self.block_size, c.num_kv_heads, c.head_dim,
+            c.num_layers, 2, self.num_blocks + num_pad_blocks, self.block_size, c.num_kv_heads, c.head_dim,
             device=self.device, dtype=self.dtype,
         )
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(c.num_layers)]
@@ -104,11 +116,33 @@ class ModelRunner(PersistentInputRunner):
             str(self.dtype).removeprefix("torch."), self.backend.name, self.num_blocks, self.block_size,
             self.num_blocks * self.block_size, self.num_blocks * self.bytes_per_block / 2**20, self.max_model_len,
         )
+        self.graphs: DecodeGraphs | None = None
+        if self.graph_mode:
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.inputs,
+                                       batch_sizes(settings.cuda_graph_batch_sizes, settings.max_num_seqs),
+                                       self.max_model_len, pad_block=self.num_blocks, device=self.device)
+            if self.graph_mode == "capture":
+                self._capture(settings.cuda_graphs)
+            else:
+                why = ("on the CPU" if self.device.type == "cpu" else "under Triton's interpreter"
+                       if triton_interpreted() else "as the caller asked")
+                log.info("decode steps of up to %d requests run padded to batch sizes %s from static buffers, "
+                         "eagerly (no CUDA graph capture %s)", self.graphs.sizes[-1], self.graphs.sizes, why)
         if self.num_blocks * self.block_size < self.max_model_len:
             log.warning(
                 "the KV cache holds %d tokens, fewer than max_model_len %d: one long request can exhaust it",
                 self.num_blocks * self.block_size, self.max_model_len,
             )
+
+    def _capture(self, setting: str) -> None:
+        try:
+            self.graphs.capture()
+        except Exception:
+            if setting == "on":
+                raise
+            # auto: a worker that cannot capture still serves, every step eager.
+            log.exception("CUDA graph capture failed; ENGINE_CUDA_GRAPHS=auto runs every step eagerly instead")
+            self.graphs, self.graph_mode = None, None
 
     def _num_blocks(self) -> int:
         if self.settings.num_kv_blocks is not None:
@@ -132,8 +166,18 @@ class ModelRunner(PersistentInputRunner):
             self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         return self._tokenizer
 
+    def prepare_input(self, step: StepRequests) -> ModelInput:
+        graphs = self.graphs
+        if graphs is not None:
+            bucket = graphs.bucket_for(step)
+            if bucket is not None:
+                return graphs.prepare(self.inputs.arrays(step), bucket)
+        return self.inputs.build(step)
+
     @torch.inference_mode()
     def execute(self, model_input: ModelInput) -> torch.Tensor:  # [S, V] float32
+        if isinstance(model_input, BucketedInput):
+            return self.graphs.execute(model_input)
         attn = model_input.attn
         if attn.max_seq_len > self.max_model_len:
             raise ValueError(f"a sequence of {attn.max_seq_len} tokens exceeds max_model_len {self.max_model_len}")

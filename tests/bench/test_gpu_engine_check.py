@@ -1,0 +1,51 @@
+"""The GPU check's Python part (benchmarks/gpu_engine_check.py) runs on the CPU in its --smoke mode without an
+error, so it meets a lent GPU with nothing but GPU questions left; and its random-model builder makes folders
+that our runner, the sampler's detokenizer and transformers all load."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from benchmarks.gpu_engine_check import compare, main, tiny_shape
+from benchmarks.random_model import build_random_model, hf_tensor_shapes
+from worker.model.config import parse_config
+
+
+def test_smoke_mode_runs_every_part_and_every_check(tmp_path: Path) -> None:
+    assert main(["--smoke", "--out", str(tmp_path), "--models", "tiny-2-layers"]) == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    parts = data["parts"]
+    assert set(parts) == {"build", "tiny-2-layers/load", "tiny-2-layers/graphs", "tiny-2-layers/steps",
+                          "tiny-2-layers/systems"}
+    assert all(p["status"] == "ok" for p in parts.values()), {k: p["status"] for k, p in parts.items()}
+    assert data["ok"] and data["checks"] and all(c["passed"] for c in data["checks"].values())
+    assert parts["tiny-2-layers/load"]["graph_mode"] == "eager"  # nothing to capture on the CPU
+    assert len(parts["tiny-2-layers/graphs"]["buckets_hit"]) >= 2
+    kinds = {row["kind"] for row in parts["tiny-2-layers/steps"]["summary"]}
+    assert {"prefill", "decode-bucketed", "decode-off"} <= kinds
+    runs = parts["tiny-2-layers/systems"]["runs"]
+    assert set(runs) == {"continuous", "static", "continuous-eager", "sim-h200", "hf-cb"}
+    assert all(m["num_completed"] == m["num_requests"] for m in runs.values())
+
+
+def test_compare_reports_where_tokens_diverge() -> None:
+    same = compare({"a": [1, 2], "b": [3]}, {"a": [1, 2], "b": [3]})
+    assert same["equal"] and same["tokens_before_first_divergence"] == 3
+    diff = compare({"a": [1, 2, 3], "b": [3]}, {"a": [1, 5, 3], "b": [3]})
+    assert not diff["equal"] and diff["first_divergence"] == {"a": 1} and diff["tokens_before_first_divergence"] == 2
+
+
+def test_random_model_loads_in_transformers_with_a_tokenizer_of_its_vocabulary(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    shape = {**tiny_shape(1), "vocab_size": 600, "eos_token_id": [2, 5], "tie_word_embeddings": False}
+    folder = build_random_model(tmp_path, shape, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert len(tokenizer) == 600 and tokenizer.eos_token_id == 2 and set(tokenizer.added_tokens_decoder) == {1, 2, 5}
+    assert tokenizer.decode(tokenizer("hello world")["input_ids"]) == "hello world"
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    names = set(model.state_dict())
+    assert set(hf_tensor_shapes(parse_config(shape))) <= names  # every tensor the loader expects, by HF's names
