@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-HEAVY = ("torch", "triton", "aiokafka", "transformers", "numpy")
+HEAVY = ("torch", "triton", "aiokafka", "transformers", "numpy", "llguidance")
 PURE_MODULES = (
     "worker.engine.api",
     "worker.engine.request",
@@ -154,4 +154,4 @@ def test_transport_speaks_to_the_engine_only_through_its_api():
         and not is_under(imp.module, "worker.engine.api")
     ]
     assert engine_imports == []
-    assert violations(transport, ("worker.model", "kernels", "torch")) == []
+    assert violations(transport, ("worker.model", "kernels", "torch", "llguidance")) == []

@@ -408,3 +408,37 @@ def test_sampling_options_and_logprobs_round_trip():
         assert decode_result(encode(record)) == record
         assert validator(name).is_valid(msgspec.json.decode(encode(record)))
     assert decode_result(encode(StreamChunk(id="r-1", seq=0))).logprobs is None
+
+
+RESPONSE_FORMATS = [
+    {"type": "text"},
+    {"type": "json_object"},
+    {"type": "json_schema", "json_schema": {"name": "x", "strict": True,
+                                            "schema": {"type": "object", "properties": {"b": {}, "a": {}}}}},
+    {"type": "regex", "regex": "[a-z]+"},
+    {"type": "grammar", "grammar": 'start: "yes" | "no"'},
+]
+
+
+@pytest.mark.parametrize("response_format", RESPONSE_FORMATS, ids=lambda f: f["type"])
+def test_response_format_round_trips_and_validates(response_format):
+    data = request_bytes(prompt="x", response_format=response_format)
+    validator("generation_request").validate(json.loads(data))
+    request = decode_request(data)
+    assert isinstance(request, GenerationRequest) and request.response_format.__struct_config__.tag == \
+        response_format["type"]
+    assert decode_request(encode(request)) == request
+    if response_format["type"] == "json_schema":  # the schema's key order is kept (it orders the output)
+        assert list(request.response_format.json_schema.schema["properties"]) == ["b", "a"]
+
+
+@pytest.mark.parametrize("response_format", [
+    {"type": "xml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"schema": []}},
+    {"type": "regex", "regex": ""}, {"json_schema": {"schema": {}}}, "json",
+])
+def test_a_malformed_response_format_is_refused_on_both_sides(response_format):
+    data = request_bytes(prompt="x", response_format=response_format)
+    assert not validator("generation_request").is_valid(json.loads(data))
+    error = decode_request(data)
+    assert isinstance(error, RequestError) and error.code == "invalid_request" and error.request_id == "r-1"
+    assert "response_format" in error.message

@@ -23,7 +23,8 @@ from schemas import (
 )
 from schemas import export
 from schemas.limits import MAX_ID_CHARS
-from schemas.request import ID_PATTERN
+from schemas.request import (ID_PATTERN, GrammarFormat, JsonObjectFormat, JsonSchemaFormat, JsonSchemaSpec,
+                             RegexFormat, TextFormat)
 
 # Drawing a whole request costs hypothesis ~7 ms, so the request-based properties run fewer examples to keep the
 # schemas suite under 10 s; raw bytes are cheap.
@@ -55,6 +56,10 @@ prompts = st.one_of(
     st.fixed_dictionaries({"prompt_token_ids": st.lists(token_ids, min_size=1, max_size=12)}),
 )
 metadata = st.none() | st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=3)
+response_formats = st.none() | st.sampled_from([
+    TextFormat(), JsonObjectFormat(), RegexFormat(regex="[a-z]+"), GrammarFormat(grammar='start: "a"'),
+    JsonSchemaFormat(json_schema=JsonSchemaSpec(schema={"type": "object", "properties": {"a": {"enum": [1, "x"]}}})),
+])
 
 
 @st.composite
@@ -64,6 +69,7 @@ def valid_requests(draw) -> GenerationRequest:
         **draw(prompts),
         max_new_tokens=draw(st.integers(1, DEFAULT_LIMITS.max_new_tokens)),
         sampling=draw(samplings),
+        response_format=draw(response_formats),
         deadline_ms=draw(st.none() | ms),
         timeout_ms=draw(st.none() | st.integers(1, 2**53 - 1)),
         reply_topic=draw(st.none() | st.text(TOPIC_CHARS, min_size=1, max_size=20)),

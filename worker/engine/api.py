@@ -21,6 +21,26 @@ MAX_TOP_LOGPROBS = 20
 """The most alternatives a request may ask for at each step (as OpenAI's API)."""
 
 
+STRUCTURED_KINDS = ("json_schema", "regex", "grammar")
+
+
+@dataclass(slots=True, frozen=True)
+class StructuredOutput:
+    """A grammar the output must follow, token by token (the wire's `response_format`). The output ends (stop)
+    as soon as the grammar is complete and admits nothing more."""
+
+    kind: str
+    """json_schema (a JSON object is {"type": "object"}), regex, or grammar (a Lark grammar, llguidance's
+    dialect)."""
+    spec: str
+    """The JSON Schema as JSON text, the regular expression, or the grammar. Equal specs share one compiled
+    grammar."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind must be one of {STRUCTURED_KINDS}, got {self.kind!r}")
+
+
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
     max_new_tokens: int = 64
@@ -48,6 +68,8 @@ class SamplingParams:
     """Return each output token's log-probability (`TokenLogprobs`)."""
     top_logprobs: int = 0
     """With logprobs: also the most likely alternatives at each step, 0 to 20."""
+    structured: StructuredOutput | None = None
+    """Constrain the output to a grammar (structured output); None: free text."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -94,6 +116,9 @@ class EngineRequest:
     """time.monotonic() seconds; a request still waiting past it is dropped with reason "deadline"."""
     arrival_time: float | None = None
     """time.monotonic() seconds; defaults to when the engine receives it."""
+    prefix_leader: str | None = None
+    """Another request with the same prompt (a sibling completion of n > 1): this one starts only once that
+    one's prompt is computed, so its full blocks come from the prefix cache instead of being computed twice."""
 
 
 @dataclass(slots=True)

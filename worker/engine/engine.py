@@ -9,7 +9,9 @@ from __future__ import annotations
 import logging
 import time
 import zlib
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from worker.config import EngineSettings
 from worker.engine.api import EngineRequest, EngineStats, RequestOutput, SamplingParams, TokenLogprobs
@@ -19,10 +21,15 @@ from worker.engine.request import Request, RequestStatus
 from worker.engine.scheduler import Scheduler
 from worker.engine.scheduler_output import RequestUpdate
 from worker.engine.step_time import StepTimeModel
+from worker.model.grammar import Compiled, GrammarCompiler, Matcher
 from worker.model.runner import ModelRunner, make_runner
 from worker.model.sampler import RowSampling, Sampler
+from worker.model.token_mask import TokenMask
 
 log = logging.getLogger(__name__)
+
+GRAMMAR_POLL_S = 0.002
+"""While a grammar compiles (on its own thread) and nothing else can run, the engine looks again this often."""
 
 
 class InvalidRequest(ValueError):
@@ -37,6 +44,16 @@ class _Live:
 
     detokenizer: IncrementalDetokenizer
     sampling: RowSampling
+    grammar: Matcher | None = None
+    """Structured output: where the output is in its grammar."""
+
+
+class _Compiling(NamedTuple):
+    """A structured-output request held back until its grammar is compiled (the scheduler never sees it)."""
+
+    request: Request
+    live: _Live
+    compiled: Future[Compiled]
 
 
 @dataclass(slots=True)
@@ -62,6 +79,11 @@ class LLMEngine:
         self.num_steps = 0
         self._last_step = (0, 0, 0.0)
         self._live: dict[str, _Live] = {}
+        self._grammars: GrammarCompiler | None = None
+        """Created by the first structured-output request."""
+        self._compiling: dict[str, _Compiling] = {}
+        self._constrained: set[str] = set()
+        """Requests in the scheduler whose output follows a grammar."""
         log.info("engine: policy=%s max_num_batched_tokens=%d max_num_seqs=%d block_size=%d prefix_caching=%s",
                  self.settings.policy, self.settings.max_num_batched_tokens, self.settings.max_num_seqs,
                  self.settings.block_size, self.settings.enable_prefix_caching)
@@ -109,13 +131,42 @@ class LLMEngine:
             arrival_time=arrival,
             deadline=request.deadline,
             eos_token_ids=() if sampling.ignore_eos else tuple(self.runner.eos_token_ids),
+            prefix_leader=request.prefix_leader,
         )
-        self.scheduler.add_request(req)
-        self._live[req.request_id] = _Live(
+        live = _Live(
             IncrementalDetokenizer(self.tokenizer, token_ids, stop=sampling.stop),
             self._row_sampling(req.request_id, sampling, req.eos_token_ids),
         )
+        if sampling.structured is None:
+            self.scheduler.add_request(req)
+            self._live[req.request_id] = live
+            return []
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, tuple(self.runner.eos_token_ids))
+        compiled = self._grammars.submit(sampling.structured.kind, sampling.structured.spec)
+        if not compiled.done():  # compiled on the grammar thread; step() adds it to the scheduler once ready
+            self._compiling[req.request_id] = _Compiling(req, live, compiled)
+            return []
+        return self._start_constrained(req, live, compiled.result())
+
+    def _start_constrained(self, req: Request, live: _Live, compiled: Compiled) -> list[RequestOutput]:
+        if compiled.error is not None:  # the library refused the grammar: the request ends here
+            return [RequestOutput(req.request_id, [], "", True, "error", "invalid_request",
+                                  f"response_format: {compiled.error}", arrival_time=req.arrival_time,
+                                  finish_time=time.monotonic())]
+        live.grammar = self._grammars.matcher(compiled)
+        self.scheduler.add_request(req)
+        self._live[req.request_id] = live
+        self._constrained.add(req.request_id)
         return []
+
+    def _start_compiled(self) -> list[RequestOutput]:
+        outputs = []
+        for request_id, (req, live, compiled) in list(self._compiling.items()):
+            if compiled.done():
+                del self._compiling[request_id]
+                outputs += self._start_constrained(req, live, compiled.result())
+        return outputs
 
     def _row_sampling(self, request_id: str, params: SamplingParams, eos_token_ids: tuple[int, ...]) -> RowSampling:
         """Every sampled row gets a seed (the request's own, else ENGINE_SEED XOR crc32(request id)), so a
@@ -132,22 +183,33 @@ class LLMEngine:
         )
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
-        return [self._final(request) for request in self.scheduler.abort(request_ids)]
+        outputs = [self._final(request) for request in self.scheduler.abort(request_ids)]
+        for request_id in request_ids:
+            held = self._compiling.pop(request_id, None)
+            if held is not None:
+                held.request.status, held.request.finish_time = RequestStatus.FINISHED_ABORTED, time.monotonic()
+                outputs.append(self._final(held.request))
+        return outputs
 
     def set_input_ended(self, ended: bool = True) -> None:
         self.scheduler.set_input_ended(ended)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._compiling)
 
     def wake_time(self) -> float | None:
-        return self.scheduler.wake_time(time.monotonic())
+        now = time.monotonic()
+        wake = self.scheduler.wake_time(now)
+        if self._compiling:
+            return now + GRAMMAR_POLL_S if wake is None else min(wake, now + GRAMMAR_POLL_S)
+        return wake
 
     # ---- one step -----------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        outputs = self._start_compiled() if self._compiling else []
         sched = self.scheduler.schedule(time.monotonic(), self.step_time.coefficients())
-        outputs = [self._final(request) for request in sched.deadline_dropped]
+        outputs += [self._final(request) for request in sched.deadline_dropped]
         if sched.preempted_request_ids:
             self.runner.release(sched.preempted_request_ids)  # they come back with new block tables
         if sched.is_empty:
@@ -158,12 +220,15 @@ class LLMEngine:
         sampling = [entry for entry in sched.scheduled if entry.samples]  # row order of logits
         sampling_ids = [entry.request_id for entry in sampling]
         live = self._live
+        params = [live[request_id].sampling for request_id in sampling_ids]
+        # Filled once execute() has returned: on a GPU the forward may still be running meanwhile.
+        mask = self._grammar_mask(sampling_ids, outputs) if self._constrained else None
         # The draw's counter is the index of the token being generated: stable across preemption and replay.
         sampled = self.sampler.sample_step(
-            logits, [live[request_id].sampling for request_id in sampling_ids],
-            [entry.request.num_output_tokens for entry in sampling],
+            logits, params, [entry.request.num_output_tokens for entry in sampling],
             # Asked only for the rows with penalties.
             lambda row: (sampling[row].request.prompt_token_ids, sampling[row].request.output_token_ids),
+            mask,
         )
         token_ids = sampled.token_ids
         logprobs = {sampling_ids[row]: lp for row, lp in sampled.logprobs.items()} if sampled.logprobs else None
@@ -180,14 +245,34 @@ class LLMEngine:
                     out.new_logprobs = [TokenLogprobs(out.new_token_ids[-1], *lp)]
         return outputs
 
+    def _grammar_mask(self, sampling_ids: list[str], outputs: list[RequestOutput]) -> TokenMask | None:
+        """The bitmasks of this step's constrained rows. A grammar that admits no token at all (a schema that
+        no output satisfies, such as a minimum above its maximum) ends its request with invalid_request; its
+        row is left unmasked and the token drawn for it dropped."""
+        rows = [row for row, request_id in enumerate(sampling_ids) if request_id in self._constrained]
+        if not rows:
+            return None
+        bitmask, dead = self._grammars.fill_bitmask([self._live[sampling_ids[row]].grammar for row in rows])
+        for i in dead:
+            request = self.scheduler.requests[sampling_ids[rows[i]]]
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
+            out = self._final(request)
+            out.finish_reason, out.error_code = "error", "invalid_request"
+            out.error_message = "response_format: no token can continue the output (no output satisfies the schema?)"
+            outputs.append(out)
+        return TokenMask(rows, bitmask)
+
     def _postprocess(self, update: RequestUpdate) -> RequestOutput:
         request = update.request
-        detokenizer = self._live[request.request_id].detokenizer
+        live = self._live[request.request_id]
+        detokenizer = live.detokenizer
         token_ids = update.new_token_ids
         status = update.finish_status
         if status is None:  # the common case, kept short: it runs for every running request at every step
             text = detokenizer.push(token_ids)
-            if not detokenizer.stopped:
+            # A grammar that is complete ends the request (stop), its last token shown.
+            ended = live.grammar is not None and live.grammar.advance(token_ids[-1])
+            if not (detokenizer.stopped or ended):
                 return self._output(request, token_ids, text)
             request.stop_reason = detokenizer.stop_string
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
@@ -213,6 +298,7 @@ class LLMEngine:
         # Every way a request ends passes here (stop, length, abort, deadline), so its runner row is freed here.
         self.runner.release([request.request_id])
         live = self._live.pop(request.request_id, None)
+        self._constrained.discard(request.request_id)
         if live is not None and request.status is not RequestStatus.FINISHED_ABORTED:
             text += live.detokenizer.flush()
         out = self._output(request, token_ids or [], text)
@@ -227,7 +313,7 @@ class LLMEngine:
         base, per_token = self.step_time.coefficients()
         pool = self.scheduler.pool
         return EngineStats(
-            num_waiting=self.scheduler.num_waiting,
+            num_waiting=self.scheduler.num_waiting + len(self._compiling),
             num_running=self.scheduler.num_running,
             kv_usage=self.scheduler.kv_usage,
             prefix_cache_hit_rate=pool.hit_rate,

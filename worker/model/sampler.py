@@ -41,7 +41,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from worker.model import penalties, sampler_numpy
+from worker.model import penalties, sampler_numpy, token_mask
 
 NUCLEUS_TIERS = (256, 4096)
 """Top-p without top-k: candidates tried before the whole vocabulary (a tier is used when it is at most 1/8 of
@@ -158,12 +158,17 @@ class Sampler:
         params: Sequence[RowSampling],
         counters: Sequence[int] | None = None,
         history: penalties.History | None = None,
+        mask: token_mask.TokenMask | None = None,
     ) -> SampledStep:
-        """`sample`, with the log-probabilities of the rows that ask for them."""
+        """`sample`, with the log-probabilities of the rows that ask for them. `mask`: the grammar masks of the
+        constrained rows (structured output), applied first, in place."""
         num_rows = logits.shape[0]
         if len(params) != num_rows or (counters is not None and len(counters) != num_rows):
             raise ValueError(f"{num_rows} logits rows but {len(params)} params and "
                              f"{None if counters is None else len(counters)} counters")
+        if mask is not None and mask.rows:
+            logits = logits.float().contiguous()  # no copy when it already is
+            token_mask.apply(logits, mask, _on_numpy(logits))
         special = [i for i, p in enumerate(params) if not p.plain]
         if not special:
             return SampledStep(self._pick(logits, params, counters), {})
