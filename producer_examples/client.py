@@ -13,6 +13,10 @@ consumer group: each client reads everything and keeps the ids it asked for) and
 start it moves to the end of the reply topic and waits until that position is resolved, *before* any request
 can be sent, so no answer can slip in between "send" and "start reading". The status topic is read from a
 little way back (`status_lookback`), so the current load is known from the first submit on (backoff.py).
+
+Cancelling: `await handle.cancel()` (or `client.cancel(request_id)` for any id) writes a cancel record to the
+control topic; the request then ends with a `cancelled` final holding the text so far. With
+`cancel_on_abandon` (the default) a task cancelled while it waits in `stream()` or `result()` sends one too.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
+from schemas.control import CancelRecord
 from schemas.decode import decode_result, decode_status, encode
 from schemas.priority import partition_for
 from schemas.request import GenerationRequest
@@ -41,6 +46,8 @@ __all__ = ["BackoffPolicy", "ClientError", "Delta", "LLMClient", "RequestHandle"
 
 DEADLINE_GRACE_S = 10.0
 """Past a request's deadline the worker still owes a `rejected`/`deadline` final; wait this much for it."""
+CANCEL_FLUSH_S = 5.0
+"""stop() waits this long for cancel records still being sent."""
 
 
 class LLMClient:
@@ -53,16 +60,23 @@ class LLMClient:
         reply_topic: str | None = None,
         status_lookback: int = 50,
         status_sync_timeout_s: float = 3.0,
+        cancel_on_abandon: bool = True,
     ) -> None:
         """reply_topic: read answers there instead of the result topic (the worker must allow it);
         status_lookback: status records per partition read back at start;
-        status_sync_timeout_s: how long start waits to have read them."""
+        status_sync_timeout_s: how long start waits to have read them;
+        cancel_on_abandon: when a task waiting in a handle's stream() or result() is cancelled (Ctrl-C under
+        asyncio.run, asyncio.wait_for running out, task.cancel()) before the final arrived, send a cancel for
+        the request (see cancel())."""
         self.settings = settings
         self.backoff = backoff
         self.default_timeout_s = default_timeout_s
         self.reply_topic = reply_topic
         self.status_lookback = status_lookback
         self.status_sync_timeout_s = status_sync_timeout_s
+        self.cancel_on_abandon = cancel_on_abandon
+        self._control_topic_known = False
+        self._cancels_in_flight: set[asyncio.Task] = set()
         self.board = StatusBoard(settings.num_request_partitions, settings.num_priorities)
         self.num_undecodable = 0
         self.num_records = 0
@@ -112,6 +126,8 @@ class LLMClient:
                         self.status_sync_timeout_s)
 
     async def stop(self) -> None:
+        if self._cancels_in_flight:  # cancels sent for abandoned requests: let them reach Kafka first
+            await asyncio.wait(set(self._cancels_in_flight), timeout=CANCEL_FLUSH_S)
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -229,7 +245,8 @@ class LLMClient:
                          else max(0.0, deadline_at - time.monotonic()) + DEADLINE_GRACE_S)
         partition = partition_for(priority, request.id, self.settings.num_request_partitions,
                                   self.settings.num_priorities)
-        handle = RequestHandle(request.id, priority, partition, timeout_s, self._forget)
+        handle = RequestHandle(request.id, priority, partition, timeout_s, self._forget,
+                               send_cancel=self._start_cancel, cancel_on_abandon=self.cancel_on_abandon)
         # Registered before sending: the answer may arrive before send_and_wait returns.
         self._handles[request.id] = handle
         try:
@@ -251,6 +268,37 @@ class LLMClient:
         now_ms = time.time() * 1000.0
         deadline_ms = request.deadline_at_ms(int(now_ms))
         return None if deadline_ms is None else time.monotonic() + (deadline_ms - now_ms) / 1000.0
+
+    async def cancel(self, request_id: str, reason: str = "") -> None:
+        """Cancel a request sent by anyone: a CancelRecord on the control topic, key = request id; returns once
+        Kafka acknowledged it. Whichever worker holds the request stops it within one engine step and answers
+        it with a `cancelled` final (the text so far, its usage); a worker that reads the request later answers
+        it `cancelled` at once. An unknown or finished id is harmless. (`RequestHandle.cancel` does this for a
+        request of this client.)"""
+        if self._producer is None:
+            raise ClientError("the client is not started (use `async with LLMClient(...)`)")
+        topic = self.settings.control_topic
+        if not self._control_topic_known:
+            if topic not in await self._consumer.topics():
+                raise ClientError(f"topic {topic} does not exist on {self.settings.bootstrap_servers}; "
+                                  "create it with `llm-worker topics`")
+            self._control_topic_known = True
+        await self._producer.send_and_wait(topic, encode(CancelRecord(id=request_id, reason=reason)),
+                                           key=request_id.encode())
+
+    def _start_cancel(self, request_id: str, reason: str) -> asyncio.Task:
+        """cancel() as a task the client keeps (stop() lets it finish): a handle's cancel survives the
+        cancellation of the task that asked for it."""
+        task = asyncio.ensure_future(self.cancel(request_id, reason))
+        self._cancels_in_flight.add(task)
+
+        def done(task: asyncio.Task) -> None:
+            self._cancels_in_flight.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                log.warning("cancel of %s not sent: %r", request_id, task.exception())
+
+        task.add_done_callback(done)
+        return task
 
     def _forget(self, request_id: str) -> None:
         self._handles.pop(request_id, None)

@@ -1,6 +1,8 @@
 """`llm-worker generate "prompt"`: send one request, stream the answer to stdout, summarize on stderr.
 
-Exit status 0 when the request completed, 1 when it was rejected, failed or timed out, 2 on bad arguments.
+Exit status 0 when the request completed, 1 when it was rejected, failed or timed out, 2 on bad arguments, 130
+after Ctrl-C: the request is then cancelled (a cancel record on the control topic), and the rest of its text and
+its `cancelled` final are printed if they arrive within --cancel-wait-s. A second Ctrl-C exits at once.
 The prompt goes as chat messages (optional --system turn, then the user turn) unless --raw sends it as a
 plain text prompt. Worker-side deadline: --deadline-ms (absolute, unix epoch ms) or --timeout-s (relative to
 when the request is written); the client then waits until that deadline plus a grace period for the final.
@@ -14,14 +16,27 @@ import logging
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 
 import msgspec
+from aiokafka.errors import KafkaError
 
-from producer_examples.client import BackoffPolicy, LLMClient, RequestHandle, RequestTimeout, StreamGap
+from producer_examples.client import BackoffPolicy, ClientError, LLMClient, RequestHandle, RequestTimeout, StreamGap
 from schemas.decode import encode
 from schemas.request import ChatMessage, GenerationRequest, SamplingSpec
 from schemas.result import FinalRecord
 from worker.config import KafkaSettings
+
+CANCEL_WAIT_S = 5.0
+INTERRUPTED = 130
+"""Exit status after Ctrl-C (128 + SIGINT, as shells report it)."""
+
+
+@dataclass(slots=True)
+class Shown:
+    """What stream_to printed, kept across an interruption so the text is not printed twice."""
+
+    printed: bool = False
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +57,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--id", default=None, help="request id (default: a random one)")
     parser.add_argument("--bootstrap", default=None, help="Kafka bootstrap servers (KAFKA_BOOTSTRAP_SERVERS)")
     parser.add_argument("--no-backoff", action="store_true", help="send at once even if workers report shedding")
+    parser.add_argument("--cancel-wait-s", type=float, default=CANCEL_WAIT_S,
+                        help=f"after Ctrl-C, how long to wait for the cancelled final (default {CANCEL_WAIT_S:g})")
 
 
 def build_request(args: argparse.Namespace) -> GenerationRequest:
@@ -91,42 +108,71 @@ def summary_line(final: FinalRecord | None, handle: RequestHandle, error: str | 
     return f"[{handle.request_id}] " + " · ".join(parts)
 
 
-async def stream_to(handle: RequestHandle, out=sys.stdout, err=sys.stderr) -> FinalRecord:
+async def stream_to(handle: RequestHandle, out=sys.stdout, err=sys.stderr, timeout: float | None = None,
+                    shown: Shown | None = None) -> FinalRecord:
     """Print the stream as it arrives, then return the final record. A restart (a worker died and another
-    serves the request again) is announced on err and the new attempt printed from the start."""
-    printed = False
+    serves the request again) is announced on err and the new attempt printed from the start. `timeout`: the
+    wait (default: the handle's); `shown`: what an earlier, interrupted call printed already."""
+    shown = shown if shown is not None else Shown()
     try:
-        async for delta in handle.stream():
+        async for delta in handle.stream(timeout):
             if delta.restarted:
                 print(f"\n[attempt {delta.attempt} supersedes the text above; starting over]", file=err, flush=True)
             out.write(delta.text)
             out.flush()
-            printed = printed or bool(delta.text)
+            shown.printed = shown.printed or bool(delta.text)
     except StreamGap as gap:
         print(f"\n[{gap}; the final record's text follows]", file=err, flush=True)
-        final = await handle.result()
+        final = await handle.result(timeout)
         out.write(final.text or "")
-        printed = True
-    final = await handle.result()
-    if not printed and final.text:  # a stream=False answer, or one whose chunks carried no text
+        shown.printed = True
+    final = await handle.result(timeout)
+    if not shown.printed and final.text:  # a stream=False answer, or one whose chunks carried no text
         out.write(final.text)
-    if printed or final.text:
+    if shown.printed or final.text:
         out.write("\n")
     out.flush()
     return final
 
 
 async def generate(settings: KafkaSettings, request: GenerationRequest, priority: int, wait_s: float,
-                   backoff: BackoffPolicy) -> int:
-    async with LLMClient(settings, backoff=backoff, default_timeout_s=wait_s) as client:
-        handle = await client.submit(request, priority)
+                   backoff: BackoffPolicy, cancel_wait_s: float = CANCEL_WAIT_S) -> int:
+    # Cancels are sent here (with a reason), not by the client's cancel_on_abandon.
+    async with LLMClient(settings, backoff=backoff, default_timeout_s=wait_s, cancel_on_abandon=False) as client:
+        handle: RequestHandle | None = None
+        shown = Shown()
         try:
-            final = await stream_to(handle)
+            handle = await client.submit(request, priority)
+            final = await stream_to(handle, shown=shown)
         except RequestTimeout as exc:
             print(summary_line(None, handle, f"timed out: {exc}"), file=sys.stderr)
             return 1
+        except asyncio.CancelledError:
+            # Ctrl-C: asyncio.run cancels this task once (a second Ctrl-C raises KeyboardInterrupt at once).
+            asyncio.current_task().uncancel()
+            return await cancel_and_finish(client, request.id, handle, shown, cancel_wait_s)
     print(summary_line(final, handle), file=sys.stderr)
     return 0 if final.status == "completed" else 1
+
+
+async def cancel_and_finish(client: LLMClient, request_id: str, handle: RequestHandle | None, shown: Shown,
+                            wait_s: float, out=sys.stdout, err=sys.stderr) -> int:
+    """After Ctrl-C: send the cancel, print the rest of the text and the `cancelled` final if they come within
+    wait_s (a request that finished first prints its final as it is)."""
+    print("\n[interrupted: cancelling the request]", file=err, flush=True)
+    try:
+        if handle is None:  # interrupted while sending: the request may be in Kafka or not; a cancel is harmless
+            await asyncio.wait_for(client.cancel(request_id, "interrupted (Ctrl-C)"), wait_s)
+            print(f"[{request_id}] interrupted while sending; a cancel was sent", file=err)
+            return INTERRUPTED
+        await asyncio.wait_for(handle.cancel("interrupted (Ctrl-C)"), wait_s)
+        final = await stream_to(handle, out, err, timeout=wait_s, shown=shown)
+    except (RequestTimeout, asyncio.TimeoutError, ClientError, KafkaError) as exc:
+        print(summary_line(None, handle, f"no final within {wait_s:g} s of the cancel: {exc!r}")
+              if handle is not None else f"[{request_id}] cancel not sent: {exc!r}", file=err)
+        return INTERRUPTED
+    print(summary_line(final, handle), file=err)
+    return INTERRUPTED
 
 
 def run(args: argparse.Namespace) -> int:
@@ -143,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
     backoff = BackoffPolicy(enabled=not args.no_backoff)
     started = time.monotonic()
     try:
-        return asyncio.run(generate(settings, request, args.priority, args.wait_s, backoff))
+        return asyncio.run(generate(settings, request, args.priority, args.wait_s, backoff, args.cancel_wait_s))
     except KeyboardInterrupt:
         print(f"\ninterrupted after {time.monotonic() - started:.1f} s", file=sys.stderr)
-        return 130
+        return INTERRUPTED

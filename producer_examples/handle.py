@@ -10,6 +10,14 @@ attempt seen: records of lower attempts are dropped from then on, chunks of the 
 buffered but not yet yielded are discarded, and the stream starts over at the new attempt's seq 0. A stream
 reader learns of a restart from `Delta.restarted` (True on the first delta of a new attempt when deltas of
 an older attempt were already yielded): it must throw away the text it showed for the old attempt.
+
+Several completions (n > 1 or best_of > 1). Chunks carry `index` with a seq of their own per index; each
+completion ends with a final that carries its index, and the request with a final without index (`result()`),
+whose num_chunks counts every index's chunks. `completions()` gives the completions' finals by index.
+
+Cancelling. `cancel()` writes a cancel record (through the client); the request then ends with a `cancelled`
+final holding the text so far, which `result()` returns and which ends `stream()`. With cancel_on_abandon, a
+task cancelled while waiting in `stream()` or `result()` sends the cancel itself.
 """
 
 from __future__ import annotations
@@ -88,13 +96,25 @@ class Delta:
     def seq(self) -> int:
         return self.chunk.seq
 
+    @property
+    def index(self) -> int:
+        """Which completion (0 unless the request asked for n > 1)."""
+        return self.chunk.index
+
 
 class RequestHandle:
     """Returned by `LLMClient.submit`; read it with `stream()` and `result()`."""
 
     def __init__(self, request_id: str, priority: int, partition: int, timeout_s: float,
-                 on_close: Callable[[str], None]) -> None:
+                 on_close: Callable[[str], None], *,
+                 send_cancel: Callable[[str, str], asyncio.Future] | None = None,
+                 cancel_on_abandon: bool = False) -> None:
+        """send_cancel(request_id, reason): starts sending a cancel record (LLMClient does it); cancel_on_abandon:
+        send one when a task waiting in stream() or result() is cancelled before the final arrived."""
         self.request_id = request_id
+        self.cancel_on_abandon = cancel_on_abandon
+        self._send_cancel = send_cancel
+        self._cancel_sent: asyncio.Future | None = None
         self.priority = priority
         self.partition = partition
         """Request-topic partition the request was written to."""
@@ -112,7 +132,10 @@ class RequestHandle:
         self.num_restarts = 0
         self.num_dropped = 0
         """Records dropped as superseded (lower attempt) or duplicate."""
-        self._expected_seq = 0
+        self._expected_seq: dict[int, int] = {}
+        """Next seq per completion index."""
+        self._completions: dict[int, FinalRecord] = {}
+        """Finals of single completions (n > 1), by index."""
         # A StreamGap sits in the queue where the missing chunks would have been, so the reader gets every
         # chunk before the hole and then the exception.
         self._pending: deque[StreamChunk | StreamGap] = deque()
@@ -138,25 +161,33 @@ class RequestHandle:
                          self.attempt)
                 self.num_restarts += 1
             self.attempt = record.attempt
-            self._expected_seq = 0
+            self._expected_seq = {}
+            self._completions = {}
             self._pending.clear()
             self._gap_seen = False
         if isinstance(record, StreamChunk):
             self._feed_chunk(record)
+        elif record.index is not None:
+            expected = self._expected_seq.get(record.index, 0)
+            if record.num_chunks != expected:
+                self._add_gap(StreamGap(self.request_id, record.attempt, expected, record.num_chunks))
+            self._completions[record.index] = record
         else:
-            if record.num_chunks != self._expected_seq:
-                self._add_gap(StreamGap(self.request_id, record.attempt, self._expected_seq, record.num_chunks))
+            expected = sum(self._expected_seq.values())
+            if record.num_chunks != expected:
+                self._add_gap(StreamGap(self.request_id, record.attempt, expected, record.num_chunks))
             self._final = record
             self.final_at = time.monotonic()
         self._changed.set()
 
     def _feed_chunk(self, chunk: StreamChunk) -> None:
-        if chunk.seq < self._expected_seq:
+        expected = self._expected_seq.get(chunk.index, 0)
+        if chunk.seq < expected:
             self.num_dropped += 1  # a duplicate; nothing new in it
             return
-        if chunk.seq > self._expected_seq:
-            self._add_gap(StreamGap(self.request_id, chunk.attempt, self._expected_seq, chunk.seq))
-        self._expected_seq = chunk.seq + 1
+        if chunk.seq > expected:
+            self._add_gap(StreamGap(self.request_id, chunk.attempt, expected, chunk.seq))
+        self._expected_seq[chunk.index] = chunk.seq + 1
         if self.first_chunk_at is None:
             self.first_chunk_at = time.monotonic()
         self._pending.append(chunk)
@@ -183,8 +214,33 @@ class RequestHandle:
         if left <= 0:
             raise RequestTimeout(self.request_id, timeout_s)
         self._changed.clear()
-        if not await wait_event(self._changed, left):
+        try:
+            changed = await wait_event(self._changed, left)
+        except asyncio.CancelledError:
+            # The caller gave up waiting (its task was cancelled; Ctrl-C under asyncio.run cancels the main task):
+            # tell the workers to stop, rather than have them finish an answer nobody reads.
+            if self.cancel_on_abandon and self._final is None and self._send_cancel is not None:
+                self._start_cancel("")
+            raise
+        if not changed:
             raise RequestTimeout(self.request_id, timeout_s)
+
+    def _start_cancel(self, reason: str) -> asyncio.Future:
+        if self._cancel_sent is None:
+            if self._send_cancel is None:
+                raise ClientError("this handle has no client to send a cancel with")
+            self._cancel_sent = self._send_cancel(self.request_id, reason)
+        return self._cancel_sent
+
+    async def cancel(self, reason: str = "") -> None:
+        """Ask the workers to stop this request (a cancel record on the control topic); returns once Kafka has
+        acknowledged it. The request then ends with a `cancelled` final carrying the text so far (read it with
+        result() or stream()), unless it had finished already. Sent once however often it is called."""
+        await asyncio.shield(self._start_cancel(reason))
+
+    @property
+    def cancel_requested(self) -> bool:
+        return self._cancel_sent is not None
 
     async def stream(self, timeout: float | None = None) -> AsyncIterator[Delta]:
         """Yield the chunks of the current attempt in seq order until the final record arrives.
@@ -214,6 +270,14 @@ class RequestHandle:
         while self._final is None:
             await self._wait_change(deadline, timeout_s)
         return self._final
+
+    async def completions(self, timeout: float | None = None) -> list[FinalRecord]:
+        """Every completion's final, by index, once the request ended: with n > 1 (or best_of > 1) the finals
+        that carry an index; otherwise [the request's final]. Raises RequestTimeout when the wait runs out."""
+        final = await self.result(timeout)
+        if not self._completions:
+            return [final]
+        return [self._completions[i] for i in sorted(self._completions)]
 
     @property
     def ttft_s(self) -> float | None:

@@ -5,10 +5,12 @@ it without the worker's dependencies. JSON Schemas of the records are in schemas
 schemas/examples/.
 """
 
+from schemas.control import CancelRecord, ControlRecord
 from schemas.dead_letter import DeadLetterRecord
 from schemas.decode import (
     RequestError,
     check_limits,
+    decode_control,
     decode_dead_letter,
     decode_request,
     decode_result,
@@ -17,8 +19,20 @@ from schemas.decode import (
 )
 from schemas.limits import DEFAULT_LIMITS, SCHEMA_VERSION, Limits
 from schemas.priority import partition_for, partitions_for_priority, priority_of_partition
-from schemas.request import ChatMessage, GenerationRequest, SamplingSpec
+from schemas.request import (
+    ChatMessage,
+    GenerationRequest,
+    GrammarFormat,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    JsonSchemaSpec,
+    RegexFormat,
+    ResponseFormat,
+    SamplingSpec,
+    TextFormat,
+)
 from schemas.result import (
+    CANCEL_REASONS,
     ERROR_REASONS,
     FINISH_REASONS,
     REJECT_REASONS,
@@ -31,26 +45,37 @@ from schemas.result import (
 from schemas.status import PriorityStatus, Throughput, WorkerStatus
 
 __all__ = [
+    "CANCEL_REASONS",
+    "CancelRecord",
     "ChatMessage",
+    "ControlRecord",
     "DEFAULT_LIMITS",
     "DeadLetterRecord",
     "ERROR_REASONS",
     "FINISH_REASONS",
     "FinalRecord",
     "GenerationRequest",
+    "GrammarFormat",
+    "JsonObjectFormat",
+    "JsonSchemaFormat",
+    "JsonSchemaSpec",
     "Limits",
     "PriorityStatus",
     "REJECT_REASONS",
+    "RegexFormat",
     "RequestError",
+    "ResponseFormat",
     "ResultRecord",
     "SCHEMA_VERSION",
     "SamplingSpec",
     "StreamChunk",
+    "TextFormat",
     "Throughput",
     "Timings",
     "Usage",
     "WorkerStatus",
     "check_limits",
+    "decode_control",
     "decode_dead_letter",
     "decode_request",
     "decode_result",

@@ -11,6 +11,7 @@ from typing import Literal
 
 import msgspec
 
+from schemas.control import ControlRecord
 from schemas.dead_letter import DeadLetterRecord
 from schemas.id_scan import first_top_level_id
 from schemas.limits import DEFAULT_LIMITS, MAX_ID_CHARS, SCHEMA_VERSION, Limits
@@ -39,6 +40,7 @@ _REQUEST_DECODER = msgspec.json.Decoder(GenerationRequest)
 _RESULT_DECODER = msgspec.json.Decoder(StreamChunk | FinalRecord)
 _STATUS_DECODER = msgspec.json.Decoder(WorkerStatus)
 _DEAD_LETTER_DECODER = msgspec.json.Decoder(DeadLetterRecord)
+_CONTROL_DECODER = msgspec.json.Decoder(ControlRecord)
 _ID_RE = re.compile(ID_PATTERN)
 _HIGH = r"\\u[dD][89abAB][0-9a-fA-F]{2}"
 _LOW = r"\\u[dD][c-fC-F][0-9a-fA-F]{2}"
@@ -139,6 +141,11 @@ def decode_status(data: bytes) -> WorkerStatus:
 def decode_dead_letter(data: bytes) -> DeadLetterRecord:
     """Decode a dead-letter record. Raises msgspec.DecodeError on bad input."""
     return _decode(_DEAD_LETTER_DECODER, data)
+
+
+def decode_control(data: bytes) -> ControlRecord:
+    """Decode a control-topic record (a cancel). Raises msgspec.DecodeError on bad input, an unknown kind too."""
+    return _decode(_CONTROL_DECODER, data)
 
 
 def _decode(decoder: msgspec.json.Decoder, data: bytes):

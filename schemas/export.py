@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from schemas.control import ControlRecord
 from schemas.dead_letter import DeadLetterRecord
 from schemas.request import PROMPT_FIELDS, GenerationRequest
 from schemas.result import FinalRecord, StreamChunk
@@ -28,6 +29,7 @@ RECORD_TYPES: dict[str, Any] = {
     "result": StreamChunk | FinalRecord,
     "worker_status": WorkerStatus,
     "dead_letter_record": DeadLetterRecord,
+    "control_record": ControlRecord,
 }
 
 

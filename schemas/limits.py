@@ -28,6 +28,8 @@ MAX_INT32 = 2**31 - 1
 MAX_SEED = 2**63 - 1
 MAX_TOP_LOGPROBS = 20
 """Protocol bound on sampling.top_logprobs (as OpenAI's API)."""
+MAX_COMPLETIONS = 16
+"""Protocol bound on n and best_of: the completions one request may ask for."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,13 +11,14 @@ checked by decode.decode_request.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 
 from schemas.limits import DEFAULT_LIMITS as _L
-from schemas.limits import MAX_ID_CHARS, MAX_INT32, MAX_SAFE_INT, MAX_SEED, MAX_TOP_LOGPROBS, SCHEMA_VERSION
+from schemas.limits import (MAX_COMPLETIONS, MAX_ID_CHARS, MAX_INT32, MAX_SAFE_INT, MAX_SEED, MAX_TOP_LOGPROBS,
+                            SCHEMA_VERSION)
 
 # Visible ASCII only: an id becomes a Kafka key, a log field and a metric label, where spaces, control
 # characters and look-alike Unicode cause more trouble than they are worth.
@@ -125,8 +126,56 @@ class SamplingSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             raise ValueError("top_logprobs needs logprobs: true")
 
 
+class _Format(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=False, tag_field="type"):
+    """Base of the response_format variants; `type` names which one (OpenAI's and vLLM's shape)."""
+
+
+class TextFormat(_Format, kw_only=True, tag="text"):
+    """Free text: no constraint (the same as no response_format)."""
+
+
+class JsonObjectFormat(_Format, kw_only=True, tag="json_object"):
+    """Any JSON object (the schema {"type": "object"})."""
+
+
+class JsonSchemaSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=False):
+    """OpenAI's `json_schema` object; only `schema` is used."""
+
+    schema: Annotated[
+        dict[str, Any],
+        Meta(description="The JSON Schema the output must validate against. Objects are written in the order of "
+             "their `properties`, on one line. A schema the worker's grammar library refuses (an unknown type, "
+             "an unsupported keyword) ends the request with error/invalid_request and the library's message."),
+    ]
+    name: Annotated[str, Meta(description="Informational (OpenAI's API asks for it).")] | None = None
+    description: Annotated[str, Meta(description="Informational.")] | None = None
+    strict: Annotated[bool, Meta(description="Informational: the output always follows the schema.")] | None = None
+
+
+class JsonSchemaFormat(_Format, kw_only=True, tag="json_schema"):
+    """Output that validates against a JSON Schema."""
+
+    json_schema: JsonSchemaSpec
+
+
+class RegexFormat(_Format, kw_only=True, tag="regex"):
+    """Output that matches a regular expression as a whole (Rust regex syntax, as llguidance reads it)."""
+
+    regex: Annotated[str, Meta(min_length=1)]
+
+
+class GrammarFormat(_Format, kw_only=True, tag="grammar"):
+    """Output in the language of a context-free grammar, in llguidance's Lark syntax (`start: ...`)."""
+
+    grammar: Annotated[str, Meta(min_length=1)]
+
+
+ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaFormat | RegexFormat | GrammarFormat
+"""What the output must look like, constrained token by token; `type` says which."""
+
+
 class GenerationRequest(WireRecord, kw_only=True):
-    """A request for one completion. Exactly one of prompt, messages and prompt_token_ids is given.
+    """A request for one completion (or n). Exactly one of prompt, messages and prompt_token_ids is given.
 
     Every request gets exactly one final record on the reply topic (completed, rejected or error), preceded
     by stream chunks when `stream` is true.
@@ -170,6 +219,16 @@ class GenerationRequest(WireRecord, kw_only=True):
         ),
     ] = 256
     sampling: SamplingSpec = msgspec.field(default_factory=SamplingSpec)
+    response_format: (
+        Annotated[
+            ResponseFormat,
+            Meta(description="Structured output: text, json_object, json_schema, regex or grammar (Lark). The "
+                 "output follows it token by token and ends (stop) when it is complete; max_new_tokens can still "
+                 "cut it short (finish_reason length). Needs a worker that knows the field (older ones ignore "
+                 "it)."),
+        ]
+        | None
+    ) = None
     deadline_ms: (
         Annotated[int, Meta(ge=0, le=MAX_SAFE_INT, description="Absolute deadline, unix epoch milliseconds.")] | None
     ) = None
@@ -220,6 +279,18 @@ class GenerationRequest(WireRecord, kw_only=True):
     stream: Annotated[
         bool, Meta(description="Send stream chunks; when false, only the final record, which then holds the text.")
     ] = True
+    n: Annotated[int, Meta(ge=1, le=MAX_COMPLETIONS, description=(
+        "Completions of the prompt to return. With n > 1 chunks and finals carry `index` (0 to n-1): each "
+        "completion has its own chunk sequence and final record, then one request-level final (no index) ends "
+        "the request. The completions share the prompt's KV blocks; with a seed, completion i samples with a "
+        "seed derived from (seed, i), so a redelivery reproduces each."))] = 1
+    best_of: (
+        Annotated[int, Meta(ge=1, le=MAX_COMPLETIONS, description=(
+            "Generate this many completions (>= n) and return the n with the highest cumulative log-probability "
+            "(ranked, index 0 the best). Above n, no chunks are sent: which completions are returned is known "
+            "only at the end."))]
+        | None
+    ) = None
 
     def __post_init__(self) -> None:
         # Checked here rather than in decode.py so that a request built in Python is held to it too.
@@ -229,6 +300,13 @@ class GenerationRequest(WireRecord, kw_only=True):
         if self.sampling.min_tokens > self.max_new_tokens:
             raise ValueError(f"sampling.min_tokens ({self.sampling.min_tokens}) exceeds max_new_tokens "
                              f"({self.max_new_tokens})")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+
+    @property
+    def num_completions(self) -> int:
+        """How many completions the worker generates: best_of, else n."""
+        return self.best_of if self.best_of is not None else self.n
 
     def deadline_at_ms(self, record_timestamp_ms: int) -> int | None:
         """The absolute deadline in epoch ms: the earlier of deadline_ms and timestamp + timeout_ms."""

@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from schemas.limits import MAX_INT32, MAX_SAFE_INT
+from schemas.limits import MAX_COMPLETIONS, MAX_INT32, MAX_SAFE_INT
 from schemas.request import RequestId, TokenId, WireRecord
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -37,6 +37,10 @@ ERROR_REASONS: tuple[str, ...] = (
     "internal",
 )
 """error: the request cannot be served as sent (all but internal) or the worker failed (internal)."""
+
+CANCEL_REASONS: tuple[str, ...] = ("cancelled",)
+"""cancelled: its producer cancelled it (a cancel record on the control topic, schemas/control.py); the final
+carries the text and token ids generated so far (empty when it never ran) and their usage."""
 
 Attempt = Annotated[
     int,
@@ -71,7 +75,9 @@ class StreamChunk(WireRecord, kw_only=True, tag_field="kind", tag="chunk"):
 
     id: RequestId
     attempt: Attempt = 0
-    seq: Annotated[int, Meta(ge=0, le=MAX_SAFE_INT, description="0, 1, 2, ... within one attempt.")]
+    seq: Annotated[int, Meta(ge=0, le=MAX_SAFE_INT, description="0, 1, 2, ... within one attempt (and index).")]
+    index: Annotated[int, Meta(ge=0, le=MAX_COMPLETIONS - 1, description=(
+        "Which completion (0 to n-1) of a request with n > 1; each has its own seq."))] = 0
     token_ids: list[TokenId] = []
     text: Annotated[str, Meta(description="Text delta; may be empty while a multi-byte character is pending.")] = ""
     logprobs: Annotated[
@@ -106,14 +112,15 @@ class FinalRecord(WireRecord, kw_only=True, tag_field="kind", tag="final"):
 
     id: RequestId
     attempt: Attempt = 0
-    status: Literal["completed", "rejected", "error"]
+    status: Literal["completed", "rejected", "error", "cancelled"]
     reason: Annotated[
         str,
         Meta(
             min_length=1,
             description="completed: the finish reason. rejected: deadline, shed, overloaded, queue_full. "
             "error: invalid_request, too_large, prompt_too_long, reply_topic_not_allowed, decode_error, "
-            "poison_request, internal. Treat an unknown code like internal.",
+            "poison_request, internal. cancelled: cancelled (text and token_ids hold the output so far). "
+            "Treat an unknown code like internal.",
         ),
     ]
     message: Annotated[str, Meta(description="Human-readable detail.")] = ""
@@ -130,6 +137,10 @@ class FinalRecord(WireRecord, kw_only=True, tag_field="kind", tag="final"):
     ] = 0
     metadata: dict[str, str] | None = None
     worker_id: str = ""
+    index: Annotated[int, Meta(ge=0, le=MAX_COMPLETIONS - 1, description=(
+        "Set on the final of one completion of a request with n > 1 or best_of > 1; that request ends with "
+        "one more final without index (its usage and num_chunks count every completion). A final without "
+        "index is the request's last record."))] | None = None
 
     def __post_init__(self) -> None:
         # A final record that contradicts itself is a worker bug; refuse it at both ends.

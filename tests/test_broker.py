@@ -26,7 +26,7 @@ from worker.broker.local import (
     probe_api_versions,
     render_server_properties,
 )
-from worker.broker.topics import STATUS_RETENTION_MS, ensure_topics, topic_specs
+from worker.broker.topics import CONTROL_RETENTION_MS, STATUS_RETENTION_MS, ensure_topics, topic_specs
 from worker.cli import main as cli_main
 from worker.config import KafkaSettings
 
@@ -176,11 +176,14 @@ def test_missing_mvn_gives_a_clear_error(tmp_path: Path, monkeypatch: pytest.Mon
 def test_topic_specs_follow_settings() -> None:
     settings = KafkaSettings(num_priorities=4, partitions_per_priority=3, result_retention_ms=1234)
     specs = {spec.name: spec for spec in topic_specs(settings)}
-    names = {settings.request_topic, settings.result_topic, settings.dead_letter_topic, settings.status_topic}
+    names = {settings.request_topic, settings.result_topic, settings.dead_letter_topic, settings.status_topic,
+             settings.control_topic}
     assert set(specs) == names
     assert specs[settings.request_topic].num_partitions == 12
     assert specs[settings.result_topic].topic_configs["retention.ms"] == "1234"
     assert specs[settings.status_topic].topic_configs["retention.ms"] == str(STATUS_RETENTION_MS)
+    assert specs[settings.control_topic].topic_configs["retention.ms"] == str(CONTROL_RETENTION_MS)
+    assert specs[settings.control_topic].num_partitions == 1
 
 
 def test_broker_status_cli_when_not_running(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -259,7 +262,7 @@ async def test_ensure_topics_grows_a_short_request_topic(kafka_settings: KafkaSe
 def test_topics_cli_reads_env_and_flags(
     kafka_settings: KafkaSettings, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    for field in ("request_topic", "result_topic", "dead_letter_topic", "status_topic"):
+    for field in ("request_topic", "result_topic", "dead_letter_topic", "status_topic", "control_topic"):
         monkeypatch.setenv(f"KAFKA_{field.upper()}", getattr(kafka_settings, field))
     args = ["topics", "--bootstrap-servers", kafka_settings.bootstrap_servers, "--priorities", "2"]
     assert cli_main([*args, "--partitions-per-priority", "4"]) == 0

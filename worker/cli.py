@@ -15,7 +15,7 @@ import sys
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "broker": ("worker.broker.cli", "start, stop or inspect a local Apache Kafka broker (KRaft, loopback)"),
-    "topics": ("worker.broker.topics", "create the request, result, dead-letter and status topics (idempotent)"),
+    "topics": ("worker.broker.topics", "create the request, result, dead-letter, status and control topics"),
     "schema": ("schemas.export", "write the JSON Schemas of the wire records"),
     "model": ("worker.model.pull", "provision the default model (SmolLM2-135M-Instruct) or list models"),
     "config": ("worker.config_cli", "print the effective configuration or the settings table"),

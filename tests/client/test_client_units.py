@@ -72,6 +72,33 @@ async def test_handle_result_times_out_and_a_late_final_still_counts():
     assert [d.text async for d in handle.stream()] == ["a"]
 
 
+async def test_handle_follows_each_completion_and_ends_at_the_request_level_final():
+    handle = RequestHandle("r", 0, 0, timeout_s=5, on_close=lambda _: None)
+    done = dict(status="completed", reason="stop", finish_reason="stop")
+    handle.feed(StreamChunk(id="r", seq=0, index=1, text="b"))
+    handle.feed(StreamChunk(id="r", seq=0, index=0, text="a"))
+    handle.feed(StreamChunk(id="r", seq=1, index=1, text="B"))
+    handle.feed(FinalRecord(id="r", index=1, text="bB", num_chunks=2, **done))
+    assert not handle.done  # a completion's final does not end the request
+    handle.feed(FinalRecord(id="r", index=0, text="a", num_chunks=1, **done))
+    handle.feed(FinalRecord(id="r", num_chunks=3, **done))
+    assert [(d.index, d.text) async for d in handle.stream()] == [(1, "b"), (0, "a"), (1, "B")]
+    assert [f.text for f in await handle.completions()] == ["a", "bB"]
+    assert (await handle.result()).index is None and handle.num_dropped == 0
+    single = RequestHandle("s", 0, 0, timeout_s=5, on_close=lambda _: None)
+    single.feed(FinalRecord(id="s", text="x", **done))
+    assert [f.text for f in await single.completions()] == ["x"]
+
+
+async def test_a_missing_chunk_of_one_completion_is_a_gap():
+    from producer_examples.handle import StreamGap
+    handle = RequestHandle("r", 0, 0, timeout_s=5, on_close=lambda _: None)
+    handle.feed(StreamChunk(id="r", seq=0, index=0, text="a"))
+    handle.feed(StreamChunk(id="r", seq=1, index=1, text="?"))  # index 1's seq 0 is missing
+    with pytest.raises(StreamGap):
+        [d async for d in handle.stream()]
+
+
 def parse_generate(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     generate.configure_parser(parser)

@@ -320,6 +320,29 @@ def test_shared_prefix_hits_reuse_blocks():
     assert again.num_cached_tokens == 16 and again.output_token_ids == first.output_token_ids[:2]
 
 
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+def test_sibling_completions_wait_for_the_leaders_prompt_then_take_its_blocks_from_the_cache(enable_prefix_caching):
+    scheduler = make_scheduler(num_blocks=32, enable_prefix_caching=enable_prefix_caching)
+    runner = FakeRunner(32, 4)
+    prompt = list(range(1, 19))  # 4 full blocks and 2 tokens
+    leader = make_request("r/0", prompt_token_ids=prompt, max_new_tokens=3)
+    siblings = [make_request(f"r/{i}", prompt_token_ids=prompt, max_new_tokens=3, prefix_leader="r/0")
+                for i in (1, 2)]
+    for request in (leader, *siblings):
+        scheduler.add_request(request)
+    output, _ = step(scheduler, runner)
+    if not enable_prefix_caching:  # nothing to share: all start at once
+        assert scheduled_ids(output) == ["r/0", "r/1", "r/2"]
+        return
+    assert scheduled_ids(output) == ["r/0"]
+    output, _ = step(scheduler, runner)
+    assert scheduled_ids(output) == ["r/0", "r/1", "r/2"]
+    assert [s.num_cached_tokens for s in siblings] == [16, 16]
+    assert all(s.block_ids[:4] == leader.block_ids[:4] for s in siblings)
+    run_to_completion(scheduler, runner)
+    assert leader.output_token_ids == siblings[0].output_token_ids == solo_output(prompt, 3)
+
+
 def test_stop_conditions():
     scheduler = make_scheduler(max_model_len=12)
     prompt = [5, 6, 7, 8]

@@ -121,6 +121,10 @@ class FakePublisher:
                     out[record.id] = record
         return out
 
+    def all_finals(self, topic: str = "llm.results") -> list[FinalRecord]:
+        """Every final record in order (a request with n > 1 has one per completion, then its own)."""
+        return [r for t, _, v in self.records if t == topic and isinstance(r := decode_result(v), FinalRecord)]
+
     def chunks(self, topic: str = "llm.results") -> list[StreamChunk]:
         return [r for t, _, v in self.records if t == topic and isinstance(r := decode_result(v), StreamChunk)]
 

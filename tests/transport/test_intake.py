@@ -253,7 +253,7 @@ async def test_stop_fetching_pauses_everything_and_later_decisions_do_not_resume
 
 def test_the_engine_request_carries_sampling_deadline_and_arrival_on_the_monotonic_clock():
     from schemas.request import GenerationRequest, SamplingSpec
-    from worker.transport.dispatcher import to_engine_request
+    from worker.transport.dispatcher import to_engine_requests
     from worker.transport.local_queue import QueuedRequest
 
     now_ms = int(time.time() * 1000)
@@ -262,13 +262,36 @@ def test_the_engine_request_carries_sampling_deadline_and_arrival_on_the_monoton
     queued = QueuedRequest(request=request, partition=TopicPartition(TOPIC, 3), offset=9, priority=1, attempt=4,
                            timestamp_ms=now_ms - 2_000, deadline_ms=now_ms + 5_000, reply_topic="r",
                            num_prompt_tokens=1)
-    engine_request = to_engine_request(queued)
-    assert engine_request.request_id == "x#4@3:9"
+    [engine_request] = to_engine_requests(queued)
+    assert engine_request.request_id == "x#4@3:9" and engine_request.prefix_leader is None
     assert (engine_request.sampling.max_new_tokens, engine_request.sampling.top_k) == (7, 3)
     assert engine_request.sampling.seed == 11 and engine_request.sampling.stop == (".",)
     assert abs(engine_request.deadline - time.monotonic() - 5.0) < 0.1
     assert abs(time.monotonic() - engine_request.arrival_time - 2.0) < 0.1
     assert EngineStats().num_running == 0
+
+
+def test_n_completions_are_engine_requests_with_derived_seeds_that_wait_for_the_first_ones_prompt():
+    from schemas.request import GenerationRequest, SamplingSpec
+    from worker.transport.dispatcher import completion_seed, to_engine_requests
+    from worker.transport.local_queue import QueuedRequest
+
+    def engine_requests(**fields):
+        request = GenerationRequest(id="x", prompt="hi", max_new_tokens=7, **fields)
+        return to_engine_requests(QueuedRequest(request=request, partition=TopicPartition(TOPIC, 3), offset=9,
+                                                priority=1, attempt=4, timestamp_ms=int(time.time() * 1000),
+                                                deadline_ms=None, reply_topic="r", num_prompt_tokens=1))
+
+    first, *others = engine_requests(n=3, sampling=SamplingSpec(temperature=0.5, seed=11))
+    assert [r.request_id for r in [first, *others]] == ["x#4@3:9/0", "x#4@3:9/1", "x#4@3:9/2"]
+    assert first.prefix_leader is None and {r.prefix_leader for r in others} == {"x#4@3:9/0"}
+    seeds = [r.sampling.seed for r in [first, *others]]
+    assert seeds[0] == 11 and len(set(seeds)) == 3 and all(0 <= s < 2**63 for s in seeds)
+    assert seeds == [completion_seed(11, i) for i in range(3)]  # the same on a redelivery
+    assert not any(r.sampling.logprobs for r in [first, *others])
+    # best_of > n ranks by cumulative logprob, so every completion computes its logprobs.
+    ranked = engine_requests(n=1, best_of=4, sampling=SamplingSpec(temperature=0.5))
+    assert len(ranked) == 4 and all(r.sampling.logprobs and r.sampling.seed is None for r in ranked)
 
 
 async def test_partitions_outside_the_layout_are_paused_and_never_read():

@@ -10,7 +10,7 @@ import pytest
 from schemas.request import GenerationRequest, SamplingSpec
 from worker.engine.api import EngineRequest
 from worker.engine.instant import InstantEngine
-from worker.transport.dispatcher import to_engine_request
+from worker.transport.dispatcher import to_engine_requests
 from worker.transport.local_queue import QueuedRequest
 from tests.transport.kafka_helpers import Collector, produce_requests, running_worker, worker_settings
 
@@ -31,7 +31,7 @@ def direct_texts(engine, requests: list[EngineRequest]) -> dict[str, str]:
 def as_engine_request(request: GenerationRequest) -> EngineRequest:
     queued = QueuedRequest(request=request, partition=0, offset=0, priority=0, attempt=0,
                            timestamp_ms=int(time.time() * 1000), deadline_ms=None, reply_topic="", num_prompt_tokens=1)
-    engine_req = to_engine_request(queued)
+    [engine_req] = to_engine_requests(queued)
     engine_req.request_id = request.id
     return engine_req
 

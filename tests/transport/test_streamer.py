@@ -178,3 +178,66 @@ async def test_logprobs_follow_token_ids_across_chunks_replays_and_into_the_fina
     assert [lp.token_id for lp in finals["lp"].logprobs] == finals["lp"].token_ids == [1, 2, 3, 4]
     assert finals["plain"].logprobs is None
     assert all(c.logprobs is None for c in publisher.chunks() if c.id == "plain")
+
+
+def completion_output(q: QueuedRequest, index: int, token: int, logprob: float | None = None,
+                      reason: str | None = None) -> RequestOutput:
+    from worker.engine.api import TokenLogprobs
+    return RequestOutput(q.completion_engine_id(index), [token], f"<{token}>", finished=reason is not None,
+                         finish_reason=reason, num_prompt_tokens=5, num_output_tokens=1, num_cached_tokens=4 * index,
+                         arrival_time=time.monotonic(),
+                         new_logprobs=None if logprob is None else [TokenLogprobs(token, logprob)])
+
+
+async def test_n_completions_stream_by_index_and_the_request_level_final_comes_last():
+    publisher, tracker = FakePublisher(), OffsetTracker()
+    streamer = make_streamer(publisher, tracker)
+    q = QueuedRequest(request=GenerationRequest(id="n", prompt="p", n=2), partition=TopicPartition(TOPIC, 0),
+                      offset=7, priority=1, attempt=3, timestamp_ms=int(time.time() * 1000), deadline_ms=None,
+                      reply_topic="llm.results", num_prompt_tokens=1)
+    tracker.track(q.partition, q.offset)
+    streamer.open(q)
+    assert streamer.num_open_by_priority == [0, 2, 0] and len(streamer) == 2
+    await streamer.handle([completion_output(q, 0, 1), completion_output(q, 1, 2)])
+    await streamer.handle([completion_output(q, 1, 3, reason="length")])
+    finals = publisher.all_finals()
+    assert [(f.index, f.text, f.num_chunks) for f in finals] == [(1, "<2><3>", 2)]  # completion 1, at once
+    publisher.ack_all()
+    assert tracker.num_pending() == 1  # a completion's final does not finish the request
+    await streamer.handle([completion_output(q, 0, 4, reason="stop")])
+    chunks = publisher.chunks()
+    assert sorted((c.index, c.seq, c.text) for c in chunks) == [(0, 0, "<1>"), (0, 1, "<4>"), (1, 0, "<2>"),
+                                                                (1, 1, "<3>")]
+    finals = publisher.all_finals()
+    assert [f.index for f in finals] == [1, 0, None]
+    request_final = finals[-1]
+    assert (request_final.status, request_final.finish_reason, request_final.text) == ("completed", "length", None)
+    assert (request_final.usage.prompt_tokens, request_final.usage.completion_tokens,
+            request_final.usage.cached_tokens, request_final.num_chunks) == (5, 4, 4, 4)
+    assert len(streamer) == 0 and streamer.num_completed == 1
+    publisher.ack_all()
+    assert tracker.num_pending() == 0
+
+
+async def test_best_of_returns_the_n_completions_of_highest_cumulative_logprob_ranked_and_sends_no_chunks():
+    publisher, tracker = FakePublisher(), OffsetTracker()
+    streamer = make_streamer(publisher, tracker)
+    q = QueuedRequest(request=GenerationRequest(id="b", prompt="p", n=2, best_of=3),
+                      partition=TopicPartition(TOPIC, 0), offset=1, priority=1, attempt=0,
+                      timestamp_ms=int(time.time() * 1000), deadline_ms=None, reply_topic="llm.results",
+                      num_prompt_tokens=1)
+    tracker.track(q.partition, q.offset)
+    streamer.open(q)
+    # Cumulative logprobs: completion 0 -> -3.0, 1 -> -0.5, 2 -> -1.0.
+    await streamer.handle([completion_output(q, 0, 10, -1.0), completion_output(q, 1, 11, -0.25),
+                           completion_output(q, 2, 12, -0.5)])
+    await streamer.handle([completion_output(q, 0, 20, -2.0, "stop"), completion_output(q, 1, 21, -0.25, "stop")])
+    assert publisher.all_finals() == [] and publisher.chunks() == []  # nothing before all three are done
+    await streamer.handle([completion_output(q, 2, 22, -0.5, "length")])
+    finals = publisher.all_finals()
+    assert [(f.index, f.text) for f in finals] == [(0, "<11><21>"), (1, "<12><22>"), (None, None)]
+    assert all(f.logprobs is None for f in finals)  # gathered to rank, not asked for
+    assert finals[-1].usage.completion_tokens == 6 and finals[-1].num_chunks == 0
+    assert publisher.chunks() == []
+    publisher.ack_all()
+    assert tracker.num_pending() == 0

@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 STATUS_RETENTION_MS = 3600 * 1000
 # Small segments so that retention (applied per closed segment) actually drops old status records.
 STATUS_SEGMENT_MS = 10 * 60 * 1000
+# Cancels count for WORKER_CANCEL_TTL_S (15 minutes by default) and workers read them back that far at start.
+CONTROL_RETENTION_MS = 3600 * 1000
 
 
 @dataclass(slots=True)
@@ -37,7 +39,7 @@ class TopicState:
 
 
 def topic_specs(settings: KafkaSettings) -> list[NewTopic]:
-    """The four topics the worker needs, with their partition counts and per-topic configs."""
+    """The five topics the worker needs, with their partition counts and per-topic configs."""
     replication = settings.replication_factor
     return [
         NewTopic(settings.request_topic, settings.num_request_partitions, replication),
@@ -49,6 +51,11 @@ def topic_specs(settings: KafkaSettings) -> list[NewTopic]:
         NewTopic(
             settings.status_topic, 1, replication,
             topic_configs={"retention.ms": str(STATUS_RETENTION_MS), "segment.ms": str(STATUS_SEGMENT_MS)},
+        ),  # fmt: skip
+        # One partition: every worker reads all of it anyway, and cancels are few.
+        NewTopic(
+            settings.control_topic, 1, replication,
+            topic_configs={"retention.ms": str(CONTROL_RETENTION_MS), "segment.ms": str(STATUS_SEGMENT_MS)},
         ),  # fmt: skip
     ]
 

@@ -41,6 +41,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     deadline: float | None = None
     eos_token_ids: tuple[int, ...] = ()
+    prefix_leader: str | None = None
+    """A request with the same prompt that this one waits for (api.EngineRequest.prefix_leader)."""
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -192,6 +192,8 @@ class Scheduler:
                 if self._cannot_finish(request, now, step_cost, next_tokens):
                     hopeless.append(request)
                     continue
+                if self._leader_prefilling(request):
+                    continue  # its prompt's blocks are about to be in the prefix cache: take them from there
                 if len(self.running) >= self.max_num_seqs:
                     # Every seat taken: wait one step first, since seats free up as requests finish, and a
                     # preemption costs the victim's whole recompute; preempt if none freed in that step.
@@ -257,6 +259,14 @@ class Scheduler:
             if tokens >= floor:  # below the floor it cannot be saved by smaller steps: it does not count
                 budget = min(budget, tokens)
         return budget
+
+    def _leader_prefilling(self, request: Request) -> bool:
+        """Whether `request` waits for its prefix leader (a sibling completion of the same prompt) to compute
+        the prompt first; not once the leader has finished or is gone, nor without a prefix cache."""
+        if request.prefix_leader is None or not self.pool.enable_caching:
+            return False
+        leader = self.requests.get(request.prefix_leader)
+        return leader is not None and leader.num_computed_tokens < leader.num_prompt_tokens
 
     def min_budget(self) -> int:
         return min(self.max_num_batched_tokens,

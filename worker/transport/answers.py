@@ -1,6 +1,6 @@
 """Answers that bypass the engine: the one place that writes a final record (and, for records that cannot be
 served at all, a dead-letter record) for a request the engine did not finish: `error` (invalid, too large,
-reply topic not allowed, ...), `rejected`/`shed` and `rejected`/`deadline`; dead letters for undecodable
+reply topic not allowed, ...), `rejected`/`shed`, `rejected`/`deadline` and `cancelled`; dead letters for undecodable
 records, for offsets whose batch cannot be read, and for poison requests (the engine fails on them). As for
 the engine's finals, the request record's offset counts as done only once Kafka has acknowledged everything
 written for it (`OffsetTracker.on_acked`).
@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from collections.abc import Hashable
 
+import msgspec
+
 from schemas.dead_letter import DeadLetterRecord
 from schemas.decode import RequestError, encode
 from worker.transport.admission import Verdict
@@ -18,7 +20,7 @@ from worker.transport.local_queue import QueuedRequest
 from worker.transport.metrics import WorkerMetrics
 from worker.transport.offsets import OffsetTracker
 from worker.transport.publisher import Publisher
-from worker.transport.records import answer_record
+from worker.transport.records import answer_record, cancel_message
 
 MAX_DEAD_LETTER_VALUE = 512 * 1024
 """Bytes of an original record's value kept in its dead-letter record (base64 grows it by a third)."""
@@ -56,6 +58,16 @@ class Answers:
     def reject_queued(self, queued: QueuedRequest, verdict: Verdict) -> None:
         self.reject(queued.partition, queued.offset, queued.request.id, queued.attempt, verdict, queued.reply_topic,
                     queued.timestamp_ms, queued.request.metadata)
+
+    def cancelled(self, queued: QueuedRequest, reason: str, when: str) -> None:
+        """A request cancelled before it reached the engine: a `cancelled` final with empty output."""
+        record = answer_record(queued.request.id, queued.attempt, "cancelled", "cancelled",
+                               cancel_message(reason, when), queued.timestamp_ms, self.worker_id,
+                               queued.request.metadata)
+        record = msgspec.structs.replace(record, text="", token_ids=[])
+        self.metrics.requests_cancelled.inc()
+        self.publisher.publish_nowait(queued.reply_topic, queued.request.id.encode(), encode(record),
+                                      self.tracker.on_acked(queued.partition, queued.offset))
 
     def shed(self, queued: QueuedRequest, message: str) -> None:
         self.metrics.shed_for(queued.priority).inc()

@@ -11,49 +11,92 @@ inter-token latency target (admission.py); the ones behind it wait too, so prior
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
-from worker.engine.api import EngineRequest, EngineStats, SamplingParams
+import msgspec
+
+from schemas.request import GrammarFormat, JsonObjectFormat, JsonSchemaFormat, RegexFormat, ResponseFormat
+from worker.engine.api import EngineRequest, EngineStats, SamplingParams, StructuredOutput
 from worker.transport.admission import Admission, Verdict
 from worker.transport.answers import Answers
+from worker.transport.cancels import Cancel
 from worker.transport.engine_thread import EngineThread
 from worker.transport.local_queue import LocalQueue, QueuedRequest
 from worker.transport.service_model import ServiceModel
 from worker.transport.streamer import Streamer
 
 
-def to_engine_request(queued: QueuedRequest) -> EngineRequest:
-    """The engine's view of a wire request: sampling, priority, and times on the engine's monotonic clock."""
+SEED_STRIDE = 0x9E3779B97F4A7C15
+"""Completion i of a seeded request samples with (seed + i * SEED_STRIDE) mod 2**63: completion 0 keeps the
+request's seed (n = 1 samples as before), the others get seeds far from it and from each other."""
+
+
+def completion_seed(seed: int | None, index: int) -> int | None:
+    return None if seed is None else (seed + index * SEED_STRIDE) % 2**63
+
+
+def structured_output(response_format: ResponseFormat | None) -> StructuredOutput | None:
+    """The engine's grammar for a wire response_format; None for free text. A schema becomes compact JSON text
+    with its keys in their order (the order properties are generated in), the key of the engine's cache."""
+    if isinstance(response_format, JsonSchemaFormat):
+        return StructuredOutput("json_schema", msgspec.json.encode(response_format.json_schema.schema).decode())
+    if isinstance(response_format, JsonObjectFormat):
+        return StructuredOutput("json_schema", '{"type":"object"}')
+    if isinstance(response_format, RegexFormat):
+        return StructuredOutput("regex", response_format.regex)
+    if isinstance(response_format, GrammarFormat):
+        return StructuredOutput("grammar", response_format.grammar)
+    return None
+
+
+def to_engine_requests(queued: QueuedRequest) -> list[EngineRequest]:
+    """The engine's view of a wire request, one engine request per completion (n or best_of of them): sampling,
+    priority, and times on the engine's monotonic clock. Completions after the first wait in the engine for
+    the first one's prompt (prefix_leader), so they take its blocks from the prefix cache."""
     req = queued.request
     s = req.sampling
-    sampling = SamplingParams(
-        max_new_tokens=req.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
-        stop_token_ids=tuple(s.stop_token_ids) if s.stop_token_ids else (), stop=tuple(s.stop) if s.stop else (),
-        ignore_eos=s.ignore_eos, min_tokens=s.min_tokens, presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty, logprobs=s.logprobs,
-        top_logprobs=s.top_logprobs,
-    )
+    num = req.num_completions
+    # best_of > n ranks completions by cumulative logprob, so the engine must compute it.
+    logprobs = s.logprobs or num > req.n
     now_mono, now_ms = time.monotonic(), time.time() * 1000.0
     deadline = None if queued.deadline_ms is None else now_mono + (queued.deadline_ms - now_ms) / 1000.0
-    return EngineRequest(
-        request_id=queued.engine_id,
-        prompt=req.prompt,
-        messages=[{"role": m.role, "content": m.content} for m in req.messages] if req.messages else None,
-        prompt_token_ids=list(req.prompt_token_ids) if req.prompt_token_ids is not None else None,
-        sampling=sampling,
-        priority=queued.priority,
-        deadline=deadline,
-        # When the client asked (the record's timestamp, bounded by the fetch time minus the allowed clock skew),
-        # not when we fetched: a request that waited unread in Kafka keeps its place.
-        arrival_time=now_mono - max(0.0, now_ms - queued.arrival_ms) / 1000.0,
-    )
+    # When the client asked (the record's timestamp, bounded by the fetch time minus the allowed clock skew),
+    # not when we fetched: a request that waited unread in Kafka keeps its place.
+    arrival = now_mono - max(0.0, now_ms - queued.arrival_ms) / 1000.0
+    messages = [{"role": m.role, "content": m.content} for m in req.messages] if req.messages else None
+    structured = structured_output(req.response_format)
+    requests = []
+    for index in range(num):
+        sampling = SamplingParams(
+            max_new_tokens=req.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+            seed=completion_seed(s.seed, index),
+            stop_token_ids=tuple(s.stop_token_ids) if s.stop_token_ids else (), stop=tuple(s.stop) if s.stop else (),
+            ignore_eos=s.ignore_eos, min_tokens=s.min_tokens, presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty, logprobs=logprobs,
+            top_logprobs=s.top_logprobs, structured=structured,
+        )
+        requests.append(EngineRequest(
+            request_id=queued.completion_engine_id(index),
+            prompt=req.prompt,
+            messages=messages,
+            prompt_token_ids=list(req.prompt_token_ids) if req.prompt_token_ids is not None else None,
+            sampling=sampling,
+            priority=queued.priority,
+            deadline=deadline,
+            arrival_time=arrival,
+            prefix_leader=queued.completion_engine_id(0) if index else None,
+        ))
+    return requests
 
 
 class Dispatcher:
     def __init__(
         self, queue: LocalQueue, streamer: Streamer, engine: EngineThread, admission: Admission, answers: Answers,
-        service: ServiceModel, max_in_engine: int,
+        service: ServiceModel, max_in_engine: int, cancelled: Callable[[str], Cancel | None] = lambda _id: None,
     ) -> None:
         self.queue = queue
+        self.cancelled = cancelled
+        """The live cancel of a wire request id, if any (the worker's CancelledIds)."""
         self.streamer = streamer
         self.engine = engine
         self.admission = admission
@@ -70,6 +113,11 @@ class Dispatcher:
         stats: EngineStats = self.engine.stats
         for priority in range(len(self.streamer.num_open_by_priority)):
             while self._has_room(priority) and (queued := self.queue.head(priority)) is not None:
+                cancel = self.cancelled(queued.request.id)
+                if cancel is not None:  # normally taken out when its cancel arrived; this covers the rest
+                    self.queue.pop(priority)
+                    self.answers.cancelled(queued, cancel.reason, "before it ran")
+                    continue
                 verdict = self._check_deadline(queued)
                 if verdict is not None:
                     self.queue.pop(priority)
@@ -80,7 +128,8 @@ class Dispatcher:
                     return  # less urgent requests would slow the same urgent ones even more: hold them all
                 self.queue.pop(priority)
                 self.streamer.open(queued)
-                self.engine.add(to_engine_request(queued))
+                for request in to_engine_requests(queued):
+                    self.engine.add(request)
 
     def _check_deadline(self, queued: QueuedRequest) -> Verdict | None:
         if queued.deadline_ms is None:

@@ -2,7 +2,8 @@
 
 The engine is synchronous and may hold the GIL-free parts of a forward pass for tens of milliseconds; the
 Kafka loop must keep heartbeating meanwhile, so the engine never runs on the loop. Commands (add, abort, end
-of input) go in through a thread-safe queue; each step's outputs come back as one list through
+of input) go in through a thread-safe queue; each step's outputs come back as one list (and what commands
+ended, such as an abort's finals, as one list before the next step) through
 `loop.call_soon_threadsafe` into an asyncio.Queue. The thread steps while the engine's `wake_time()` is due
 and otherwise blocks on its command queue until the next command or the wake time (a dynamic batch window
 closing, a waiting deadline): it never polls an engine that has nothing to run.
@@ -141,6 +142,10 @@ class EngineThread:
                     command = self._commands.get_nowait()
                 except queue.Empty:
                     command = None
+            if outputs:
+                # What the commands ended (an abort's final, a refused add) goes out now, not a step later.
+                self._deliver(outputs)
+                outputs = []
             if self._seconds_until_due() == 0.0:
                 outputs += self._step()
             self._deliver(outputs)

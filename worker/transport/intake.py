@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import CorruptRecordException, KafkaError, RecordTooLargeError, UnsupportedCodecError
@@ -41,6 +42,7 @@ from schemas.limits import Limits
 from schemas.priority import priority_of_partition
 from worker.transport.admission import Admission, Verdict, estimate_prompt_tokens
 from worker.transport.answers import Answers
+from worker.transport.cancels import Cancel
 from worker.transport.load_control import LoadDecision
 from worker.transport.local_queue import LocalQueue, QueuedRequest
 from worker.transport.offsets import OffsetTracker
@@ -65,9 +67,11 @@ class Intake:
         self, consumer: AIOKafkaConsumer, tracker: OffsetTracker, queue: LocalQueue, answers: Answers,
         admission: Admission, service: ServiceModel, *,
         num_priorities: int, num_partitions: int, result_topic: str, max_poll_records: int, limits: Limits,
-        max_clock_skew_ms: float = 1000.0,
+        max_clock_skew_ms: float = 1000.0, cancelled: Callable[[str], Cancel | None] = lambda _id: None,
     ) -> None:
         self.consumer = consumer
+        self.cancelled = cancelled
+        """The live cancel of a wire request id, if any (the worker's CancelledIds)."""
         self.tracker = tracker
         self.queue = queue
         self.answers = answers
@@ -278,7 +282,8 @@ class Intake:
     def handle(self, tp: TopicPartition, msg, attempt: int) -> str:
         """Decode one record, then answer it at once (error, rejection) or queue it locally. Never raises for
         bad input: schemas.decode turns any bytes into a request or a RequestError. Returns what became of it:
-        "queued", "invalid" (refused for what it is), "load" (shed or deadline) or "seen" (a refetch)."""
+        "queued", "invalid" (refused for what it is), "load" (shed or deadline), "cancelled" (its cancel came
+        first) or "seen" (a refetch)."""
         if not self.tracker.track(tp, msg.offset):
             return "seen"
         decoded = decode_request(msg.value, self.limits)
@@ -301,8 +306,13 @@ class Intake:
             self.answers.reject(tp, msg.offset, req.id, attempt, verdict, self.result_topic, msg.timestamp,
                                 req.metadata)
             return "invalid"
-        queued.expected_tokens = self.service.expected_cost(queued.num_prompt_tokens, req.max_new_tokens)
-        self.service.observe_read(priority, queued.num_prompt_tokens, req.max_new_tokens)
+        cancel = self.cancelled(req.id)
+        if cancel is not None:  # its cancel came first (or it is redelivered after one): it never runs
+            self.answers.cancelled(queued, cancel.reason, "before it ran")
+            return "cancelled"
+        queued.expected_tokens = self.service.expected_cost(queued.num_prompt_tokens, req.max_new_tokens,
+                                                            req.num_completions)
+        self.service.observe_read(priority, queued.num_prompt_tokens, req.max_new_tokens, req.num_completions)
         if self.load is not None and priority in self.load.shed_priorities:
             self.answers.shed(queued, self.load.shed_message(priority))
             return "load"

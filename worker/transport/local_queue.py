@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 
 from schemas.request import GenerationRequest
@@ -42,6 +42,10 @@ class QueuedRequest:
     """At intake: predicted time from the record's timestamp to its first step (reported in the final)."""
     predicted_e2e_ms: float | None = None
     """At intake: predicted time from the record's timestamp to its last token, if it runs to max_new_tokens."""
+
+    def completion_engine_id(self, index: int) -> str:
+        """The engine id of completion `index`: engine_id itself when the request asks for one completion."""
+        return self.engine_id if self.request.num_completions == 1 else f"{self.engine_id}/{index}"
 
     def __post_init__(self) -> None:
         if self.arrival_ms is None:
@@ -109,6 +113,21 @@ class LocalQueue:
             queue.extend(kept)
             self._tokens[priority] = sum(q.expected_tokens for q in kept)
         self._note_space()
+        return taken
+
+    def take_where(self, predicate: Callable[[QueuedRequest], bool]) -> list[QueuedRequest]:
+        """Remove and return the requests that match (cancelled ones), in queue order per priority."""
+        taken: list[QueuedRequest] = []
+        for priority, queue in enumerate(self._by_priority):
+            if not any(predicate(q) for q in queue):
+                continue
+            kept = [q for q in queue if not predicate(q)]
+            taken += [q for q in queue if predicate(q)]
+            queue.clear()
+            queue.extend(kept)
+            self._tokens[priority] = sum(q.expected_tokens for q in kept)
+        if taken:
+            self._note_space()
         return taken
 
     def restore(self, requests: list[QueuedRequest]) -> None:

@@ -74,6 +74,7 @@ class WorkerMetrics:
     dead_letters: Counter
     dropped_records: Counter
     unreadable_records: Counter
+    requests_cancelled: Counter
     _children: dict = field(default_factory=dict)
 
     @classmethod
@@ -105,6 +106,8 @@ class WorkerMetrics:
                                     ["topic"], registry=r),
             unreadable_records=Counter(f"{NS}unreadable_records", "Request offsets skipped: the batch holding "
                                        "them could not be read (e.g. a compression codec missing).", registry=r),
+            requests_cancelled=Counter(f"{NS}requests_cancelled", "Cancelled finals (cancelled by their producer).",
+                                       registry=r),
         )
 
     def dropped_for(self, topic: str):

@@ -29,11 +29,13 @@ def final_for_output(
     request_id: str, attempt: int, timestamp_ms: int, metadata: dict[str, str] | None, out: RequestOutput,
     token_ids: list[int], text: str, num_chunks: int, worker_id: str,
     predicted: tuple[float | None, float | None] = (None, None), logprobs: list[TokenLogprob] | None = None,
+    cancelled: str | None = None,
 ) -> FinalRecord:
     """The final record of a request the engine finished (completed, rejected on deadline, or error);
     `token_ids` and `text` are everything it generated, `num_chunks` the chunk records sent before it,
     `predicted` the intake's predicted queue time and completion time (ms from the record's timestamp), `logprobs`
-    (when the request asked) one per token id."""
+    (when the request asked) one per token id. `cancelled`: the producer's reason ('' for none) when its request
+    was cancelled: an `abort` then ends it `cancelled`, with its output so far."""
     now_mono, now_ms = time.monotonic(), time.time() * 1000.0
     first_token_ms = epoch_ms(out.first_token_time, now_mono, now_ms)
     finish_ms = epoch_ms(out.finish_time, now_mono, now_ms) or now_ms
@@ -51,7 +53,10 @@ def final_for_output(
     usage = Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=len(token_ids),
                   cached_tokens=out.num_cached_tokens)
     reason = out.finish_reason or "error"
-    if reason in ("stop", "length", "abort"):
+    if cancelled is not None and reason == "abort":
+        status, reason, finish_reason = "cancelled", "cancelled", None
+        message = cancel_message(cancelled, f"after {len(token_ids)} output tokens; the text so far is included")
+    elif reason in ("stop", "length", "abort"):
         status, finish_reason, message = "completed", reason, ""
     elif reason in REJECTED_FINISH:
         status, reason, finish_reason = "rejected", REJECTED_FINISH[reason], None
@@ -61,7 +66,7 @@ def final_for_output(
     else:
         status, finish_reason = "error", None
         reason, message = out.error_code or "internal", out.error_message or ""
-    with_output = status == "completed" or (status == "rejected" and bool(token_ids))
+    with_output = status in ("completed", "cancelled") or (status == "rejected" and bool(token_ids))
     return FinalRecord(
         id=request_id,
         attempt=attempt,
@@ -80,6 +85,11 @@ def final_for_output(
     )
 
 
+def cancel_message(reason: str, when: str) -> str:
+    """The message of a `cancelled` final: when it stopped, and the producer's reason if it gave one."""
+    return f"cancelled by its producer {when}" + (f" (reason: {reason})" if reason else "")
+
+
 def answer_record(
     request_id: str, attempt: int, status: str, reason: str, message: str, timestamp_ms: int | None,
     worker_id: str, metadata: dict[str, str] | None = None,
@@ -88,3 +98,33 @@ def answer_record(
     e2e = _since(time.time() * 1000.0, timestamp_ms) if timestamp_ms is not None else None
     return FinalRecord(id=request_id, attempt=attempt, status=status, reason=reason, message=message,
                        timings=Timings(e2e_ms=e2e), metadata=metadata, worker_id=worker_id)
+
+
+def group_final(finals: list[FinalRecord], num_chunks: int, predicted: tuple[float | None, float | None],
+                timestamp_ms: int) -> FinalRecord:
+    """The request-level final of a request with several completions, from every completion's final (the
+    discarded ones of best_of too): completed when all completed (finish reason: the first completion's that is
+    not `stop`, else `stop`), otherwise the status and reason of the first that did not complete. Usage counts
+    the prompt once and every completion's output; no text (each completion's final has its own)."""
+    first = finals[0]
+    failed = next((f for f in finals if f.status != "completed"), None)
+    if failed is None:
+        status = "completed"
+        reason = next((f.finish_reason for f in finals if f.finish_reason != "stop"), "stop")
+        finish_reason, message = reason, ""
+    else:
+        status, reason, finish_reason = failed.status, failed.reason, None
+        message = f"completion {finals.index(failed)} of {len(finals)}: {failed.message}"
+    starts = [f.timings.queue_ms for f in finals if f.timings.queue_ms is not None]
+    firsts = [f.timings.ttft_ms for f in finals if f.timings.ttft_ms is not None]
+    return FinalRecord(
+        id=first.id, attempt=first.attempt, status=status, reason=reason, message=message,
+        finish_reason=finish_reason,
+        usage=Usage(prompt_tokens=first.usage.prompt_tokens,
+                    completion_tokens=sum(f.usage.completion_tokens for f in finals),
+                    cached_tokens=sum(f.usage.cached_tokens for f in finals)),
+        timings=Timings(queue_ms=min(starts, default=None), ttft_ms=min(firsts, default=None),
+                        e2e_ms=_since(time.time() * 1000.0, timestamp_ms),
+                        predicted_queue_ms=predicted[0], predicted_e2e_ms=predicted[1]),
+        num_chunks=num_chunks, metadata=first.metadata, worker_id=first.worker_id,
+    )

@@ -82,21 +82,24 @@ class ServiceModel:
     def expected_output(self, max_new_tokens: int) -> float:
         return max_new_tokens * self.output_ratio.get(1.0)
 
-    def expected_cost(self, estimated_prompt_tokens: int, max_new_tokens: int) -> float:
-        """Expected tokens of work. A request the engine will refuse at once (prompt + max_new_tokens past
-        the model length; for a text prompt, by its estimate) costs nothing."""
+    def expected_cost(self, estimated_prompt_tokens: int, max_new_tokens: int, num_completions: int = 1) -> float:
+        """Expected tokens of work: the prompt once (further completions take it from the prefix cache) and
+        each completion's output. A request the engine will refuse at once (prompt + max_new_tokens past the
+        model length; for a text prompt, by its estimate) costs nothing."""
         limit = self.engine_stats().max_model_len
         if limit and estimated_prompt_tokens + max_new_tokens > limit:
             return 0.0
-        return self.expected_prompt(estimated_prompt_tokens) + self.expected_output(max_new_tokens)
+        return (self.expected_prompt(estimated_prompt_tokens)
+                + num_completions * self.expected_output(max_new_tokens))
 
-    def observe_read(self, priority: int, estimated_prompt_tokens: int, max_new_tokens: int) -> None:
+    def observe_read(self, priority: int, estimated_prompt_tokens: int, max_new_tokens: int,
+                     num_completions: int = 1) -> None:
         """A request read from `priority`'s partitions: the unread records behind it are priced like it."""
-        cost = self.expected_cost(estimated_prompt_tokens, max_new_tokens)
+        cost = self.expected_cost(estimated_prompt_tokens, max_new_tokens, num_completions)
         self._cost[priority].observe(cost)
         if cost > 0:  # the step-size estimate follows requests that run
             self._prompt.observe(self.expected_prompt(estimated_prompt_tokens))
-            self._output.observe(self.expected_output(max_new_tokens))
+            self._output.observe(num_completions * self.expected_output(max_new_tokens))
 
     def mean_cost(self, priority: int) -> float | None:
         """Expected tokens of an unread request of this priority (any priority's mean before one is read)."""

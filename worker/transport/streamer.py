@@ -21,18 +21,41 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from schemas.decode import encode
-from schemas.result import StreamChunk, TokenLogprob, TopLogprob
+from schemas.result import FinalRecord, StreamChunk, TokenLogprob, TopLogprob
 from worker.engine.api import RequestOutput
 from worker.transport.answers import Answers
 from worker.transport.local_queue import QueuedRequest
 from worker.transport.metrics import WorkerMetrics
 from worker.transport.offsets import OffsetTracker
 from worker.transport.publisher import Publisher
-from worker.transport.records import final_for_output
+from worker.transport.records import final_for_output, group_final
 from worker.transport.service_model import ServiceModel
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class CompletionGroup:
+    """The completions of one request with n > 1 or best_of > 1, each a stream of its own. Every completion's
+    final record is built when it finishes: with best_of = n it goes out at once (index = its completion),
+    with best_of > n the n of highest cumulative logprob go out ranked once all are done. Then one request-level
+    final (no index), whose acknowledgement marks the request record's offset done."""
+
+    queued: QueuedRequest
+    finals: list[FinalRecord | None]
+    """By completion index, once finished."""
+    scores: list[float]
+    """Cumulative logprob by completion index (ranks completions when best_of > n)."""
+    num_chunks: int = 0
+    poisoned: bool = False
+    """One completion made the engine fail: the request was answered with an error; the others are dropped."""
+
+    @property
+    def ranked(self) -> bool:
+        return len(self.finals) > self.queued.request.n
 
 
 @dataclass(slots=True)
@@ -40,6 +63,9 @@ class RequestStream:
     """A request in the engine: the tokens and text it generated so far, and what was already sent."""
 
     queued: QueuedRequest
+    index: int = 0
+    """Which completion of its request (0 unless n > 1 or best_of > 1)."""
+    group: CompletionGroup | None = None
     seq: int = 0
     """The next chunk's sequence number (= chunks sent so far)."""
     token_ids: list[int] = field(default_factory=list)
@@ -52,6 +78,19 @@ class RequestStream:
     num_replay_tokens: int = 0
     """After a replay marker: how many of the tokens that follow repeat ones already gathered (and sent)."""
     replay_diverged: bool = False
+    cancel_reason: str | None = None
+    """Set when its producer cancelled it (Streamer.cancel): the engine's abort then ends it `cancelled`."""
+
+    @property
+    def sends_chunks(self) -> bool:
+        """Chunks go out when the request streams, except for best_of > n (which completions are returned is
+        known only at the end)."""
+        return self.queued.request.stream and (self.group is None or not self.group.ranked)
+
+    @property
+    def logprobs_asked(self) -> bool:
+        """The client asked for logprobs (they may be gathered only to rank best_of completions)."""
+        return self.queued.request.sampling.logprobs
 
     def start_replay(self) -> None:
         self.num_replay_tokens = len(self.token_ids)
@@ -109,9 +148,11 @@ class RequestStream:
             id=self.queued.request.id,
             attempt=self.queued.attempt,
             seq=self.seq,
+            index=self.index,
             token_ids=self.token_ids[len(self.token_ids) - self.num_unsent_tokens:],
             text="".join(self.unsent_text),
-            logprobs=None if self.logprobs is None else self.logprobs[len(self.logprobs) - self.num_unsent_tokens:],
+            logprobs=None if self.logprobs is None or not self.logprobs_asked
+            else self.logprobs[len(self.logprobs) - self.num_unsent_tokens:],
         )
         self.seq += 1
         self.num_unsent_tokens = 0
@@ -145,9 +186,19 @@ class Streamer:
         return len(self.streams) + len(self._held_finals)
 
     def open(self, queued: QueuedRequest) -> None:
-        logprobs = [] if queued.request.sampling.logprobs else None
-        self.streams[queued.engine_id] = RequestStream(queued, logprobs=logprobs)
-        self.num_open_by_priority[queued.priority] += 1
+        """Streams for a request about to enter the engine: one per completion (queued.completion_engine_id)."""
+        request = queued.request
+        num = request.num_completions
+        if num == 1:
+            logprobs = [] if request.sampling.logprobs else None
+            self.streams[queued.engine_id] = RequestStream(queued, logprobs=logprobs)
+        else:
+            group = CompletionGroup(queued, [None] * num, [0.0] * num)
+            for index in range(num):
+                logprobs = [] if request.sampling.logprobs or group.ranked else None
+                self.streams[queued.completion_engine_id(index)] = RequestStream(queued, index, group,
+                                                                                 logprobs=logprobs)
+        self.num_open_by_priority[queued.priority] += num
 
     def close_where(self, predicate: Callable[[QueuedRequest], bool]) -> list[str]:
         """Silence the streams whose request matches; returns their engine ids (for the engine's abort)."""
@@ -155,6 +206,15 @@ class Streamer:
         for eid in ids:
             self.num_open_by_priority[self.streams.pop(eid).queued.priority] -= 1
         self._held_finals = [(stream, out) for stream, out in self._held_finals if not predicate(stream.queued)]
+        return ids
+
+    def cancel(self, request_id: str, reason: str) -> list[str]:
+        """Mark the streams of this wire id cancelled; returns their engine ids for the engine's abort, whose
+        output then ends each with a `cancelled` final (its text so far). Ids already cancelled are skipped."""
+        ids = [eid for eid, stream in self.streams.items()
+               if stream.queued.request.id == request_id and stream.cancel_reason is None]
+        for eid in ids:
+            self.streams[eid].cancel_reason = reason
         return ids
 
     def hold(self, partitions: set) -> None:
@@ -166,7 +226,7 @@ class Streamer:
         self.held_partitions = set()
         now = time.monotonic()
         for stream in self.streams.values():
-            if stream.queued.partition in partitions and stream.queued.request.stream:
+            if stream.queued.partition in partitions and stream.sends_chunks:
                 self._send_chunk(stream, now)
         finals = [(s, o) for s, o in self._held_finals if s.queued.partition in partitions]
         self._held_finals = [(s, o) for s, o in self._held_finals if s.queued.partition not in partitions]
@@ -195,7 +255,7 @@ class Streamer:
         for stream in touched.values():
             if held and stream.queued.partition in held:
                 continue
-            if stream.queued.request.stream and now - stream.last_flush >= self.chunk_interval_s:
+            if stream.sends_chunks and now - stream.last_flush >= self.chunk_interval_s:
                 self._send_chunk(stream, now)
         for stream, out in finals:
             queued = stream.queued
@@ -214,32 +274,69 @@ class Streamer:
             self.publisher.publish_nowait(stream.queued.reply_topic, chunk.id.encode(), encode(chunk))
 
     def _finish(self, stream: RequestStream, out: RequestOutput, now: float) -> None:
-        queued = stream.queued
+        queued, group = stream.queued, stream.group
+        if group is not None and group.poisoned:
+            return  # the request was answered with an error when another of its completions poisoned the engine
         if out.error_code == "poison_request":
             self.answers.dead_letter_request(queued, "poison_request", out.error_message or "")
+            if group is not None:
+                group.poisoned = True
             return
         if stream.replay_diverged:
             out = dataclasses.replace(out, finish_reason="error", error_code="internal", error_message=(
                 "the engine failed on a step this request was in; it was run again from the start, and the "
                 "tokens it produced differ from those already streamed"))
-        if queued.request.stream:
+        if stream.sends_chunks:
             self._send_chunk(stream, now)
         final = final_for_output(
             queued.request.id, queued.attempt, queued.timestamp_ms, queued.request.metadata, out,
-            stream.token_ids, "".join(stream.text_parts), stream.seq, self.worker_id, logprobs=stream.logprobs,
-            predicted=(queued.predicted_queue_ms, queued.predicted_e2e_ms),
+            stream.token_ids, "".join(stream.text_parts), stream.seq, self.worker_id,
+            logprobs=stream.logprobs if stream.logprobs_asked else None,
+            predicted=(queued.predicted_queue_ms, queued.predicted_e2e_ms), cancelled=stream.cancel_reason,
         )
-        self.num_completed += 1
         self.num_output_tokens += len(stream.token_ids)
+        if group is not None:
+            self._finish_completion(stream, group, final)
+            return
+        self.num_completed += 1
         self._observe(final, queued.priority)
         self.publisher.publish_nowait(queued.reply_topic, final.id.encode(), encode(final),
                                       self.tracker.on_acked(queued.partition, queued.offset))
+
+    def _finish_completion(self, stream: RequestStream, group: CompletionGroup, final: FinalRecord) -> None:
+        """One completion of a request with several ended: its final goes out (at once, or ranked when all are
+        done for best_of > n); after the last one, the request-level final."""
+        queued = group.queued
+        group.finals[stream.index] = final
+        group.scores[stream.index] = sum(lp.logprob for lp in stream.logprobs or ())
+        group.num_chunks += stream.seq
+        if not group.ranked:
+            self._publish(queued, msgspec.structs.replace(final, index=stream.index))
+        if any(f is None for f in group.finals):
+            return
+        finals: list[FinalRecord] = group.finals  # type: ignore[assignment]
+        if group.ranked:
+            # Highest cumulative logprob first (ties: lower index); completed ones before the others.
+            order = sorted(range(len(finals)), key=lambda i: (finals[i].status != "completed", -group.scores[i], i))
+            for rank, i in enumerate(order[:queued.request.n]):
+                self._publish(queued, msgspec.structs.replace(finals[i], index=rank))
+        request_final = group_final(finals, group.num_chunks, (queued.predicted_queue_ms, queued.predicted_e2e_ms),
+                                    queued.timestamp_ms)
+        self.num_completed += 1
+        self._observe(request_final, queued.priority)
+        self.publisher.publish_nowait(queued.reply_topic, request_final.id.encode(), encode(request_final),
+                                      self.tracker.on_acked(queued.partition, queued.offset))
+
+    def _publish(self, queued: QueuedRequest, record: FinalRecord) -> None:
+        self.publisher.publish_nowait(queued.reply_topic, record.id.encode(), encode(record))
 
     def _observe(self, final, priority: int) -> None:
         m = self.metrics
         t = final.timings
         if final.status == "completed":
             m.completed_for(priority).inc()
+        elif final.status == "cancelled":
+            m.requests_cancelled.inc()
         else:
             m.rejected_for(final.reason).inc()
         if t.ttft_ms is not None:

@@ -6,7 +6,8 @@ bypass the engine go Intake → Answers → Publisher → OffsetTracker.
 
 Tasks on one asyncio loop: intake (fetch, decode, check, queue; then admit into the engine), outputs (engine
 outputs -> chunks and finals; then admit, since room was made), commits (every commit_interval_s), control
-(every 100 ms: lag -> load decision -> pause/shed/end of input; a status record every status_interval_s).
+(every 100 ms: lag -> load decision -> pause/shed/end of input; a status record every status_interval_s),
+and the control reader (control.py: cancel records, on a consumer of their own; see `_on_cancel`).
 The engine runs in its own thread.
 
 Shutdown on SIGTERM/SIGINT: stop fetching, pause every partition, let in-flight requests finish for up to
@@ -41,6 +42,8 @@ from worker.transport.admission import Admission
 from worker.transport.aiokafka_compat import group_generation
 from worker.transport.answers import Answers
 from worker.transport.backpressure import Backpressure
+from worker.transport.cancels import Cancel, CancelledIds
+from worker.transport.control import ControlReader
 from worker.transport.dispatcher import Dispatcher
 from worker.transport.engine_thread import EngineThread
 from worker.transport.intake import Intake
@@ -72,6 +75,8 @@ class Worker:
         self.closing = False
         """Set at the end of shutdown, so the background loops exit at their next turn even if a library call
         inside one of them swallowed its cancellation."""
+        self.cancels = CancelledIds(settings.cancel_ttl_s, settings.cancel_max_ids)
+        self.control = ControlReader(kafka, self.cancels, self._on_cancel, client_id=f"{settings.worker_id}-control")
 
     def stop(self) -> None:
         self.stopping.set()
@@ -95,12 +100,12 @@ class Worker:
         self.streamer = Streamer(publisher, self.tracker, self.answers, self.metrics, self.service, settings.worker_id,
                                  kafka.num_priorities, settings.chunk_interval_ms)
         self.dispatcher = Dispatcher(self.queue, self.streamer, self.engine_thread, admission, self.answers,
-                                     self.service, self.max_in_engine)
+                                     self.service, self.max_in_engine, cancelled=self._cancel_of)
         self.intake = Intake(
             consumer, self.tracker, self.queue, self.answers, admission, self.service,
             num_priorities=kafka.num_priorities, num_partitions=kafka.num_request_partitions,
             result_topic=kafka.result_topic, max_poll_records=settings.max_poll_records, limits=self.limits,
-            max_clock_skew_ms=settings.max_clock_skew_ms,
+            max_clock_skew_ms=settings.max_clock_skew_ms, cancelled=self._cancel_of,
         )
         self.load_control = LoadControl(Shedder(list(settings.max_queue_time_s), kafka.num_priorities),
                                         Backpressure.from_settings(settings, kafka.num_priorities), self.service)
@@ -111,6 +116,41 @@ class Worker:
         in the local queue do not count: the transport may be what holds them, e.g. decoding a flood.)"""
         stats = self.engine_thread.stats
         return stats.num_waiting > 0 or stats.num_running >= self.max_num_seqs
+
+    # -- cancellation (README "Cancelling a request") --------------------------------------------------------
+    def _cancel_of(self, request_id: str) -> Cancel | None:
+        return self.cancels.get(request_id, time.time() * 1000.0)
+
+    def _on_cancel(self, cancel: Cancel) -> None:
+        """A cancel record was read (control.py): stop its request wherever it is here. In the local queue it is
+        answered at once; in the engine (waiting or running) its stream is marked and the engine thread aborts
+        it before its next step, which frees its KV blocks; the abort's output ends it `cancelled` with the
+        text so far (streamer.py). Not here (not yet read, finished, another worker's): the id is remembered,
+        so that a request read later is answered `cancelled` at once (intake.py)."""
+        if not hasattr(self, "queue") or self.closing:
+            return  # not connected yet (the intake checks the remembered id), or shut down
+        self._take_cancelled(cancel.request_id)
+        self.engine_thread.abort(self.streamer.cancel(cancel.request_id, cancel.reason))
+
+    def _take_cancelled(self, request_id: str | None = None) -> None:
+        """Answer the requests of the local queue that are cancelled (those of one id, or any)."""
+        if request_id is None:
+            taken = self.queue.take_where(lambda queued: self._cancel_of(queued.request.id) is not None)
+        else:
+            taken = self.queue.take_where(lambda queued: queued.request.id == request_id)
+        for queued in taken:
+            cancel = self._cancel_of(queued.request.id)
+            self.answers.cancelled(queued, cancel.reason if cancel else "", "while it waited in the local queue")
+
+    async def _wait_for_cancels(self) -> None:
+        """Before intake starts: let the control reader catch up with the cancels of its lookback window, so a
+        redelivered request that was cancelled is answered at once rather than run; bounded, since a slow or
+        unreachable control topic must not hold up requests (a cancel read later still stops its request)."""
+        try:
+            await asyncio.wait_for(self.control.synced.wait(), self.settings.cancel_sync_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("control topic %r not read up to date within %.1f s; serving requests meanwhile",
+                        self.kafka.control_topic, self.settings.cancel_sync_timeout_s)
 
     async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
         if not self.started.is_set():
@@ -128,6 +168,7 @@ class Worker:
         ids = self.streamer.close_where(lambda queued: queued.partition in gone)
         self.engine_thread.abort(ids)
         self.streamer.release(held & assigned)
+        self._take_cancelled()  # requests set aside during the rebalance, cancelled meanwhile, are back in the queue
         if held:
             log.info("rebalance: kept %d partitions, gave up %d; aborted %d requests of those given up",
                      len(held & assigned), len(held - assigned), len(ids))
@@ -185,9 +226,12 @@ class Worker:
         log.info("effective configuration: %s", json.dumps(
             {"kafka": masked_dump(self.kafka), "worker": masked_dump(self.settings)}, default=str))
         metrics_server = self.metrics.serve(self.settings.metrics_port) if self.settings.metrics_port else None
+        # Its own consumer and task, started first: the cancels of the lookback window load while the group forms.
+        control_task = asyncio.create_task(self.control.run(), name="control-reader")
         try:
             return await self._serve()
         finally:
+            await self.control.stop(control_task)
             if metrics_server is not None:
                 metrics_server.shutdown()
 
@@ -202,6 +246,7 @@ class Worker:
             return 2
         self.engine_thread.start()
         tasks = [asyncio.create_task(coro) for coro in (self._output_loop(), self._commit_loop(), self._control_loop())]
+        await self._wait_for_cancels()
         intake_task = asyncio.create_task(self._intake_loop())
         self.started.set()
         await self.stopping.wait()
