@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import sys
 import time
@@ -23,7 +24,7 @@ from aiokafka.errors import KafkaError
 
 from producer_examples.client import BackoffPolicy, ClientError, LLMClient, RequestHandle, RequestTimeout, StreamGap
 from schemas.decode import encode
-from schemas.request import ChatMessage, GenerationRequest, SamplingSpec
+from schemas.request import ChatMessage, GenerationRequest, JsonSchemaFormat, JsonSchemaSpec, SamplingSpec
 from schemas.result import FinalRecord
 from worker.config import KafkaSettings
 
@@ -57,6 +58,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--id", default=None, help="request id (default: a random one)")
     parser.add_argument("--bootstrap", default=None, help="Kafka bootstrap servers (KAFKA_BOOTSTRAP_SERVERS)")
     parser.add_argument("--no-backoff", action="store_true", help="send at once even if workers report shedding")
+    parser.add_argument("--n", type=int, default=1,
+                        help="completions of the prompt (default 1); above 1 each is printed when all are done")
+    parser.add_argument("--json-schema", default=None, metavar="FILE",
+                        help="structured output: the answer is JSON that validates against this JSON Schema file")
     parser.add_argument("--cancel-wait-s", type=float, default=CANCEL_WAIT_S,
                         help=f"after Ctrl-C, how long to wait for the cancelled final (default {CANCEL_WAIT_S:g})")
 
@@ -72,10 +77,19 @@ def build_request(args: argparse.Namespace) -> GenerationRequest:
     else:
         messages = [ChatMessage(role="system", content=args.system)] if args.system else []
         prompt_fields["messages"] = [*messages, ChatMessage(role="user", content=args.prompt)]
+    if args.json_schema is not None:
+        try:
+            with open(args.json_schema, "rb") as f:
+                schema = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--json-schema {args.json_schema}: {exc}") from None
+        prompt_fields["response_format"] = JsonSchemaFormat(json_schema=JsonSchemaSpec(schema=schema))
     request = GenerationRequest(
         id=args.id or f"gen-{uuid.uuid4().hex[:12]}",
         max_new_tokens=args.max_new_tokens,
         sampling=sampling,
+        n=args.n,
+        stream=args.n == 1,  # several completions are printed one after the other at the end
         deadline_ms=args.deadline_ms,
         timeout_ms=None if args.timeout_s is None else max(1, int(args.timeout_s * 1000)),
         **prompt_fields,
@@ -127,6 +141,12 @@ async def stream_to(handle: RequestHandle, out=sys.stdout, err=sys.stderr, timeo
         out.write(final.text or "")
         shown.printed = True
     final = await handle.result(timeout)
+    completions = await handle.completions(timeout)
+    if completions != [final]:  # n > 1: each completion, one after the other
+        for completion in completions:
+            out.write(f"[completion {completion.index}: {completion.status} ({completion.reason})]\n"
+                      f"{completion.text or ''}\n")
+        shown.printed = True
     if not shown.printed and final.text:  # a stream=False answer, or one whose chunks carried no text
         out.write(final.text)
     if shown.printed or final.text:

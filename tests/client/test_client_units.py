@@ -115,6 +115,29 @@ def test_generate_builds_chat_or_raw_requests():
     assert raw.prompt == "hi" and raw.messages is None and raw.timeout_ms == 2500
 
 
+def test_generate_asks_for_n_completions_and_structured_output(tmp_path):
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "object", "properties": {"a": {"type": "integer"}}}')
+    request = generate.build_request(parse_generate("hi", "--n", "3", "--json-schema", str(schema)))
+    assert (request.n, request.stream) == (3, False)
+    assert request.response_format.json_schema.schema["properties"] == {"a": {"type": "integer"}}
+    assert generate.build_request(parse_generate("hi")).stream
+    with pytest.raises(ValueError, match="--json-schema"):
+        generate.build_request(parse_generate("hi", "--json-schema", str(tmp_path / "missing.json")))
+
+
+async def test_generate_prints_each_completion_of_n():
+    handle = RequestHandle("r", 0, 0, timeout_s=5, on_close=lambda _: None)
+    done = dict(status="completed", reason="stop", finish_reason="stop")
+    for index, text in ((1, "second"), (0, "first")):
+        handle.feed(FinalRecord(id="r", index=index, text=text, **done))
+    handle.feed(FinalRecord(id="r", **done))
+    out = io.StringIO()
+    final = await generate.stream_to(handle, out, io.StringIO())
+    assert final.index is None
+    assert out.getvalue() == "[completion 0: completed (stop)]\nfirst\n[completion 1: completed (stop)]\nsecond\n\n"
+
+
 def test_generate_refuses_bad_arguments_before_connecting(capsys):
     assert generate.run(parse_generate("hi", "--temperature", "5")) == 2
     assert "temperature" in capsys.readouterr().err
