@@ -209,10 +209,12 @@ class KafkaRun:
         await run.producer.start()
         return run
 
-    def start_worker(self, env: dict[str, str]) -> None:
+    def start_worker(self, env: dict[str, str], nice: int | None = None) -> None:
+        """`nice`: the worker's niceness, whatever this process's (lowering it needs root)."""
         self.log = open(self.log_path, "wb")
+        preexec = None if nice is None else (lambda: os.setpriority(os.PRIO_PROCESS, 0, nice))
         self.proc = subprocess.Popen([str(REPO / ".venv/bin/llm-worker"), "serve"], cwd=REPO, stdout=self.log,
-                                     stderr=self.log, env=env)
+                                     stderr=self.log, env=env, preexec_fn=preexec)
 
     async def read_loop(self) -> None:
         while True:

@@ -163,7 +163,8 @@ async def run_phase(bootstrap: str, log_dir: Path, out_dir: Path, args: argparse
                     name: str, factor: float | None, capacity: float | None) -> dict:
     """One phase on fresh topics and a fresh worker; returns its records, aggregates and time series."""
     run = await OverloadRun.start(bootstrap, log_dir, stream=False)
-    run.start_worker({**kafka_env(run.kafka, threads), "WORKER_WORKER_ID": f"bench-overload-{name}"})
+    run.start_worker({**kafka_env(run.kafka, threads), "WORKER_WORKER_ID": f"bench-overload-{name}"},
+                     nice=0 if args.others_nice else None)
     reader = asyncio.create_task(run.read_loop())
     rng = random.Random(f"{args.seed}-{name}")
     rate = None if factor is None else factor * capacity
@@ -299,7 +300,9 @@ def render_report(results: dict) -> str:
     out = [f"# Overload control ({env['date']})", "",
            f"`{results['command']}`", "",
            f"One `llm-worker serve` per phase (default settings, {env['torch_threads']} torch thread(s)), "
-           f"{env['num_cpus']} CPUs shared with the broker and this client. 1-min load average "
+           f"{env['num_cpus']} CPUs shared with the broker and this client"
+           + (f" (they at niceness {env['others_nice']}, the worker at 0)" if env.get("others_nice") else "")
+           + ". 1-min load average "
            f"{env['load_start'][0]:.2f} at the start, {env['load_end'][0]:.2f} at the end."
            + (" **The machine was busy at the start (load > 1.5): figures are slower and noisier.**"
               if env["load_start"][0] > 1.5 else ""), "",
@@ -391,6 +394,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-backoff", action="store_true", help="the client ignores the workers' status")
     parser.add_argument("--threads", type=int, help="torch threads of the worker (default: settings.set_threads)")
     parser.add_argument("--bootstrap", help="use this broker instead of starting a local one")
+    parser.add_argument("--others-nice", type=int, default=0, metavar="N",
+                        help="run the broker and this load generator at niceness N and the worker at 0, as if "
+                             "they had hosts of their own (default 0: all share the CPUs alike; lowering the "
+                             "worker's niceness back needs root)")
     parser.add_argument("--out-dir", type=Path)
     args = parser.parse_args(argv)
     args.factors = [float(f) for f in args.factors.split(",") if f.strip()]
@@ -409,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: 1-min load average {load_start[0]:.2f} at the start: the machine is busy, figures will be "
               "slower and noisier", file=sys.stderr)
     threads = set_threads(args.threads)
+    if args.others_nice:
+        os.nice(args.others_nice)  # the broker started below inherits it; the worker is set back to 0
     out_dir = args.out_dir or (REPO / "benchmarks" / "results"
                                / f"{time.strftime('%Y-%m-%d')}-overload-control{'-quick' if args.quick else ''}")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -424,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         "command": command,
         "environment": {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "num_cpus": os.cpu_count(),
-                        "torch_threads": threads, "load_start": load_start, "load_end": list(os.getloadavg()),
+                        "torch_threads": threads, "others_nice": args.others_nice, "load_start": load_start, "load_end": list(os.getloadavg()),
                         "python": sys.version.split()[0]},
         "config": {"factors": args.factors, "duration_s": args.duration, "capacity_requests": args.capacity_requests,
                    "capacity_given": args.capacity, "seed": args.seed, "backoff": not args.no_backoff,
