@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from benchmarks.gpu_engine_check import compare, main, tiny_shape
@@ -14,6 +15,7 @@ from benchmarks.random_model import build_random_model, hf_tensor_shapes
 from worker.model.config import parse_config
 
 
+@pytest.mark.slow  # 3-4 s: in the full suite, not the fast subset
 def test_smoke_mode_runs_every_part_and_every_check(tmp_path: Path) -> None:
     assert main(["--smoke", "--out", str(tmp_path), "--models", "tiny-2-layers"]) == 0
     data = json.loads((tmp_path / "results.json").read_text())
