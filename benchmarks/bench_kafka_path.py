@@ -209,12 +209,19 @@ class KafkaRun:
         await run.producer.start()
         return run
 
-    def start_worker(self, env: dict[str, str], nice: int | None = None) -> None:
-        """`nice`: the worker's niceness, whatever this process's (lowering it needs root)."""
+    def start_worker(self, env: dict[str, str], nice: int | None = None, cpus: set[int] | None = None) -> None:
+        """`nice`: the worker's niceness, whatever this process's (lowering it needs root); `cpus`: the only
+        CPUs it may run on."""
         self.log = open(self.log_path, "wb")
-        preexec = None if nice is None else (lambda: os.setpriority(os.PRIO_PROCESS, 0, nice))
+
+        def preexec() -> None:
+            if nice is not None:
+                os.setpriority(os.PRIO_PROCESS, 0, nice)
+            if cpus:
+                os.sched_setaffinity(0, cpus)
         self.proc = subprocess.Popen([str(REPO / ".venv/bin/llm-worker"), "serve"], cwd=REPO, stdout=self.log,
-                                     stderr=self.log, env=env, preexec_fn=preexec)
+                                     stderr=self.log, env=env,
+                                     preexec_fn=preexec if nice is not None or cpus else None)
 
     async def read_loop(self) -> None:
         while True:

@@ -164,7 +164,7 @@ async def run_phase(bootstrap: str, log_dir: Path, out_dir: Path, args: argparse
     """One phase on fresh topics and a fresh worker; returns its records, aggregates and time series."""
     run = await OverloadRun.start(bootstrap, log_dir, stream=False)
     run.start_worker({**kafka_env(run.kafka, threads), "WORKER_WORKER_ID": f"bench-overload-{name}"},
-                     nice=0 if args.others_nice else None)
+                     nice=0 if args.others_nice else None, cpus=args.worker_cpus)
     reader = asyncio.create_task(run.read_loop())
     rng = random.Random(f"{args.seed}-{name}")
     rate = None if factor is None else factor * capacity
@@ -302,6 +302,8 @@ def render_report(results: dict) -> str:
            f"One `llm-worker serve` per phase (default settings, {env['torch_threads']} torch thread(s)), "
            f"{env['num_cpus']} CPUs shared with the broker and this client"
            + (f" (they at niceness {env['others_nice']}, the worker at 0)" if env.get("others_nice") else "")
+           + (f"; the worker pinned to CPU(s) {env['worker_cpus']}, the others to the rest"
+              if env.get("worker_cpus") else "")
            + ". 1-min load average "
            f"{env['load_start'][0]:.2f} at the start, {env['load_end'][0]:.2f} at the end."
            + (" **The machine was busy at the start (load > 1.5): figures are slower and noisier.**"
@@ -398,8 +400,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="run the broker and this load generator at niceness N and the worker at 0, as if "
                              "they had hosts of their own (default 0: all share the CPUs alike; lowering the "
                              "worker's niceness back needs root)")
+    parser.add_argument("--worker-cpus", default="", metavar="LIST",
+                        help="pin the worker to these CPUs (e.g. 1) and the broker and this client to the others, "
+                             "as if each had a host of its own (default: no pinning)")
     parser.add_argument("--out-dir", type=Path)
     args = parser.parse_args(argv)
+    args.worker_cpus = {int(c) for c in args.worker_cpus.split(",") if c.strip()}
     args.factors = [float(f) for f in args.factors.split(",") if f.strip()]
     args.duration = args.duration or (15.0 if args.quick else 60.0)
     args.capacity_requests = args.capacity_requests or (QUICK_CAPACITY_REQUESTS if args.quick else 200)
@@ -418,6 +424,11 @@ def main(argv: list[str] | None = None) -> int:
     threads = set_threads(args.threads)
     if args.others_nice:
         os.nice(args.others_nice)  # the broker started below inherits it; the worker is set back to 0
+    if args.worker_cpus:  # the broker started below inherits this process's CPUs; the worker gets its own
+        others = set(range(os.cpu_count() or 1)) - args.worker_cpus
+        if not others:
+            raise SystemExit("--worker-cpus leaves no CPU for the broker and the client")
+        os.sched_setaffinity(0, others)
     out_dir = args.out_dir or (REPO / "benchmarks" / "results"
                                / f"{time.strftime('%Y-%m-%d')}-overload-control{'-quick' if args.quick else ''}")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -433,7 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         "command": command,
         "environment": {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "num_cpus": os.cpu_count(),
-                        "torch_threads": threads, "others_nice": args.others_nice, "load_start": load_start, "load_end": list(os.getloadavg()),
+                        "torch_threads": threads, "others_nice": args.others_nice,
+                        "worker_cpus": sorted(args.worker_cpus), "load_start": load_start, "load_end": list(os.getloadavg()),
                         "python": sys.version.split()[0]},
         "config": {"factors": args.factors, "duration_s": args.duration, "capacity_requests": args.capacity_requests,
                    "capacity_given": args.capacity, "seed": args.seed, "backoff": not args.no_backoff,
