@@ -38,8 +38,8 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from benchmarks.bench_kafka_path import REPO, KafkaRun, kafka_env, kafka_session
 from benchmarks.overload_stats import (
-    IN_TIME, LATE, FinalSeen, RequestLog, StatusSample, capacity_from_completions, check_floors, outcome,
-    phase_summary, time_series,
+    IN_TIME, LATE, FinalSeen, RequestLog, StatusSample, capacity_from_completions, check_floors, engine_summary,
+    outcome, phase_summary, time_series,
 )
 from benchmarks.settings import set_threads
 from producer_examples.client import BackoffPolicy, LLMClient
@@ -102,7 +102,8 @@ class OverloadRun(KafkaRun):
             [p in worker_paused or bool(p in entries and entries[p].paused_partitions) for p in range(num_p)],
             [bool(p in entries and entries[p].shed) for p in range(num_p)],
             [entries[p].est_wait_s if p in entries else None for p in range(num_p)], status.num_running,
-            status.num_preemptions, status.last_step_ms)
+            status.num_preemptions, status.last_step_ms, status.num_steps, status.num_batched_tokens,
+            status.busy_ms)
 
     @property
     def all_answered(self) -> bool:
@@ -201,6 +202,14 @@ async def run_phase(bootstrap: str, log_dir: Path, out_dir: Path, args: argparse
     if factor is None:
         capacity, window_s = capacity_from_completions(finals_at), end_s
     summary = phase_summary(requests, window_s, capacity)
+    # The engine over the span the phase's rate is measured on: the capacity's 10th to 90th percentile
+    # completion, or an overload phase's first completion to the end of its arrivals.
+    done = sorted(finals_at)
+    if factor is None and len(done) >= 3:
+        span = (done[round(0.1 * (len(done) - 1))], done[round(0.9 * (len(done) - 1))])
+    else:
+        span = (summary["goodput"]["first_completion_s"] or 0.0, window_s)
+    summary["engine"] = engine_summary(statuses, *span)
     offsets_at_end = all(c == e for c, e in offsets.values())
     if exit_code != 0:
         notes.append(f"worker exited with {exit_code} on SIGTERM (log worker-{name}.log)")
@@ -283,6 +292,12 @@ def render_phase(phase: dict) -> str:
                          "completion p90"], pred) if any(r[1] or r[4] for r in pred) else ["no predictions in the "
                                                                                            "final records"]
         lines.append("")
+    engine = s.get("engine") or {}
+    if engine.get("steps"):
+        lines += [f"Engine over {engine['span_s']:.1f} s of the span measured above (from the status records): "
+                  f"{engine['steps']} steps, {_num(engine['tokens_per_step'], 1)} tokens per step, "
+                  f"{_num(engine['tokens_per_busy_s'], 0)} tokens per busy second, busy "
+                  f"{_num(100 * engine['busy_fraction'], 0)} % of the time.", ""]
     offsets = ", ".join(f"p{p}: {c}/{e}" for p, (c, e) in phase["offsets"].items())
     lines += [f"Finals: {s['num_missing']} missing, {s['num_duplicate_finals']} duplicate within an attempt, "
               f"{s['num_redelivered']} redelivered (higher attempt). Committed / log end per request partition: "

@@ -85,6 +85,10 @@ class StatusSample:
     num_preemptions: int = 0
     """Cumulative, since the worker started."""
     last_step_ms: float = 0.0
+    num_steps: int = 0
+    """Cumulative, like num_batched_tokens and busy_ms."""
+    num_batched_tokens: int = 0
+    busy_ms: float = 0.0
 
 
 def outcome(r: RequestLog) -> str:
@@ -141,6 +145,23 @@ def goodput(requests: list[RequestLog], window_s: float) -> dict:
     return {"per_s": sum(t <= window_s for t in in_time_at) / span if span and span > 0 else None,
             "incl_drain_per_s": len(in_time_at) / window_s if window_s > 0 else None,
             "first_completion_s": first, "span_s": span}
+
+
+def engine_summary(statuses: list[StatusSample], start_s: float, end_s: float) -> dict:
+    """The engine's work between the status samples nearest start_s and end_s (cumulative counters): steps,
+    tokens per step, tokens per busy second and the share of the time it was busy. None where fewer than
+    two samples fall in the span."""
+    inside = [s for s in statuses if start_s <= s.at_s <= end_s]
+    if len(inside) < 2 or inside[-1].num_steps <= inside[0].num_steps:
+        return {"span_s": None, "steps": None, "tokens_per_step": None, "tokens_per_busy_s": None,
+                "busy_fraction": None}
+    first, last = inside[0], inside[-1]
+    steps = last.num_steps - first.num_steps
+    tokens = last.num_batched_tokens - first.num_batched_tokens
+    busy_s = (last.busy_ms - first.busy_ms) / 1000.0
+    span_s = last.at_s - first.at_s
+    return {"span_s": span_s, "steps": steps, "tokens_per_step": tokens / steps,
+            "tokens_per_busy_s": tokens / busy_s if busy_s > 0 else None, "busy_fraction": busy_s / span_s}
 
 
 def wasted_tokens(requests: list[RequestLog]) -> dict:
@@ -235,6 +256,24 @@ def time_series(requests: list[RequestLog], statuses: list[StatusSample], num_pr
         out["preemptions"].append(None if count is None else max(0, count - last))
         last = count if count is not None else last
     out["step_ms"] = [max(s.last_step_ms for s in ss) if ss else None for ss in per_bin]
+    # From the cumulative engine counters, per second: steps, tokens per step, tokens per busy second (how
+    # much a second of forward got done) and the share of the second the engine was busy.
+    last_sample = None
+    for key in ("steps_per_s", "tokens_per_step", "tokens_per_busy_s", "busy_fraction"):
+        out[key] = []
+    for ss in per_bin:
+        sample = ss[-1] if ss else None
+        steps = tokens = busy_s = span_s = None
+        if sample is not None and last_sample is not None and sample.at_s > last_sample.at_s:
+            steps = sample.num_steps - last_sample.num_steps
+            tokens = sample.num_batched_tokens - last_sample.num_batched_tokens
+            busy_s = (sample.busy_ms - last_sample.busy_ms) / 1000.0
+            span_s = sample.at_s - last_sample.at_s
+        out["steps_per_s"].append(None if steps is None else steps / span_s)
+        out["tokens_per_step"].append(tokens / steps if steps else None)
+        out["tokens_per_busy_s"].append(tokens / busy_s if busy_s else None)
+        out["busy_fraction"].append(None if busy_s is None else busy_s / span_s)
+        last_sample = sample if sample is not None else last_sample
     return out
 
 

@@ -62,3 +62,9 @@ class WorkerStatus(WireRecord, kw_only=True):
     num_preemptions: Annotated[int, Meta(ge=0, le=MAX_SAFE_INT, description=(
         "Running requests preempted (to be recomputed) since the worker started."))] = 0
     last_step_ms: Annotated[float, Meta(ge=0.0, description="How long the engine's last step took.")] = 0.0
+    num_steps: Annotated[int, Meta(ge=0, le=MAX_SAFE_INT, description="Engine steps since the worker started.")] = 0
+    num_batched_tokens: Annotated[int, Meta(ge=0, le=MAX_SAFE_INT, description=(
+        "Tokens (prompt and output) the engine computed since the worker started."))] = 0
+    busy_ms: Annotated[float, Meta(ge=0.0, description=(
+        "Milliseconds the engine spent in steps since the worker started (differences over an interval give "
+        "step sizes, steps per second and tokens per busy second)."))] = 0.0

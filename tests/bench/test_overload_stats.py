@@ -4,8 +4,8 @@ tokens, predicted vs actual, capacity, time series and floors."""
 import pytest
 
 from benchmarks.overload_stats import (
-    FinalSeen, RequestLog, StatusSample, capacity_from_completions, check_floors, goodput, outcome, phase_summary,
-    prediction_errors, priority_table, time_series, wasted_tokens,
+    FinalSeen, RequestLog, StatusSample, capacity_from_completions, check_floors, engine_summary, goodput, outcome,
+    phase_summary, prediction_errors, priority_table, time_series, wasted_tokens,
 )
 
 
@@ -155,6 +155,22 @@ def test_preemptions_per_second_come_from_the_cumulative_count():
     ts = time_series([], statuses, 3, 4.0)
     assert ts["preemptions"] == [7, None, 13, 0]  # a second without a record reports nothing, not zero
     assert ts["step_ms"] == [900.0, None, 400.0, 350.0]
+
+
+def test_engine_rates_come_from_the_cumulative_step_counters():
+    def sample(at_s, steps, tokens, busy_ms):
+        return StatusSample(at_s, [0] * 3, [False] * 3, [False] * 3, [None] * 3, 8, 0, 0.0, steps, tokens, busy_ms)
+
+    statuses = [sample(0.5, 10, 1000, 400.0), sample(1.5, 14, 1800, 1200.0), sample(3.5, 22, 2600, 2800.0)]
+    ts = time_series([], statuses, 3, 4.0)
+    assert ts["steps_per_s"] == [None, 4.0, None, 4.0]  # per bin: since the previous sample
+    assert ts["tokens_per_step"] == [None, 200.0, None, 100.0]
+    assert ts["tokens_per_busy_s"] == [None, 1000.0, None, 500.0]
+    assert ts["busy_fraction"] == [None, pytest.approx(0.8), None, pytest.approx(0.8)]
+    summary = engine_summary(statuses, 0.0, 4.0)
+    assert summary["steps"] == 12 and summary["tokens_per_step"] == 1600 / 12
+    assert summary["tokens_per_busy_s"] == 1600 / 2.4 and summary["busy_fraction"] == pytest.approx(0.8)
+    assert engine_summary(statuses, 3.0, 4.0)["steps"] is None  # one sample: no interval
 
 
 def _summary(in_time_by_priority: dict[int, tuple[int, int]], goodput_ratio: float, wasted: float,

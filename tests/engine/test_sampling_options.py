@@ -113,3 +113,14 @@ def _outputs(engine: LLMEngine, prompt: list[int]) -> list:
     while engine.has_unfinished():
         steps += [out.new_logprobs for out in engine.step() if out.new_token_ids]
     return steps
+
+
+def test_the_engine_counts_its_steps_tokens_and_busy_time(engine):
+    before = engine.stats()
+    run(engine, max_new_tokens=5, ignore_eos=True)
+    after = engine.stats()
+    # Prompts of 12, 5 and 7 tokens (no full 16-token block, so no prefix-cache hit) prefilled in one 64-token
+    # step that samples each first token, then 4 decode steps of 3 tokens.
+    assert after.num_steps - before.num_steps == 5
+    assert after.num_batched_tokens - before.num_batched_tokens == sum(map(len, PROMPTS)) + 3 * 4
+    assert after.busy_s > before.busy_s and after.last_step_num_tokens == 3

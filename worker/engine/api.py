@@ -156,6 +156,11 @@ class EngineStats:
     prefix_cache_hit_rate: float = 0.0
     num_preemptions: int = 0
     num_steps: int = 0
+    num_batched_tokens: int = 0
+    """Tokens computed (prompt and output) by every step so far."""
+    busy_s: float = 0.0
+    """Seconds spent in steps so far (forward and sampling): with num_steps and num_batched_tokens, what a
+    reader turns into step sizes and tokens per busy second over any interval."""
     last_step_num_tokens: int = 0
     last_step_num_seqs: int = 0
     last_step_s: float = 0.0

@@ -77,6 +77,8 @@ class LLMEngine:
         self.sampler = Sampler()
         self.step_time = StepTimeModel()
         self.num_steps = 0
+        self.num_batched_tokens = 0
+        self.busy_s = 0.0
         self._last_step = (0, 0, 0.0)
         self._live: dict[str, _Live] = {}
         self._grammars: GrammarCompiler | None = None
@@ -235,6 +237,8 @@ class LLMEngine:
         seconds = time.perf_counter() - start
         self.step_time.observe(sched.num_batched_tokens, seconds)
         self.num_steps += 1
+        self.num_batched_tokens += sched.num_batched_tokens
+        self.busy_s += seconds
         self._last_step = (sched.num_batched_tokens, len(sched.scheduled), seconds)
         updates = self.scheduler.update(sched, dict(zip(sampling_ids, token_ids)), time.monotonic())
         outputs += [self._postprocess(update) for update in updates]
@@ -319,6 +323,8 @@ class LLMEngine:
             prefix_cache_hit_rate=pool.hit_rate,
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps,
+            num_batched_tokens=self.num_batched_tokens,
+            busy_s=self.busy_s,
             last_step_num_tokens=self._last_step[0],
             last_step_num_seqs=self._last_step[1],
             last_step_s=self._last_step[2],

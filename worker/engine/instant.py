@@ -58,6 +58,8 @@ class InstantEngine:
     _waiting: list = field(default_factory=list)
     _running: dict[str, _Running] = field(default_factory=dict)
     _num_steps: int = 0
+    _num_batched_tokens: int = 0
+    _busy_s: float = 0.0
     _counter: int = 0
     _last_step_num_seqs: int = 0
 
@@ -110,6 +112,8 @@ class InstantEngine:
             now = time.monotonic()
         self._num_steps += 1
         self._last_step_num_seqs = len(self._running)
+        self._num_batched_tokens += len(self._running)
+        self._busy_s += self.step_time_s
         finished = []
         for rid, state in self._running.items():
             token = (state.seed + state.num_output_tokens) % self.vocab_size
@@ -145,6 +149,8 @@ class InstantEngine:
             num_running=len(self._running),
             kv_usage=len(self._running) / self.max_num_seqs,
             num_steps=self._num_steps,
+            num_batched_tokens=self._num_batched_tokens,
+            busy_s=self._busy_s,
             last_step_num_tokens=self._last_step_num_seqs,
             last_step_num_seqs=self._last_step_num_seqs,
             step_time_base_s=self.step_time_s,

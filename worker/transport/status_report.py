@@ -91,6 +91,9 @@ class StatusReporter:
             assigned_partitions=sorted(view.assigned_partitions),
             num_preemptions=stats.num_preemptions,
             last_step_ms=max(0.0, stats.last_step_s * 1000.0),
+            num_steps=stats.num_steps,
+            num_batched_tokens=stats.num_batched_tokens,
+            busy_ms=max(0.0, stats.busy_s * 1000.0),
         )
 
     async def publish(self, view: LoadView) -> None:
