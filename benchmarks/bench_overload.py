@@ -89,7 +89,8 @@ class OverloadRun(KafkaRun):
         log.finals.append(FinalSeen(
             record.attempt, record.status, record.reason, time.time() - self.t0_wall,
             record.usage.completion_tokens, record.message[:300], t.queue_ms, t.e2e_ms,
-            getattr(t, "predicted_queue_ms", None), getattr(t, "predicted_e2e_ms", None)))
+            getattr(t, "predicted_queue_ms", None), getattr(t, "predicted_e2e_ms", None),
+            record.usage.prompt_tokens, record.usage.cached_tokens))
 
     def sample(self, status: WorkerStatus) -> StatusSample:
         num_p, num_parts = self.kafka.num_priorities, self.kafka.num_request_partitions
@@ -284,7 +285,10 @@ def render_phase(phase: dict) -> str:
                   f"**{_num(s['goodput_over_capacity'], 3)} × capacity** (finals read from the first completion, "
                   f"at {_num(gp['first_completion_s'], 1)} s, to the end of arrivals; counting the drain too, "
                   f"{_num(gp['incl_drain_per_s'])} req/s over the {phase['window_s']:g} s window). Wasted tokens "
-                  f"{wasted['wasted']} of {wasted['total']} = **{_num(100 * (wasted['fraction'] or 0), 1)} %**.", ""]
+                  f"{wasted['wasted']} of {wasted['total']} = **{_num(100 * (wasted['fraction'] or 0), 1)} %**. "
+                  f"Prompt tokens computed for requests that did not complete in time: "
+                  f"{wasted.get('prompt_wasted', 0)} of {wasted.get('prompt_total', 0)} computed "
+                  f"({_num(100 * (wasted.get('prompt_fraction') or 0), 1)} %).", ""]
         pred = [[key, v["queue"]["n"], _num(v["queue"]["p50"]), _num(v["queue"]["p90"]), v["e2e"]["n"],
                  _num(v["e2e"]["p50"]), _num(v["e2e"]["p90"])] for key, v in s["prediction_errors"].items()]
         lines += ["Predicted vs actual (completed requests that carry predictions; actual ÷ predicted):", ""]

@@ -33,6 +33,8 @@ class FinalSeen:
     e2e_ms: float | None = None
     predicted_queue_ms: float | None = None
     predicted_e2e_ms: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -167,16 +169,23 @@ def engine_summary(statuses: list[StatusSample], start_s: float, end_s: float) -
 def wasted_tokens(requests: list[RequestLog]) -> dict:
     """Completion tokens of every distinct (request, attempt) final, and the part that reached nobody in time:
     late completions, rejected or errored work (a request stopped at its deadline carries what it made) and
-    superseded attempts. Identical repeats of one attempt's final are one piece of work."""
-    total = wasted = 0
+    superseded attempts. Identical repeats of one attempt's final are one piece of work.
+    Beside them (no floor): prompt tokens computed (prompt - cached, for finals of requests that were scheduled,
+    queue_ms set) and the part computed for requests that did not complete in time."""
+    total = wasted = prompt_total = prompt_wasted = 0
     for r in requests:
         kept = r.final if outcome(r) == IN_TIME else None
         for attempt in {f.attempt for f in r.finals}:
             final = next(f for f in r.finals if f.attempt == attempt)
             total += final.completion_tokens
+            prompt = max(0, final.prompt_tokens - final.cached_tokens) if final.queue_ms is not None else 0
+            prompt_total += prompt
             if final is not kept:
                 wasted += final.completion_tokens
-    return {"total": total, "wasted": wasted, "fraction": wasted / total if total else None}
+                prompt_wasted += prompt
+    return {"total": total, "wasted": wasted, "fraction": wasted / total if total else None,
+            "prompt_total": prompt_total, "prompt_wasted": prompt_wasted,
+            "prompt_fraction": prompt_wasted / prompt_total if prompt_total else None}
 
 
 def prediction_errors(requests: list[RequestLog]) -> dict[str, dict]:

@@ -96,6 +96,17 @@ def test_wasted_tokens_are_late_rejected_and_superseded_work_and_a_repeated_fina
     assert wasted_tokens([])["fraction"] is None
 
 
+def test_prompt_tokens_computed_for_requests_that_missed_their_deadline_are_counted_beside():
+    reqs = [
+        _req("kept", 0, 0.0, 10.0, _final(1.0, queue_ms=5.0, prompt_tokens=40, cached_tokens=16)),
+        _req("stopped", 0, 0.0, 1.0, _final(2.0, "rejected", "deadline", tokens=0, queue_ms=5.0, prompt_tokens=30)),
+        _req("never-ran", 0, 0.0, 1.0, _final(2.0, "rejected", "deadline", tokens=0, prompt_tokens=50)),
+    ]
+    w = wasted_tokens(reqs)
+    assert (w["prompt_total"], w["prompt_wasted"]) == (24 + 30, 30)  # the one never scheduled computed nothing
+    assert w["prompt_fraction"] == pytest.approx(30 / 54) and w["wasted"] == 0
+
+
 def test_prediction_ratios_skip_missing_and_zero_predictions_and_unfinished_requests():
     reqs = [
         _req("a", 0, 0.0, 10.0, _final(1.0, queue_ms=100.0, e2e_ms=900.0, predicted_queue_ms=50.0,
