@@ -39,7 +39,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from benchmarks.bench_kafka_path import REPO, KafkaRun, kafka_env, kafka_session
 from benchmarks.overload_stats import (
     IN_TIME, LATE, FinalSeen, RequestLog, StatusSample, capacity_from_completions, check_floors, engine_summary,
-    outcome, phase_summary, time_series,
+    outcome, phase_summary, steady_span, time_series,
 )
 from benchmarks.settings import set_threads
 from producer_examples.client import BackoffPolicy, LLMClient
@@ -205,11 +205,8 @@ async def run_phase(bootstrap: str, log_dir: Path, out_dir: Path, args: argparse
     summary = phase_summary(requests, window_s, capacity)
     # The engine over the span the phase's rate is measured on: the capacity's 10th to 90th percentile
     # completion, or an overload phase's first completion to the end of its arrivals.
-    done = sorted(finals_at)
-    if factor is None and len(done) >= 3:
-        span = (done[round(0.1 * (len(done) - 1))], done[round(0.9 * (len(done) - 1))])
-    else:
-        span = (summary["goodput"]["first_completion_s"] or 0.0, window_s)
+    steady = steady_span(finals_at) if factor is None else None
+    span = steady[1:] if steady else (summary["goodput"]["first_completion_s"] or 0.0, window_s)
     summary["engine"] = engine_summary(statuses, *span)
     offsets_at_end = all(c == e for c, e in offsets.values())
     if exit_code != 0:

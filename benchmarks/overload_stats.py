@@ -206,15 +206,22 @@ def prediction_errors(requests: list[RequestLog]) -> dict[str, dict]:
             for key, slot in sorted(ratios.items(), key=lambda kv: (kv[0] == "all", kv[0]))}
 
 
-def capacity_from_completions(times_s: list[float]) -> float | None:
-    """Steady-state completion rate (requests/s) of a batch sent at once: the completions after the 10th
-    percentile completion up to the 90th, over the time between them (the cold start and the tail left out)."""
+def steady_span(times_s: list[float]) -> tuple[int, float, float] | None:
+    """Of a batch sent at once: the completions between the 10th and the 90th percentile completion (the cold
+    start and the tail left out) as (their count, first time, last time); None with fewer than 3."""
     ordered = sorted(times_s)
     if len(ordered) < 3:
         return None
     lo, hi = round(0.1 * (len(ordered) - 1)), round(0.9 * (len(ordered) - 1))
-    span = ordered[hi] - ordered[lo]
-    return (hi - lo) / span if span > 0 else None
+    return hi - lo, ordered[lo], ordered[hi]
+
+
+def capacity_from_completions(times_s: list[float]) -> float | None:
+    """Steady-state completion rate (requests/s) of a batch sent at once, over its steady_span."""
+    span = steady_span(times_s)
+    if span is None or span[2] <= span[1]:
+        return None
+    return span[0] / (span[2] - span[1])
 
 
 def time_series(requests: list[RequestLog], statuses: list[StatusSample], num_priorities: int,
