@@ -64,3 +64,27 @@ def test_no_churn_faster_than_dwell():
     changes = [t for (t, s), (_, prev) in zip(states[1:], states[:-1]) if s != prev]
     assert changes, "expected at least one change"
     assert all(b - a >= 0.5 - 1e-9 for a, b in zip(changes, changes[1:]))
+
+
+def test_a_less_urgent_priority_never_reads_while_a_more_urgent_one_is_paused():
+    """Per-priority dwell clocks once let priority 2 resume while priority 1, paused later, still waited out its
+    dwell (seen in CI as a status with partitions of priority 1 paused and those of priority 2 not)."""
+    bp = make()
+    assert bp.decide(load((0, 0, 101)), now=0.0).paused_priorities == {2}
+    assert bp.decide(load((0, 101, 0)), now=0.2).paused_priorities == {1, 2}
+    # At 0.6 the queue is empty: priority 2's dwell has passed, priority 1's has not. Both stay paused.
+    assert bp.decide(load(), now=0.6).paused_priorities == {1, 2}
+    assert bp.decide(load(), now=0.8).paused_priorities == set()
+    # Priority 2 just resumed (inside its dwell) and priority 1 pauses again: priority 2 pauses with it.
+    bp = make()
+    bp.decide(load((0, 0, 101)), now=0.0)
+    assert bp.decide(load(), now=0.6).paused_priorities == set()
+    assert bp.decide(load((0, 101, 0)), now=0.7).paused_priorities == {1, 2}
+
+
+def test_backlog_pauses_keep_the_same_order_through_dwell():
+    bp = make(priority_backlog_threshold=10)
+    assert bp.decide(load(backlog=(0, 11, 0)), now=0.0).paused_priorities == {2}
+    assert bp.decide(load(backlog=(11, 0, 0)), now=0.2).paused_priorities == {1, 2}
+    assert bp.decide(load(), now=0.6).paused_priorities == {1, 2}  # 2's dwell passed, 1's not: wait for 1
+    assert bp.decide(load(), now=0.8).paused_priorities == set()

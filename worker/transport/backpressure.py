@@ -15,7 +15,9 @@ Two independent reasons to pause a priority's partitions:
   urgent one. It resumes when every more urgent backlog is at or below half the threshold.
 
 Each priority's pause state changes at most once per `dwell_s` (avoids pause/resume churn that would make
-aiokafka drop and refetch its prefetched data). Pure: no aiokafka, the transport maps priorities to partitions.
+aiokafka drop and refetch its prefetched data), except that a priority never stays readable while a more
+urgent one is paused for the same reason: the paused set always runs from some priority to the least urgent.
+Pure: no aiokafka, the transport maps priorities to partitions.
 """
 
 from __future__ import annotations
@@ -94,30 +96,37 @@ class Backpressure:
 
     def _update_queue_pauses(self, load: LoadSnapshot, now: float) -> None:
         ahead = 0
+        more_urgent_paused = False
         for priority, waiting in enumerate(load.waiting_by_priority):
             ahead += waiting
-            is_paused = priority in self._queue_paused
-            if now - self._queue_changed_at.get(priority, float("-inf")) < self.dwell_s:
-                continue
-            if ahead > self.max_waiting and not is_paused:
-                self._queue_paused.add(priority)
-                self._queue_changed_at[priority] = now
-            elif ahead < self.resume_waiting and is_paused:
-                self._queue_paused.discard(priority)
-                self._queue_changed_at[priority] = now
+            self._step(self._queue_paused, self._queue_changed_at, priority, now, more_urgent_paused,
+                       want_pause=ahead > self.max_waiting, want_resume=ahead < self.resume_waiting)
+            more_urgent_paused = priority in self._queue_paused
 
     def _update_backlog_pauses(self, load: LoadSnapshot, now: float) -> None:
         backlog = load.backlog_by_priority
         for priority in range(1, self.num_priorities):
             more_urgent = backlog[:priority]
-            want_pause = any(b > self.backlog_threshold for b in more_urgent)
-            want_resume = all(b <= self.backlog_threshold // 2 for b in more_urgent)
-            is_paused = priority in self._backlog_paused
-            if now - self._backlog_changed_at.get(priority, float("-inf")) < self.dwell_s:
-                continue
-            if want_pause and not is_paused:
-                self._backlog_paused.add(priority)
-                self._backlog_changed_at[priority] = now
-            elif want_resume and is_paused:
-                self._backlog_paused.discard(priority)
-                self._backlog_changed_at[priority] = now
+            self._step(self._backlog_paused, self._backlog_changed_at, priority, now,
+                       more_urgent_paused=priority - 1 in self._backlog_paused,
+                       want_pause=any(b > self.backlog_threshold for b in more_urgent),
+                       want_resume=all(b <= self.backlog_threshold // 2 for b in more_urgent))
+
+    def _step(self, paused: set[int], changed_at: dict[int, float], priority: int, now: float,
+              more_urgent_paused: bool, want_pause: bool, want_resume: bool) -> None:
+        """One priority's pause state for one reason. A priority never fetches while a more urgent one is paused
+        for the same reason: it pauses with it even inside its dwell time, and resumes only after it (without
+        this, per-priority dwell clocks let a less urgent priority resume first)."""
+        is_paused = priority in paused
+        if more_urgent_paused and not is_paused:
+            paused.add(priority)
+            changed_at[priority] = now
+            return
+        if now - changed_at.get(priority, float("-inf")) < self.dwell_s:
+            return
+        if want_pause and not is_paused:
+            paused.add(priority)
+            changed_at[priority] = now
+        elif want_resume and is_paused and not more_urgent_paused:
+            paused.discard(priority)
+            changed_at[priority] = now
