@@ -6,8 +6,9 @@ the moment it has joined its group (a status record lists every request partitio
 LLMClient (status-based backoff, `--no-backoff` to switch it off); a separate consumer reads every result
 and status record, so a duplicate final cannot hide behind the client.
 
-1. capacity: `--capacity-requests` priority-0 requests without deadline at once; capacity = completions
-   between the 10th and 90th percentile completion / the time between them (req/s).
+1. capacity: a closed loop keeps `--capacity-concurrency` priority-0 requests without deadline outstanding
+   (each final sends the next) for `--capacity-duration` s; capacity = completions after the first
+   `--capacity-concurrency` ones up to the end of sending / the time between them (req/s).
 2. per factor in `--factors`: Poisson arrivals at factor x capacity for `--duration` s, priorities 0/1/2
    drawn 10/30/60 %, timeout_ms 10/20/30 s; then until every request has its final record (at most the
    longest timeout + 60 s), a few seconds more for duplicates, and until the worker group's committed
@@ -15,7 +16,7 @@ and status record, so a duplicate final cannot hide behind the client.
 
 Text prompts of 16-64 words, max_new_tokens 8 with ignore_eos, stream false, seeded. Writes results.json,
 report.md and timeline-<factor>x.png to benchmarks/results/<date>-overload-control/ and exits 1 if a floor
-fails (benchmarks/overload_stats.py). About 4-6 minutes with the defaults; `--quick` (150 requests, 15 s) 2-3.
+fails (benchmarks/overload_stats.py). About 4-6 minutes with the defaults; `--quick` (a 30 s capacity loop, 15 s per factor) 2-3.
 
     .venv/bin/python -m benchmarks.bench_overload --quick
 """
@@ -30,6 +31,7 @@ import random
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -58,10 +60,9 @@ DRAIN_GRACE_S = 60.0
 """After the last arrival, how much longer than the longest timeout the finals may take."""
 LINGER_S = 3.0
 """Reading on after the last final, so that a duplicate final is seen."""
-QUICK_CAPACITY_REQUESTS = 150
-"""Fewest requests for a steady state in the capacity phase: the default worker takes up to 128 into its engine
-(2 x max_num_seqs 64) and runs 64 at once; 60 requests all finished within a second of each other (one wave),
-and the 10th-90th percentile rate came out at 57 req/s where the worker sustains ~10."""
+CAPACITY_CONCURRENCY = 160
+"""Requests the capacity loop keeps outstanding: more than the default worker takes into its engine (2 x
+max_num_seqs 64 = 128), so the engine never waits for a replacement to arrive."""
 OFFSETS_WAIT_S = 15.0
 """How long the worker gets (commit interval, acknowledgements) to commit up to the log end."""
 
@@ -75,6 +76,8 @@ class OverloadRun(KafkaRun):
         self.logs: dict[str, RequestLog] = {}
         self.raw_statuses: list[WorkerStatus] = []
         self.num_answered = self.num_send_errors = 0
+        self.final_listener: Callable[[str], None] | None = None
+        """Called with the request id at each request's first final record (the capacity loop's trigger)."""
 
     def on_status(self, status: WorkerStatus) -> None:
         super().on_status(status)
@@ -85,12 +88,15 @@ class OverloadRun(KafkaRun):
         if log is None or not isinstance(record, FinalRecord):
             return
         t = record.timings
-        self.num_answered += not log.finals
+        first = not log.finals
+        self.num_answered += first
         log.finals.append(FinalSeen(
             record.attempt, record.status, record.reason, time.time() - self.t0_wall,
             record.usage.completion_tokens, record.message[:300], t.queue_ms, t.e2e_ms,
             getattr(t, "predicted_queue_ms", None), getattr(t, "predicted_e2e_ms", None),
             record.usage.prompt_tokens, record.usage.cached_tokens))
+        if first and self.final_listener is not None:
+            self.final_listener(record.id)
 
     def sample(self, status: WorkerStatus) -> StatusSample:
         num_p, num_parts = self.kafka.num_priorities, self.kafka.num_request_partitions
@@ -142,6 +148,35 @@ async def send_poisson(client: LLMClient, run: OverloadRun, rate: float, duratio
     await asyncio.gather(*tasks)
 
 
+async def send_closed_loop(client: LLMClient, run: OverloadRun, concurrency: int, duration_s: float,
+                           rng: random.Random) -> float:
+    """Keeps `concurrency` priority-0 requests without deadline outstanding for duration_s: each first final
+    record sends the next. Returns when sending stopped, in seconds since the phase's start."""
+    answered: asyncio.Queue[str] = asyncio.Queue()
+    run.final_listener = answered.put_nowait
+    tasks: list[asyncio.Task] = []
+
+    def send_one() -> None:
+        request = new_request(f"c{len(tasks):05d}", None, rng)
+        tasks.append(asyncio.create_task(submit(client, run, request, 0, None)))
+
+    for _ in range(concurrency):
+        send_one()
+    end = time.monotonic() + duration_s
+    try:
+        while (left := end - time.monotonic()) > 0:
+            try:
+                await asyncio.wait_for(answered.get(), left)
+            except TimeoutError:
+                break
+            send_one()
+    finally:
+        run.final_listener = None
+    stopped_s = time.time() - run.t0_wall
+    await asyncio.gather(*tasks)
+    return stopped_s
+
+
 async def offsets_vs_end(run: OverloadRun, limit_s: float) -> dict[int, list[int]]:
     """Per request partition [committed, log end], polled until they agree or limit_s has passed."""
     tps = [TopicPartition(run.kafka.request_topic, p) for p in range(run.kafka.num_request_partitions)]
@@ -177,9 +212,9 @@ async def run_phase(bootstrap: str, log_dir: Path, out_dir: Path, args: argparse
         ready_s = time.monotonic() - started
         async with LLMClient(run.kafka, backoff=BackoffPolicy(enabled=not args.no_backoff)) as client:
             run.t0_wall = time.time()
-            if factor is None:  # all at once: priority 0, no deadline
-                await asyncio.gather(*(submit(client, run, new_request(f"c{i:04d}", None, rng), 0, None)
-                                       for i in range(args.capacity_requests)))
+            if factor is None:  # a closed loop: priority 0, no deadline
+                loop_end_s = await send_closed_loop(client, run, args.capacity_concurrency,
+                                                    args.capacity_duration, rng)
                 limit_s = 600.0
             else:
                 await send_poisson(client, run, rate, args.duration, rng)
@@ -201,17 +236,19 @@ async def run_phase(bootstrap: str, log_dir: Path, out_dir: Path, args: argparse
     finals_at = [r.final.at_s for r in requests if outcome(r) in (IN_TIME, LATE)]
     end_s = max([window_s or 0.0] + [f.at_s for r in requests for f in r.finals])
     if factor is None:
-        capacity, window_s = capacity_from_completions(finals_at), end_s
+        capacity = capacity_from_completions(finals_at, args.capacity_concurrency, loop_end_s)
+        window_s = end_s
     summary = phase_summary(requests, window_s, capacity)
-    # The engine over the span the phase's rate is measured on: the capacity's 10th to 90th percentile
-    # completion, or an overload phase's first completion to the end of its arrivals.
-    steady = steady_span(finals_at) if factor is None else None
+    # The engine over the span the phase's rate is measured on: the capacity loop's steady span, or an
+    # overload phase's first completion to the end of its arrivals.
+    steady = steady_span(finals_at, args.capacity_concurrency, loop_end_s) if factor is None else None
     span = steady[1:] if steady else (summary["goodput"]["first_completion_s"] or 0.0, window_s)
     summary["engine"] = engine_summary(statuses, *span)
     offsets_at_end = all(c == e for c, e in offsets.values())
     if exit_code != 0:
         notes.append(f"worker exited with {exit_code} on SIGTERM (log worker-{name}.log)")
     return {"name": name, "factor": factor, "rate_per_s": rate, "capacity_per_s": capacity,
+            "concurrency": args.capacity_concurrency if factor is None else None,
             "window_s": window_s, "worker_ready_s": ready_s, "worker_exit_code": exit_code, "notes": notes,
             "offsets": offsets, "offsets_at_end": offsets_at_end, "summary": summary,
             "floors": check_floors(name, factor, summary, offsets_at_end),
@@ -269,8 +306,8 @@ def render_phase(phase: dict) -> str:
                                                    "held back by backoff"])
     if phase["factor"] is None:
         head = (f"## Capacity: {_num(phase['capacity_per_s'])} req/s\n\n{s['num_requests']} priority-0 requests "
-                f"without deadline at once; completions between the 10th and the 90th percentile completion / "
-                f"the time between them.")
+                f"without deadline in a closed loop of {phase.get('concurrency')} outstanding; completions after the "
+                f"first {phase.get('concurrency')} up to the end of sending / the time between them.")
     else:
         head = (f"## {phase['name']}: {_num(phase['rate_per_s'])} req/s offered for {phase['window_s']:g} s "
                 f"({s['num_requests']} requests)")
@@ -403,11 +440,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--factors", default="2,5", help="overload factors, comma-separated (default 2,5)")
     parser.add_argument("--duration", type=float, help="seconds of arrivals per factor (default 60; --quick 15)")
-    parser.add_argument("--capacity-requests", type=int,
-                        help=f"requests of the capacity phase (200; --quick {QUICK_CAPACITY_REQUESTS})")
+    parser.add_argument("--capacity-concurrency", type=int, default=CAPACITY_CONCURRENCY,
+                        help=f"requests the capacity loop keeps outstanding (default {CAPACITY_CONCURRENCY})")
+    parser.add_argument("--capacity-duration", type=float,
+                        help="seconds the capacity loop sends (default 50; --quick 30)")
     parser.add_argument("--capacity", type=float, help="req/s: skip the capacity phase and use this")
     parser.add_argument("--quick", action="store_true",
-                        help=f"smoke run: {QUICK_CAPACITY_REQUESTS} capacity requests, 15 s per factor")
+                        help="smoke run: a 30 s capacity loop, 15 s per factor")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-backoff", action="store_true", help="the client ignores the workers' status")
     parser.add_argument("--threads", type=int, help="torch threads of the worker (default: settings.set_threads)")
@@ -424,10 +463,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.worker_cpus = {int(c) for c in args.worker_cpus.split(",") if c.strip()}
     args.factors = [float(f) for f in args.factors.split(",") if f.strip()]
     args.duration = args.duration or (15.0 if args.quick else 60.0)
-    args.capacity_requests = args.capacity_requests or (QUICK_CAPACITY_REQUESTS if args.quick else 200)
-    if args.capacity is None and args.capacity_requests < QUICK_CAPACITY_REQUESTS:
-        print(f"warning: {args.capacity_requests} capacity requests: with fewer than ~{QUICK_CAPACITY_REQUESTS} the "
-              "worker runs them as one or two waves and the capacity estimate is far too high", file=sys.stderr)
+    args.capacity_duration = args.capacity_duration or (30.0 if args.quick else 50.0)
     return args
 
 
@@ -463,7 +499,8 @@ def main(argv: list[str] | None = None) -> int:
                         "torch_threads": threads, "others_nice": args.others_nice,
                         "worker_cpus": sorted(args.worker_cpus), "load_start": load_start, "load_end": list(os.getloadavg()),
                         "python": sys.version.split()[0]},
-        "config": {"factors": args.factors, "duration_s": args.duration, "capacity_requests": args.capacity_requests,
+        "config": {"factors": args.factors, "duration_s": args.duration, "capacity_concurrency": args.capacity_concurrency,
+                   "capacity_duration_s": args.capacity_duration,
                    "capacity_given": args.capacity, "seed": args.seed, "backoff": not args.no_backoff,
                    "priority_mix": PRIORITY_MIX, "timeout_s": TIMEOUT_S, "prompt_words": PROMPT_WORDS,
                    "max_new_tokens": MAX_NEW_TOKENS, "worker_env": worker_env},

@@ -206,19 +206,21 @@ def prediction_errors(requests: list[RequestLog]) -> dict[str, dict]:
             for key, slot in sorted(ratios.items(), key=lambda kv: (kv[0] == "all", kv[0]))}
 
 
-def steady_span(times_s: list[float]) -> tuple[int, float, float] | None:
-    """Of a batch sent at once: the completions between the 10th and the 90th percentile completion (the cold
-    start and the tail left out) as (their count, first time, last time); None with fewer than 3."""
-    ordered = sorted(times_s)
-    if len(ordered) < 3:
+def steady_span(times_s: list[float], warmup: int, end_s: float) -> tuple[int, float, float] | None:
+    """Of a closed loop that kept `warmup` requests outstanding until end_s: the completions after the
+    `warmup`-th one (by then every request in flight was sent inside the loop, so the worker holds as much
+    unfinished work at the span's start as at its end) up to end_s, as (their count, first time, end_s);
+    None when fewer than `warmup` + 2 completed before end_s."""
+    ordered = sorted(t for t in times_s if t <= end_s)
+    if warmup < 1 or len(ordered) < warmup + 2:
         return None
-    lo, hi = round(0.1 * (len(ordered) - 1)), round(0.9 * (len(ordered) - 1))
-    return hi - lo, ordered[lo], ordered[hi]
+    start = ordered[warmup - 1]
+    return len(ordered) - warmup, start, end_s
 
 
-def capacity_from_completions(times_s: list[float]) -> float | None:
-    """Steady-state completion rate (requests/s) of a batch sent at once, over its steady_span."""
-    span = steady_span(times_s)
+def capacity_from_completions(times_s: list[float], warmup: int, end_s: float) -> float | None:
+    """Steady-state completion rate (requests/s) of a closed loop, over its steady_span."""
+    span = steady_span(times_s, warmup, end_s)
     if span is None or span[2] <= span[1]:
         return None
     return span[0] / (span[2] - span[1])

@@ -128,13 +128,13 @@ def test_prediction_ratios_skip_missing_and_zero_predictions_and_unfinished_requ
     assert errors["all"]["queue"]["n"] == 2 and errors["all"]["e2e"]["n"] == 3
 
 
-def test_capacity_is_the_rate_between_the_10th_and_90th_percentile_completion():
-    steady = [1.0 + 0.1 * i for i in range(101)]  # 10/s
-    assert capacity_from_completions(steady) == pytest.approx(10.0)
-    # A slow cold start and a straggling tail lie outside the 10th-90th percentiles and change nothing.
-    assert capacity_from_completions([0.0] * 5 + steady[5:96] + [100.0] * 5) == pytest.approx(10.0)
-    assert capacity_from_completions([1.0, 2.0]) is None
-    assert capacity_from_completions([3.0, 3.0, 3.0]) is None
+def test_capacity_is_the_closed_loops_rate_after_its_first_full_turnover():
+    # 20 outstanding; the first 20 completions (the cold start, and work sent before the loop was full) are
+    # left out, and so is everything after the loop stopped sending at 30 s.
+    times = [5.0 + 0.05 * i for i in range(20)] + [6.0 + 0.1 * i for i in range(241)] + [31.0, 32.0]
+    assert capacity_from_completions(times, warmup=20, end_s=30.0) == pytest.approx(241 / (30.0 - 5.95))
+    assert capacity_from_completions([1.0 + i for i in range(21)], warmup=20, end_s=30.0) is None
+    assert capacity_from_completions([1.0] * 30, warmup=0, end_s=30.0) is None
 
 
 def test_time_series_bins_requests_by_second_and_status_records_by_max_and_any():
