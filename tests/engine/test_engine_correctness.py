@@ -105,15 +105,25 @@ def check_policy(
     return engine
 
 
-def test_continuous_matches_transformers_with_preemption_and_prefix_hits(tiny_model_path: Path, tiny_expected) -> None:
-    engine = check_policy(tiny_model_path, "continuous", num_kv_blocks=20, expected=tiny_expected)
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_continuous_matches_transformers_with_preemption_and_prefix_hits(tiny_model_path: Path, tiny_expected,
+                                                                          async_scheduling: str) -> None:
+    """With async scheduling too: step N+1 scheduled while step N is in flight, requests that step N finished
+    (EOS, length) dropped from step N+1 before it runs, preemptions of requests whose token is in flight."""
+    engine = check_policy(tiny_model_path, "continuous", num_kv_blocks=20, expected=tiny_expected,
+                          async_scheduling=async_scheduling)
+    assert engine.async_scheduling is (async_scheduling == "on")
     assert engine.scheduler.num_preemptions > 0, "the KV budget was meant to force preemptions"
     assert engine.scheduler.pool.hit_rate > 0, "the shared prefixes were meant to hit the prefix cache"
 
 
+@pytest.mark.slow  # ~3 s in all: in the full suite, not the fast subset
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
 @pytest.mark.parametrize("policy", ["dynamic", "static"])
-def test_batch_policies_match_transformers(tiny_model_path: Path, tiny_expected, policy: str) -> None:
-    check_policy(tiny_model_path, policy, num_kv_blocks=48, expected=tiny_expected)
+def test_batch_policies_match_transformers(tiny_model_path: Path, tiny_expected, policy: str,
+                                           async_scheduling: str) -> None:
+    check_policy(tiny_model_path, policy, num_kv_blocks=48, expected=tiny_expected,
+                 async_scheduling=async_scheduling)
 
 
 @pytest.mark.slow

@@ -3,6 +3,8 @@ the same in any batch and on every run, sampled ones too; `serve` builds it from
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import numpy as np
 import pytest
 
@@ -87,3 +89,79 @@ def test_serve_builds_a_simulated_engine_from_the_settings(tiny_model_path, monk
 def test_an_unknown_simulated_model_is_refused(tiny_model_path):
     with pytest.raises(FileNotFoundError, match="llama-3.1-8b"):
         SimRunner(settings(tiny_model_path, sim_model="gpt-5"))
+
+
+def stepwise(engine: LLMEngine, reqs: list[EngineRequest], abort_at: dict[int, str] | None = None,
+             ) -> dict[str, tuple[list[int], str, str | None, list]]:
+    """Runs reqs through engine.step(), aborting abort_at[step] before that step; per request: tokens, text,
+    finish reason, logprobs."""
+    got = {r.request_id: ([], [], None, []) for r in reqs}
+    for r in reqs:
+        assert engine.add_request(r) == []
+    engine.set_input_ended()
+    step = 0
+    while engine.has_unfinished():
+        outs = engine.abort([abort_at[step]]) if abort_at and step in abort_at else []
+        for out in outs + engine.step():
+            tokens, text, _, logprobs = got[out.request_id]
+            tokens += out.new_token_ids
+            text.append(out.text_delta)
+            logprobs += out.new_logprobs or []
+            if out.finished:
+                got[out.request_id] = (tokens, text, out.finish_reason, logprobs)
+        step += 1
+        assert step < 1000
+    return {k: (v[0], "".join(v[1]), v[2], [(lp.token_id, round(lp.logprob, 5)) for lp in v[3]])
+            for k, v in got.items()}
+
+
+def test_async_scheduling_gives_the_synchronous_loops_tokens_text_and_endings(tiny_model_path):
+    """Greedy, seeded, stop strings, a stop token, logprobs, an abort while the request's step is in flight,
+    and preemptions from a tight KV cache: the same outcomes with one step in flight as without."""
+    reqs = requests()
+    reqs[1].sampling = dataclasses.replace(reqs[1].sampling, logprobs=True, top_logprobs=2)
+    runner_tokens = sim_engine(tiny_model_path, async_scheduling="off").generate(reqs)
+    # A stop token the sync run really produced (its 4th token) and a stop string from r0's text.
+    reqs.append(EngineRequest("stop-token", prompt_token_ids=list(reqs[0].prompt_token_ids), sampling=SamplingParams(
+        max_new_tokens=12, stop_token_ids=[runner_tokens["r0"].token_ids[3]])))
+    reqs.append(EngineRequest("stop-string", prompt_token_ids=list(reqs[0].prompt_token_ids), sampling=SamplingParams(
+        max_new_tokens=12, stop=[runner_tokens["r0"].text[3:6]])))
+    results = {}
+    for mode in ("off", "on"):
+        for blocks in (40, 12):
+            engine = sim_engine(tiny_model_path, async_scheduling=mode, num_kv_blocks=blocks)
+            assert engine.async_scheduling is (mode == "on")
+            results[mode, blocks] = stepwise(engine, [copy.deepcopy(r) for r in reqs], abort_at={3: "r4"})
+            if blocks == 12:
+                assert engine.scheduler.num_preemptions > 0
+            engine.scheduler.check_invariants()
+            assert engine.runner.inputs.num_rows_in_use == 0
+    for blocks in (40, 12):
+        on, off = results["on", blocks], results["off", blocks]
+        # The abort lands one step earlier in the output with a step in flight (its outputs come a step later).
+        for got in (on["r4"], off["r4"]):
+            assert got[2] == "abort" and got[0] == runner_tokens["r4"].token_ids[:len(got[0])]
+        on.pop("r4"), off.pop("r4")
+        assert on == off
+    sync = results["off", 40]
+    assert sync["stop-token"][2] == "stop" and sync["stop-string"][2] == "stop"
+    assert sync["r1"][3] and len(sync["r1"][3]) == len(sync["r1"][0])
+
+
+def test_async_scheduling_schedules_the_next_step_while_the_forward_runs(tiny_model_path):
+    """The order of the host's calls: the next step is scheduled between a launch and the wait for its
+    logits, and the previous step's tokens are detokenized after the next launch."""
+    engine = sim_engine(tiny_model_path)  # auto: on for a simulated device
+    assert engine.async_scheduling
+    events: list[str] = []
+    runner, scheduler = engine.runner, engine.scheduler
+    launch, wait, schedule, postprocess = runner.launch, runner._wait_until, scheduler.schedule, engine._postprocess
+    runner.launch = lambda model_input: (launch(model_input), events.append("launch"))[0]
+    runner._wait_until = lambda ready_at: (events.append("wait"), wait(ready_at))[1]
+    scheduler.schedule = lambda *a, **k: (events.append("schedule"), schedule(*a, **k))[1]
+    engine._postprocess = lambda update: (events.append("detok"), postprocess(update))[1]
+    engine.generate([EngineRequest("a", prompt_token_ids=list(range(300, 310)),
+                                   sampling=SamplingParams(max_new_tokens=4))])
+    steady = "".join(e[0] for e in events)  # s(chedule) l(aunch) w(ait) d(etok)
+    # step 1: schedule, launch; then each call: schedule the next, wait the previous, launch, detokenize.
+    assert steady.startswith("sl" + "swld" * 3), steady

@@ -107,7 +107,7 @@ class BlockPool:
         return block_ids
 
     def allocate_for(self, request: Request, num_new_tokens: int, computed_block_ids: Sequence[int] = ()) -> bool:
-        """Grow request.block_ids to hold num_computed_tokens + num_new_tokens tokens.
+        """Grow request.block_ids to hold num_scheduled_tokens + num_new_tokens tokens.
 
         `computed_block_ids` (from get_computed_blocks, only while the request holds no blocks) go first and
         their tokens count as computed (this sets num_computed_tokens). Returns False, touching nothing, when
@@ -118,8 +118,9 @@ class BlockPool:
         if computed_block_ids:
             assert admitting and request.num_computed_tokens == 0, request.request_id
         num_cached_tokens = len(computed_block_ids) * self.block_size
-        num_total_tokens = request.num_computed_tokens + num_cached_tokens + num_new_tokens
-        assert num_total_tokens <= request.num_tokens, (request.request_id, num_total_tokens, request.num_tokens)
+        num_total_tokens = request.num_scheduled_tokens + num_cached_tokens + num_new_tokens
+        assert num_total_tokens <= request.num_known_tokens, (request.request_id, num_total_tokens,
+                                                              request.num_known_tokens)
         num_held = len(request.block_ids) + len(computed_block_ids)
         num_new_blocks = max(0, self.num_blocks_for(num_total_tokens) - num_held)
         # Reviving an evictable hit takes it out of the free count just like a fresh block does.

@@ -1,7 +1,10 @@
 """`LLMEngine`: the scheduler, the model runner, the sampler and the detokenizer in one synchronous loop.
 
-`step()` is schedule → run → postprocess. It runs in its own thread (worker/transport/engine_thread.py) and
-speaks only the plain objects of worker/engine/api.py to the outside.
+`step()` is schedule → run → sample → update → postprocess. It runs in its own thread
+(worker/transport/engine_thread.py) and speaks only the plain objects of worker/engine/api.py to the outside.
+With async scheduling (ENGINE_ASYNC_SCHEDULING, on for GPUs and simulated devices) one step stays in flight
+between calls: each call schedules the next step while the previous one's forward runs, applies the previous
+step's tokens, launches the next, and detokenizes the previous one's tokens while the next runs.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from worker.engine.batch_builder import build_step_requests
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.request import Request, RequestStatus
 from worker.engine.scheduler import Scheduler
-from worker.engine.scheduler_output import RequestUpdate
+from worker.engine.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput
 from worker.engine.step_time import StepTimeModel
 from worker.model.grammar import Compiled, GrammarCompiler, Matcher
+from worker.model.input import Launched
 from worker.model.runner import ModelRunner, make_runner
 from worker.model.sampler import RowSampling, Sampler
 from worker.model.token_mask import TokenMask
@@ -30,6 +34,14 @@ log = logging.getLogger(__name__)
 
 GRAMMAR_POLL_S = 0.002
 """While a grammar compiles (on its own thread) and nothing else can run, the engine looks again this often."""
+
+
+def async_scheduling(setting: str, runner) -> bool:
+    """ENGINE_ASYNC_SCHEDULING: auto is on where the forward runs off the host (CUDA, a simulated device)."""
+    if setting != "auto":
+        return setting == "on"
+    device = getattr(runner, "device", None)
+    return getattr(runner, "simulated", False) or (device is not None and getattr(device, "type", "") == "cuda")
 
 
 class InvalidRequest(ValueError):
@@ -54,6 +66,20 @@ class _Compiling(NamedTuple):
     request: Request
     live: _Live
     compiled: Future[Compiled]
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A launched step: what sampling and update() need once its logits are ready."""
+
+    sched: SchedulerOutput
+    launched: Launched
+    sampling: list[ScheduledRequest]
+    """The entries that sample, in the row order of the logits."""
+    params: list[RowSampling]
+    started: float
+    """perf_counter() before its input was built: the step's time runs from here to its tokens."""
+    logprobs: dict | None = None
 
 
 @dataclass(slots=True)
@@ -86,9 +112,13 @@ class LLMEngine:
         self._compiling: dict[str, _Compiling] = {}
         self._constrained: set[str] = set()
         """Requests in the scheduler whose output follows a grammar."""
-        log.info("engine: policy=%s max_num_batched_tokens=%d max_num_seqs=%d block_size=%d prefix_caching=%s",
-                 self.settings.policy, self.settings.max_num_batched_tokens, self.settings.max_num_seqs,
-                 self.settings.block_size, self.settings.enable_prefix_caching)
+        self.async_scheduling = async_scheduling(self.settings.async_scheduling, self.runner)
+        self._inflight: _InFlight | None = None
+        """With async scheduling: the step launched by the last step() call, whose tokens the next one applies."""
+        log.info("engine: policy=%s max_num_batched_tokens=%d max_num_seqs=%d block_size=%d prefix_caching=%s "
+                 "async_scheduling=%s", self.settings.policy, self.settings.max_num_batched_tokens,
+                 self.settings.max_num_seqs, self.settings.block_size, self.settings.enable_prefix_caching,
+                 self.async_scheduling)
 
     # ---- requests in and out ------------------------------------------------------------------------
 
@@ -197,10 +227,12 @@ class LLMEngine:
         self.scheduler.set_input_ended(ended)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._compiling)
+        return self.scheduler.has_unfinished() or bool(self._compiling) or self._inflight is not None
 
     def wake_time(self) -> float | None:
         now = time.monotonic()
+        if self._inflight is not None:
+            return now  # a launched step's tokens wait to be applied
         wake = self.scheduler.wake_time(now)
         if self._compiling:
             return now + GRAMMAR_POLL_S if wake is None else min(wake, now + GRAMMAR_POLL_S)
@@ -209,42 +241,80 @@ class LLMEngine:
     # ---- one step -----------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One step: schedule, run the forward, sample, update, turn the new tokens into outputs. With async
+        scheduling the outputs returned are those of the step launched by the previous call (see _step_async)."""
+        if self.async_scheduling:
+            return self._step_async()
         outputs = self._start_compiled() if self._compiling else []
+        sched = self._schedule(outputs)
+        if sched.is_empty:
+            return outputs
+        flight = self._launch(sched)
+        updates = self._complete(flight, outputs)
+        return outputs + self._postprocess_step(flight, updates)
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Step N+1 is scheduled while step N's forward is in flight; then step N's tokens are sampled and
+        applied (the only host work the device waits for), step N+1 launches without the requests that step N
+        finished, and step N's tokens become outputs while step N+1 runs. Tokens, seeds and stop decisions are
+        those of the synchronous loop; outputs come one step later."""
+        outputs = self._start_compiled() if self._compiling else []
+        sched = self._schedule(outputs)
+        previous, self._inflight = self._inflight, None
+        updates = self._complete(previous, outputs) if previous is not None else []
+        if previous is not None and sched.scheduled:
+            sched.scheduled = [entry for entry in sched.scheduled if entry.request.status is RequestStatus.RUNNING]
+            sched.num_batched_tokens = sum(entry.num_new_tokens for entry in sched.scheduled)
+        if sched.scheduled:
+            self._inflight = self._launch(sched)
+        if previous is not None:
+            outputs += self._postprocess_step(previous, updates)
+        return outputs
+
+    def _schedule(self, outputs: list[RequestOutput]) -> SchedulerOutput:
         sched = self.scheduler.schedule(time.monotonic(), self.step_time.coefficients())
         outputs += [self._final(request) for request in sched.deadline_dropped]
         if sched.preempted_request_ids:
             self.runner.release(sched.preempted_request_ids)  # they come back with new block tables
-        if sched.is_empty:
-            return outputs
+        return sched
+
+    def _launch(self, sched: SchedulerOutput) -> _InFlight:
         start = time.perf_counter()
-        model_input = self.runner.prepare_input(build_step_requests(sched))
-        logits = self.runner.execute(model_input)  # [S, V]
-        sampling = [entry for entry in sched.scheduled if entry.samples]  # row order of logits
+        launched = self.runner.launch(self.runner.prepare_input(build_step_requests(sched)))
+        sampling = [entry for entry in sched.scheduled if entry.samples]  # row order of the logits
+        return _InFlight(sched, launched, sampling, [self._live[entry.request_id].sampling for entry in sampling],
+                         start)
+
+    def _complete(self, flight: _InFlight, outputs: list[RequestOutput]) -> list[RequestUpdate]:
+        """Wait for the step's logits, sample its rows and apply the tokens to the scheduler."""
+        sampling = flight.sampling
         sampling_ids = [entry.request_id for entry in sampling]
-        live = self._live
-        params = [live[request_id].sampling for request_id in sampling_ids]
-        # Filled once execute() has returned: on a GPU the forward may still be running meanwhile.
+        # Filled before waiting for the logits: on a GPU the forward is still running meanwhile.
         mask = self._grammar_mask(sampling_ids, outputs) if self._constrained else None
+        logits = flight.launched.result()  # [S, V]
         # The draw's counter is the index of the token being generated: stable across preemption and replay.
         sampled = self.sampler.sample_step(
-            logits, params, [entry.request.num_output_tokens for entry in sampling],
+            logits, flight.params, [entry.request.num_output_tokens for entry in sampling],
             # Asked only for the rows with penalties.
             lambda row: (sampling[row].request.prompt_token_ids, sampling[row].request.output_token_ids),
             mask,
         )
-        token_ids = sampled.token_ids
-        logprobs = {sampling_ids[row]: lp for row, lp in sampled.logprobs.items()} if sampled.logprobs else None
-        seconds = time.perf_counter() - start
+        if sampled.logprobs:
+            flight.logprobs = {sampling_ids[row]: lp for row, lp in sampled.logprobs.items()}
+        sched = flight.sched
+        seconds = time.perf_counter() - flight.started
         self.step_time.observe(sched.num_batched_tokens, seconds)
         self.num_steps += 1
         self.num_batched_tokens += sched.num_batched_tokens
         self.busy_s += seconds
         self._last_step = (sched.num_batched_tokens, len(sched.scheduled), seconds)
-        updates = self.scheduler.update(sched, dict(zip(sampling_ids, token_ids)), time.monotonic())
-        outputs += [self._postprocess(update) for update in updates]
-        if logprobs:
+        return self.scheduler.update(sched, dict(zip(sampling_ids, sampled.token_ids)), time.monotonic())
+
+    def _postprocess_step(self, flight: _InFlight, updates: list[RequestUpdate]) -> list[RequestOutput]:
+        outputs = [self._postprocess(update) for update in updates]
+        if flight.logprobs:
             for out in outputs:
-                lp = logprobs.get(out.request_id)
+                lp = flight.logprobs.get(out.request_id)
                 if lp is not None and out.new_token_ids:
                     out.new_logprobs = [TokenLogprobs(out.new_token_ids[-1], *lp)]
         return outputs

@@ -48,6 +48,12 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     """Tokens of prompt + output whose K/V are in the cache."""
+    num_inflight_tokens: int = 0
+    """Tokens scheduled in a step whose results update() has not consumed yet: their K/V are being computed. 0
+    between steps in the synchronous loop; with async scheduling, the step in flight while the next is
+    scheduled (engine.py)."""
+    num_pending_samples: int = 0
+    """1 while a step in flight samples this request's next token (the token is not in output_token_ids yet)."""
     block_ids: list[int] = field(default_factory=list)
     """The block table: block_ids[i] holds positions [i*block_size, (i+1)*block_size)."""
     num_cached_tokens: int = 0
@@ -72,6 +78,16 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens whose K/V are computed or being computed."""
+        return self.num_computed_tokens + self.num_inflight_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """num_tokens plus the token a step in flight is sampling."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_samples
 
     @property
     def num_output_tokens(self) -> int:

@@ -165,7 +165,9 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.num_pending_samples and self._last_token_in_flight(request):
+                continue  # the step in flight samples its last token: nothing more to compute
+            num_new_tokens = min(request.num_known_tokens - request.num_scheduled_tokens, budget)
             assert num_new_tokens > 0, request.request_id
             while not self.pool.allocate_for(request, num_new_tokens):
                 victim = max(self.running, key=self._victim_key)
@@ -177,7 +179,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled[request.request_id] = self._entry(request, num_new_tokens, request.num_computed_tokens)
+                scheduled[request.request_id] = self._entry(request, num_new_tokens, request.num_scheduled_tokens)
                 budget -= num_new_tokens
 
         if not output.preempted_request_ids:
@@ -235,6 +237,9 @@ class Scheduler:
                 output.deadline_dropped.append(request)
 
         output.scheduled = list(scheduled.values())
+        for entry in output.scheduled:  # cleared by update(), or by a preemption
+            entry.request.num_inflight_tokens += entry.num_new_tokens
+            entry.request.num_pending_samples += entry.samples
         output.num_batched_tokens = full_budget - budget
         assert output.num_batched_tokens == sum(entry.num_new_tokens for entry in output.scheduled)
         assert len(output.scheduled) <= self.max_num_seqs
@@ -295,6 +300,8 @@ class Scheduler:
                 continue
             assert request.num_computed_tokens == entry.num_computed_before, request.request_id
             request.num_computed_tokens += entry.num_new_tokens
+            request.num_inflight_tokens -= entry.num_new_tokens
+            request.num_pending_samples -= entry.samples
             self.pool.cache_full_blocks(request)
             if not entry.samples:
                 continue
@@ -325,8 +332,14 @@ class Scheduler:
 
     # ---- internals ----------------------------------------------------------------------------------
 
+    def _last_token_in_flight(self, request: Request) -> bool:
+        """Whether the token a step in flight samples for `request` is its last (max_new_tokens or
+        max_model_len): scheduling it again would compute a token nobody reads."""
+        return (request.num_output_tokens + request.num_pending_samples >= request.sampling.max_new_tokens
+                or request.num_known_tokens >= self.max_model_len)
+
     def _entry(self, request: Request, num_new_tokens: int, num_computed_before: int) -> ScheduledRequest:
-        samples = num_computed_before + num_new_tokens == request.num_tokens
+        samples = num_computed_before + num_new_tokens == request.num_known_tokens
         return ScheduledRequest(request, num_new_tokens, num_computed_before, samples)
 
     def _preempt_less_urgent(self, request: Request, scheduled: dict[str, ScheduledRequest],
@@ -355,7 +368,7 @@ class Scheduler:
         (its full blocks usually still sit in the prefix cache)."""
         self.pool.free(request)
         self.running.remove(request)
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.num_inflight_tokens = request.num_pending_samples = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1

@@ -220,6 +220,23 @@ class PersistentInput:
 _TORCH_DTYPES = {np.int32: torch.int32, np.int64: torch.int64}
 
 
+class Launched:
+    """A forward in flight: `result()` returns its logits [S, V] float32, waiting for the device if need be.
+    A real runner's forward is already asynchronous on a GPU (the sampler's copy of the tokens to the host is the
+    sync), so its handle holds the logits tensor as is; the simulated device waits out the step's time here."""
+
+    __slots__ = ("_logits", "_ready_at", "_wait")
+
+    def __init__(self, logits: torch.Tensor, ready_at: float = 0.0, wait=None) -> None:
+        self._logits, self._ready_at, self._wait = logits, ready_at, wait
+
+    def result(self) -> torch.Tensor:
+        if self._wait is not None:
+            self._wait(self._ready_at)
+            self._wait = None
+        return self._logits
+
+
 class PersistentInputRunner:
     """What every model runner (the real one, the simulated one) does with its `PersistentInput` rows: build a
     step's tensors from them, and free them when requests leave or a new engine takes over."""
@@ -234,6 +251,10 @@ class PersistentInputRunner:
 
     def prepare_input(self, step: StepRequests) -> ModelInput:
         return self.inputs.build(step)
+
+    def launch(self, model_input: ModelInput) -> Launched:
+        """Start the forward; the caller may do host work before `result()` (async scheduling, engine.py)."""
+        return Launched(self.execute(model_input))
 
     def release(self, request_ids: list[str]) -> None:
         self.inputs.release(request_ids)

@@ -28,9 +28,9 @@ that no bandwidth hides when its work is small). On an H200, with 1k-token conte
 dominate), and a Llama-3.1-8B step at 3.9, 5.2 and 10.7 ms: "about 10 ms at 256", as issue #16 describes
 (benchmarks/sim_profiles.py prints the table).
 
-The wait is the step's time less what `execute` itself spent (the cost and the logits), as a real runner's
-host work before the device finishes overlaps it; everything else in the step is serialized with it, as on a
-GPU today.
+The wait is the step's time less what `launch` itself spent (the cost and the logits) and whatever the caller
+did before asking for the result: with ENGINE_ASYNC_SCHEDULING (engine.py) the engine schedules the next step
+and detokenizes the last one meanwhile, as it would while a GPU runs the forward.
 
 KV capacity: (HBM - all weights) x ENGINE_KV_CACHE_GPU_FRACTION, in blocks of the model's shape (or
 ENGINE_NUM_KV_BLOCKS): only the block pool's count, nothing is allocated.
@@ -59,7 +59,7 @@ import torch
 
 from worker.config import EngineSettings
 from worker.model.config import ModelConfig, load_eos_token_ids, parse_config
-from worker.model.input import ModelInput, PersistentInput, PersistentInputRunner
+from worker.model.input import Launched, ModelInput, PersistentInput, PersistentInputRunner
 from worker.model.pull import resolve_model
 
 log = logging.getLogger(__name__)
@@ -191,6 +191,8 @@ class SimRunner(PersistentInputRunner):
     """The model runner's interface (prepare_input, execute, release, tokenizer, num_blocks, ...) on a simulated
     device. `sleep` is injectable so tests can run the simulation without waiting."""
 
+    simulated = True
+
     def __init__(self, settings: EngineSettings, sleep: Callable[[float], None] = time.sleep) -> None:
         kind = settings.device.removeprefix("sim:")
         if kind not in DEVICES:
@@ -250,6 +252,11 @@ class SimRunner(PersistentInputRunner):
         return self._tokenizer
 
     def execute(self, model_input: ModelInput) -> torch.Tensor:  # [S, W] float32
+        return self.launch(model_input).result()
+
+    def launch(self, model_input: ModelInput) -> Launched:
+        """The step's cost and logits now; `result()` waits until the simulated device is done (launch time +
+        the step's time): host work between the two overlaps the device, as on a GPU."""
         start = time.perf_counter()
         attn = model_input.attn
         if attn.max_seq_len > self.max_model_len:
@@ -260,12 +267,14 @@ class SimRunner(PersistentInputRunner):
         logits = self._next_logits(model_input)
         self.last_cost = cost
         self.simulated_s += cost.seconds
-        remaining = cost.seconds - (time.perf_counter() - start)
+        return Launched(logits, start + cost.seconds, self._wait_until)
+
+    def _wait_until(self, ready_at: float) -> None:
+        remaining = ready_at - time.perf_counter()
         if remaining > 0:
             slept = time.perf_counter()
             self._sleep(remaining)
             self.waited_s += time.perf_counter() - slept
-        return logits
 
     def next_token_ids(self, last_token_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """The greedy token after `last_token_ids[i]` at `positions[i]`: an ordinary id the tokenizer knows."""
