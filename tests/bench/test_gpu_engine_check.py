@@ -40,6 +40,7 @@ def test_compare_reports_where_tokens_diverge() -> None:
     assert not diff["equal"] and diff["first_divergence"] == {"a": 1} and diff["tokens_before_first_divergence"] == 2
 
 
+@pytest.mark.slow  # ~3-4 s: in the full suite, not the fast subset
 def test_random_model_loads_in_transformers_with_a_tokenizer_of_its_vocabulary(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -73,6 +73,7 @@ def test_constrained_and_free_requests_share_steps_and_free_ones_are_unchanged(t
     assert any(0 < masked < rows for rows, masked in steps), "constrained and free rows were meant to share a step"
 
 
+@pytest.mark.slow  # ~3 s: in the full suite, not the fast subset
 def test_preemption_and_a_second_run_give_the_same_outputs(tiny_model_path: Path):
     requests = constrained_requests() + [schema_request("nested-0.0", "nested")]
     roomy = tiny_engine(tiny_model_path)

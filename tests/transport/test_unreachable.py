@@ -3,6 +3,8 @@
 import asyncio
 import logging
 
+import pytest
+
 from worker.broker.local import free_port
 from worker.config import KafkaSettings
 from worker.engine.instant import InstantEngine
@@ -10,6 +12,7 @@ from worker.transport.worker import Worker
 from tests.transport.kafka_helpers import worker_settings
 
 
+@pytest.mark.slow  # 3 s of waiting: in the full suite, not the fast subset
 async def test_worker_waits_for_an_unreachable_broker_and_exits_zero_on_stop(caplog):
     kafka = KafkaSettings(bootstrap_servers=f"127.0.0.1:{free_port()}")
     worker = Worker(kafka, worker_settings(), InstantEngine())
