@@ -80,12 +80,13 @@ def sim_trace(num_requests: int, seed: int, low: int, vocab_size: int) -> Trace:
                              min_token_id=low, vocab_size=vocab_size), requests)
 
 
-def sim_settings(sim_model: str, max_num_seqs: int, max_num_batched_tokens: int, device: str) -> EngineSettings:
+def sim_settings(sim_model: str, max_num_seqs: int, max_num_batched_tokens: int, device: str,
+                 async_scheduling: str = "auto") -> EngineSettings:
     """What a GPU deployment of the continuous engine would set; prefix caching off (random prompts)."""
     return EngineSettings(
         model=str(resolve_model(DEFAULT_MODEL)), device=device, sim_model=sim_model, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=PROMPT_LEN[1] + OUTPUT_LEN[1] + 32,
-        enable_prefix_caching=False, policy="continuous",
+        enable_prefix_caching=False, policy="continuous", async_scheduling=async_scheduling,
     )
 
 
@@ -97,6 +98,7 @@ def settings_env(settings: EngineSettings, chunk_interval_ms: float) -> dict[str
         "ENGINE_MAX_NUM_BATCHED_TOKENS": str(settings.max_num_batched_tokens),
         "ENGINE_MAX_MODEL_LEN": str(settings.max_model_len), "ENGINE_BLOCK_SIZE": str(settings.block_size),
         "ENGINE_ENABLE_PREFIX_CACHING": "false", "ENGINE_SIM_LOGITS_WIDTH": str(settings.sim_logits_width),
+        "ENGINE_ASYNC_SCHEDULING": settings.async_scheduling,
         "WORKER_CHUNK_INTERVAL_MS": str(chunk_interval_ms), "WORKER_MAX_QUEUE_TIME_S": NO_SHEDDING,
         "WORKER_WORKER_ID": "bench-sim-kafka",
     }
@@ -276,7 +278,7 @@ async def run_kafka_sim(bootstrap: str, settings: EngineSettings, trace: Trace, 
 def run_point(point: str, args: argparse.Namespace, session, low: int, vocab_size: int, warmup: Trace,
               out_dir: Path) -> list[dict]:
     model, running = parse_point(point)
-    settings = sim_settings(model, running, args.max_num_batched_tokens, args.device)
+    settings = sim_settings(model, running, args.max_num_batched_tokens, args.device, args.async_scheduling)
     trace = sim_trace(args.requests_per_seat * running, args.seed, low, vocab_size)
     rows = []
     for rep in range(args.reps):
@@ -347,6 +349,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="WORKER_CHUNK_INTERVAL_MS of each Kafka run of a point; the first is the floor's")
     parser.add_argument("--reps", type=int, default=1, help="repetitions of each point, in ABBA order")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
+                        help="ENGINE_ASYNC_SCHEDULING of the engine and the worker (auto: on, as on a GPU)")
     parser.add_argument("--py-spy", choices=["active", "gil"],
                         help="record each Kafka run's worker with py-spy (raw stacks per thread, 200 Hz) into the "
                              "output folder: active threads, or only the thread holding the GIL")

@@ -95,11 +95,12 @@ class EngineSettings(BaseSettings):
     where nothing can be captured (the CPU, the interpreter) the padded static-buffer path runs eagerly (tests
     check it token for token against off); CUDA with the torch backend is refused. Simulated devices ignore it."""
     async_scheduling: Literal["auto", "on", "off"] = "auto"
-    """Schedule step N+1 while step N's forward runs, and turn step N's tokens into outputs while step N+1's
-    runs (vLLM's async scheduling): on a GPU the scheduler, input building and detokenizing then overlap the
-    device instead of adding to every step. Outputs reach the transport one step later; a request that finishes
-    at step N is dropped from step N+1 before it launches, so no token is computed for nothing. auto: on for
-    CUDA and simulated devices, off on the CPU (where the forward is host work, so there is nothing to hide)."""
+    """Schedule and prepare step N+1 while step N's forward runs, and apply and detokenize step N's tokens
+    while step N+1's runs (vLLM's async scheduling): on a GPU the scheduler, input building and detokenizing
+    then overlap the device instead of adding to every step; only sampling stays between two forwards. Outputs
+    reach the transport one step later, and a request that step N finishes computes one more token in step
+    N+1, which is dropped. auto: on for CUDA and simulated devices, off on the CPU (where the forward is host
+    work, so there is nothing to hide)."""
     cuda_graph_batch_sizes: list[int] = []
     """Batch sizes with a CUDA graph, each in [1, max_num_seqs]; empty: 1, 2, 4, the multiples of 8 below
     max_num_seqs, and max_num_seqs. Larger decode batches and steps with prefill tokens run eagerly."""

@@ -71,3 +71,35 @@ def test_persistent_input_equals_the_explicit_layout_through_preemption_and_pref
         inputs.release(u.request_id for u in updates if u.finished)
         sim.now += 0.01
     assert num_checked > 200 and sim.scheduler.num_preemptions > 0 and sim.scheduler.pool.num_hit_tokens > 0
+
+
+def test_a_step_scheduled_while_the_previous_is_in_flight_marks_the_inputs_it_waits_for():
+    """Async scheduling: the second schedule() runs before update() of the first. a (prompt done in the first
+    step) decodes the token the first step samples; b continues its prompt; a's last token is never scheduled
+    past max_new_tokens."""
+    from worker.engine.batch_builder import build_step_requests
+
+    scheduler = make_scheduler(num_blocks=16, max_num_batched_tokens=10)  # block_size 4
+    a, b = make_request("a", 6, max_new_tokens=2), make_request("b", 9, max_new_tokens=4, arrival_time=1.0)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    first = scheduler.schedule(0.0)
+    assert (a.num_inflight_tokens, a.num_pending_samples, b.num_inflight_tokens) == (6, 1, 4)
+    second = scheduler.schedule(0.0)  # the first step still in flight
+    step = build_step_requests(second)
+    assert step.request_ids == ["a", "b"] and step.num_computed == [6, 4] and step.num_new == [1, 5]
+    assert step.input_ids == [0] + b.prompt_token_ids[4:] and step.pending == [(0, "a")]
+    assert step.samples == [True, True]
+    runner = FakeRunner(16, 4)
+    scheduler.update(first, runner.step(first), 0.0)
+    assert (a.num_computed_tokens, a.num_inflight_tokens, a.num_pending_samples) == (6, 1, 1)
+    assert a.num_output_tokens == 1
+    # a has 1 of 2 tokens and its last in flight: nothing more is scheduled for it; b decodes its first token.
+    third = scheduler.schedule(0.0)
+    assert [entry.request_id for entry in third.scheduled] == ["b"]
+    assert build_step_requests(third).pending == [(0, "b")]
+    scheduler.update(second, runner.step(second), 0.0)
+    assert a.is_finished and a.num_output_tokens == 2
+    scheduler.update(third, runner.step(third), 0.0)
+    assert (b.num_output_tokens, b.num_inflight_tokens, b.num_pending_samples) == (2, 0, 0)
+    scheduler.check_invariants()

@@ -108,8 +108,9 @@ def check_policy(
 @pytest.mark.parametrize("async_scheduling", ["off", "on"])
 def test_continuous_matches_transformers_with_preemption_and_prefix_hits(tiny_model_path: Path, tiny_expected,
                                                                           async_scheduling: str) -> None:
-    """With async scheduling too: step N+1 scheduled while step N is in flight, requests that step N finished
-    (EOS, length) dropped from step N+1 before it runs, preemptions of requests whose token is in flight."""
+    """With async scheduling too: step N+1 scheduled while step N is in flight, its decode inputs written from
+    step N's tokens, requests that step N finished (EOS, length) computing one token more that is dropped,
+    preemptions of requests whose token is in flight."""
     engine = check_policy(tiny_model_path, "continuous", num_kv_blocks=20, expected=tiny_expected,
                           async_scheduling=async_scheduling)
     assert engine.async_scheduling is (async_scheduling == "on")

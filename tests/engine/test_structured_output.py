@@ -61,9 +61,9 @@ def test_constrained_and_free_requests_share_steps_and_free_ones_are_unchanged(t
     steps = []
     sample_step = engine.sampler.sample_step
 
-    def recording(logits, params, counters=None, history=None, mask=None):
+    def recording(logits, params, counters=None, history=None, mask=None, plan=None):
         steps.append((logits.shape[0], len(mask.rows) if mask is not None else 0))
-        return sample_step(logits, params, counters, history, mask)
+        return sample_step(logits, params, counters, history, mask, plan)
 
     engine.sampler.sample_step = recording
     constrained = constrained_requests()

@@ -36,9 +36,14 @@ def build_step_requests(output: SchedulerOutput) -> StepRequests:
     scheduled = output.scheduled
     requests = [entry.request for entry in scheduled]
     input_ids: list[int] = []
+    pending: list[tuple[int, str]] = []
     for entry in scheduled:
-        if entry.num_new_tokens == 1 and entry.seq_len == entry.request.num_tokens and entry.request.output_token_ids:
-            input_ids.append(entry.request.output_token_ids[-1])  # a decode step: the last sampled token
+        request = entry.request
+        if entry.seq_len > request.num_tokens:  # its one input is the token the step in flight samples
+            pending.append((len(input_ids), request.request_id))
+            input_ids.append(0)
+        elif entry.num_new_tokens == 1 and entry.seq_len == request.num_tokens and request.output_token_ids:
+            input_ids.append(request.output_token_ids[-1])  # a decode step: the last sampled token
         else:
             input_ids += entry.token_ids()
     return StepRequests(
@@ -48,4 +53,5 @@ def build_step_requests(output: SchedulerOutput) -> StepRequests:
         num_new=[entry.num_new_tokens for entry in scheduled],
         samples=[entry.samples for entry in scheduled],
         input_ids=input_ids,
+        pending=pending,
     )

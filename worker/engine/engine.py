@@ -3,8 +3,9 @@
 `step()` is schedule → run → sample → update → postprocess. It runs in its own thread
 (worker/transport/engine_thread.py) and speaks only the plain objects of worker/engine/api.py to the outside.
 With async scheduling (ENGINE_ASYNC_SCHEDULING, on for GPUs and simulated devices) one step stays in flight
-between calls: each call schedules the next step while the previous one's forward runs, applies the previous
-step's tokens, launches the next, and detokenizes the previous one's tokens while the next runs.
+between calls: each call schedules and prepares the next step while the previous one's forward runs, samples
+the previous step, launches the next, and applies and detokenizes the previous one's tokens while the next
+runs.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from worker.engine.scheduler import Scheduler
 from worker.engine.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput
 from worker.engine.step_time import StepTimeModel
 from worker.model.grammar import Compiled, GrammarCompiler, Matcher
-from worker.model.input import Launched
+from worker.model.input import Launched, StepArrays
+from worker.model.step_batch import StepRequests
 from worker.model.runner import ModelRunner, make_runner
 from worker.model.sampler import RowSampling, Sampler
 from worker.model.token_mask import TokenMask
@@ -78,7 +80,7 @@ class _InFlight:
     """The entries that sample, in the row order of the logits."""
     params: list[RowSampling]
     started: float
-    """perf_counter() before its input was built: the step's time runs from here to its tokens."""
+    """perf_counter() at its launch: the step's time runs from here to its tokens."""
     logprobs: dict | None = None
 
 
@@ -249,25 +251,30 @@ class LLMEngine:
         sched = self._schedule(outputs)
         if sched.is_empty:
             return outputs
-        flight = self._launch(sched)
-        updates = self._complete(flight, outputs)
+        step = build_step_requests(sched)
+        flight = self._launch(sched, step, self.runner.prepare_arrays(step))
+        updates = self.scheduler.update(sched, self._sample(flight, outputs), time.monotonic())
         return outputs + self._postprocess_step(flight, updates)
 
     def _step_async(self) -> list[RequestOutput]:
-        """Step N+1 is scheduled while step N's forward is in flight; then step N's tokens are sampled and
-        applied (the only host work the device waits for), step N+1 launches without the requests that step N
-        finished, and step N's tokens become outputs while step N+1 runs. Tokens, seeds and stop decisions are
-        those of the synchronous loop; outputs come one step later."""
+        """While step N's forward is in flight: schedule step N+1 and prepare its input arrays, its decode rows
+        waiting for the tokens step N samples. Then wait for step N and sample it (the only host work the device
+        waits for), write those tokens into step N+1's input and launch it; while it runs, apply step N's tokens
+        to the scheduler and turn them into outputs. A request that step N finished computes one more token in
+        step N+1, which update() then skips (as in vLLM). Tokens, seeds and stop decisions are those of the
+        synchronous loop; outputs come one step later."""
         outputs = self._start_compiled() if self._compiling else []
         sched = self._schedule(outputs)
+        step = build_step_requests(sched) if sched.scheduled else None
+        arrays = self.runner.prepare_arrays(step) if step is not None else None
         previous, self._inflight = self._inflight, None
-        updates = self._complete(previous, outputs) if previous is not None else []
-        if previous is not None and sched.scheduled:
-            sched.scheduled = [entry for entry in sched.scheduled if entry.request.status is RequestStatus.RUNNING]
-            sched.num_batched_tokens = sum(entry.num_new_tokens for entry in sched.scheduled)
-        if sched.scheduled:
-            self._inflight = self._launch(sched)
+        sampled = self._sample(previous, outputs) if previous is not None else {}
+        if step is not None:
+            for index, request_id in step.pending:
+                arrays.input_ids[index] = sampled[request_id]
+            self._inflight = self._launch(sched, step, arrays)
         if previous is not None:
+            updates = self.scheduler.update(previous.sched, sampled, time.monotonic())
             outputs += self._postprocess_step(previous, updates)
         return outputs
 
@@ -278,26 +285,29 @@ class LLMEngine:
             self.runner.release(sched.preempted_request_ids)  # they come back with new block tables
         return sched
 
-    def _launch(self, sched: SchedulerOutput) -> _InFlight:
+    def _launch(self, sched: SchedulerOutput, step: StepRequests, arrays: StepArrays) -> _InFlight:
         start = time.perf_counter()
-        launched = self.runner.launch(self.runner.prepare_input(build_step_requests(sched)))
+        launched = self.runner.launch(self.runner.input_from(step, arrays))
         sampling = [entry for entry in sched.scheduled if entry.samples]  # row order of the logits
         return _InFlight(sched, launched, sampling, [self._live[entry.request_id].sampling for entry in sampling],
                          start)
 
-    def _complete(self, flight: _InFlight, outputs: list[RequestOutput]) -> list[RequestUpdate]:
-        """Wait for the step's logits, sample its rows and apply the tokens to the scheduler."""
+    def _sample(self, flight: _InFlight, outputs: list[RequestOutput]) -> dict[str, int]:
+        """Wait for the step's logits and draw its rows: request id -> token id."""
         sampling = flight.sampling
         sampling_ids = [entry.request_id for entry in sampling]
-        # Filled before waiting for the logits: on a GPU the forward is still running meanwhile.
+        # Everything that does not need the logits comes before waiting for them: on a GPU (and with async
+        # scheduling) the forward is still running meanwhile.
         mask = self._grammar_mask(sampling_ids, outputs) if self._constrained else None
-        logits = flight.launched.result()  # [S, V]
         # The draw's counter is the index of the token being generated: stable across preemption and replay.
+        counters = [entry.request.num_output_tokens for entry in sampling]
+        plan = self.sampler.plan(flight.params)
+        logits = flight.launched.result()  # [S, V]
         sampled = self.sampler.sample_step(
-            logits, flight.params, [entry.request.num_output_tokens for entry in sampling],
+            logits, flight.params, counters,
             # Asked only for the rows with penalties.
             lambda row: (sampling[row].request.prompt_token_ids, sampling[row].request.output_token_ids),
-            mask,
+            mask, plan,
         )
         if sampled.logprobs:
             flight.logprobs = {sampling_ids[row]: lp for row, lp in sampled.logprobs.items()}
@@ -308,7 +318,7 @@ class LLMEngine:
         self.num_batched_tokens += sched.num_batched_tokens
         self.busy_s += seconds
         self._last_step = (sched.num_batched_tokens, len(sched.scheduled), seconds)
-        return self.scheduler.update(sched, dict(zip(sampling_ids, sampled.token_ids)), time.monotonic())
+        return dict(zip(sampling_ids, sampled.token_ids))
 
     def _postprocess_step(self, flight: _InFlight, updates: list[RequestUpdate]) -> list[RequestOutput]:
         outputs = [self._postprocess(update) for update in updates]

@@ -188,7 +188,10 @@ class PersistentInput:
         )
 
     def build(self, step: StepRequests) -> ModelInput:
-        a = self.arrays(step)
+        return self.tensors(self.arrays(step))
+
+    def tensors(self, a: StepArrays) -> ModelInput:
+        """The step's host arrays as tensors on the device."""
         attn = AttentionMetadata(
             slot_mapping=self._tensor("slot_mapping", a.slot_mapping),
             query_start_loc=self._tensor("query_start_loc", a.query_start_loc.astype(np.int32)),
@@ -250,7 +253,16 @@ class PersistentInputRunner:
         return self.config.num_layers
 
     def prepare_input(self, step: StepRequests) -> ModelInput:
-        return self.inputs.build(step)
+        return self.input_from(step, self.prepare_arrays(step))
+
+    def prepare_arrays(self, step: StepRequests) -> StepArrays:
+        """The step's inputs on the host (block tables, positions, slots): the bulk of preparing a step, which
+        async scheduling does while the previous step runs."""
+        return self.inputs.arrays(step)
+
+    def input_from(self, step: StepRequests, arrays: StepArrays) -> ModelInput:
+        """The prepared arrays (their pending input ids written) as the forward's input on the device."""
+        return self.inputs.tensors(arrays)
 
     def launch(self, model_input: ModelInput) -> Launched:
         """Start the forward; the caller may do host work before `result()` (async scheduling, engine.py)."""

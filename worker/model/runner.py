@@ -21,7 +21,7 @@ from worker.config import EngineSettings
 from worker.model.attention import AttentionBackend
 from worker.model.config import ModelConfig, load_config, load_eos_token_ids
 from worker.model.cuda_graphs import BucketedInput, DecodeGraphs, batch_sizes, graph_mode, triton_interpreted
-from worker.model.input import ModelInput, PersistentInput, PersistentInputRunner
+from worker.model.input import ModelInput, PersistentInput, PersistentInputRunner, StepArrays
 from worker.model.loader import load_model
 from worker.model.pull import resolve_model
 from worker.model.step_batch import StepRequests
@@ -166,13 +166,13 @@ class ModelRunner(PersistentInputRunner):
             self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         return self._tokenizer
 
-    def prepare_input(self, step: StepRequests) -> ModelInput:
+    def input_from(self, step: StepRequests, arrays: StepArrays) -> ModelInput:
         graphs = self.graphs
         if graphs is not None:
             bucket = graphs.bucket_for(step)
             if bucket is not None:
-                return graphs.prepare(self.inputs.arrays(step), bucket)
-        return self.inputs.build(step)
+                return graphs.prepare(arrays, bucket)
+        return self.inputs.tensors(arrays)
 
     @torch.inference_mode()
     def execute(self, model_input: ModelInput) -> torch.Tensor:  # [S, V] float32

@@ -93,6 +93,16 @@ class RowSampling:
         return self.temperature <= 0.0 or self.top_k == 1
 
 
+class SamplingPlan(NamedTuple):
+    """Which rows of a step need what, worked out from its RowSampling alone (`Sampler.plan`), so that it can be
+    done before the logits are ready."""
+
+    special: list[int]
+    """Rows that are not `plain` (penalties, min_tokens, logprobs)."""
+    sampled: list[int]
+    """Rows that draw (not greedy)."""
+
+
 class SampledStep(NamedTuple):
     token_ids: list[int]
     """One per logits row."""
@@ -159,9 +169,11 @@ class Sampler:
         counters: Sequence[int] | None = None,
         history: penalties.History | None = None,
         mask: token_mask.TokenMask | None = None,
+        plan: SamplingPlan | None = None,
     ) -> SampledStep:
         """`sample`, with the log-probabilities of the rows that ask for them. `mask`: the grammar masks of the
-        constrained rows (structured output), applied first, in place."""
+        constrained rows (structured output), applied first, in place. `plan`: `self.plan(params)`, when the
+        caller worked it out already."""
         num_rows = logits.shape[0]
         if len(params) != num_rows or (counters is not None and len(counters) != num_rows):
             raise ValueError(f"{num_rows} logits rows but {len(params)} params and "
@@ -169,23 +181,28 @@ class Sampler:
         if mask is not None and mask.rows:
             logits = logits.float().contiguous()  # no copy when it already is
             token_mask.apply(logits, mask, _on_numpy(logits))
-        special = [i for i, p in enumerate(params) if not p.plain]
+        special, sampled_rows = plan or self.plan(params)
         if not special:
-            return SampledStep(self._pick(logits, params, counters), {})
+            return SampledStep(self._pick(logits, params, counters, sampled_rows), {})
         logits = logits.float().contiguous()  # no copy when it already is
         adjusted = [i for i in special if params[i].uses_history or params[i].min_tokens > 0]
         if adjusted:
             penalties.apply(logits, adjusted, [params[i] for i in adjusted], counters, history, _on_numpy(logits))
-        token_ids = self._pick(logits, params, counters)
+        token_ids = self._pick(logits, params, counters, sampled_rows)
         wanted = [i for i in special if params[i].logprobs]
         if not wanted:
             return SampledStep(token_ids, {})
         return SampledStep(token_ids, _logprobs(logits, wanted, [token_ids[i] for i in wanted],
                                                 [params[i].top_logprobs for i in wanted]))
 
-    def _pick(self, logits: torch.Tensor, params: Sequence[RowSampling], counters: Sequence[int] | None) -> list[int]:
+    @staticmethod
+    def plan(params: Sequence[RowSampling]) -> SamplingPlan:
+        return SamplingPlan([i for i, p in enumerate(params) if not p.plain],
+                            [i for i, p in enumerate(params) if not p.greedy])
+
+    def _pick(self, logits: torch.Tensor, params: Sequence[RowSampling], counters: Sequence[int] | None,
+              sampled_rows: list[int]) -> list[int]:
         num_rows = logits.shape[0]
-        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not sampled_rows:
             return _argmax(logits).tolist()
         picked = [params[i] for i in sampled_rows]
