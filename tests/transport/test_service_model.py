@@ -46,6 +46,22 @@ def test_measured_capacity_counts_only_saturated_intervals():
     assert model.capacity_tokens_per_s() == pytest.approx(580, rel=0.05)
 
 
+def test_a_measured_rate_far_below_the_step_time_model_is_raised_to_a_quarter_of_it():
+    """An engine starved between its steps (the transport busy with a flood of bad records) measures a rate
+    that says nothing about its work; shedding on it would refuse valid requests."""
+    model = make()
+    for _ in range(20):
+        model.observe_read(1, 56, 8)
+    modelled = model.capacity_tokens_per_s()  # ~900 tokens/s (the test above)
+    for i in range(100):
+        model.observe_finished(50, 8, 50, 8, True, now=i * 1.0)  # 58 tokens per second, saturated
+    assert model.rate.rate == pytest.approx(58, rel=0.05)
+    assert model.capacity_tokens_per_s() == pytest.approx(0.25 * modelled)
+    for i in range(400):  # 40 s (8 half-lives) at 580 tokens/s: above the floor, measured again
+        model.observe_finished(50, 8, 50, 8, True, now=100 + i * 0.1)
+    assert model.capacity_tokens_per_s() == pytest.approx(580, rel=0.05)
+
+
 def test_costs_learn_the_real_prompt_and_output_lengths():
     model = make()
     assert model.expected_cost(100, 64) == 164  # nothing learnt: the estimates as they are
