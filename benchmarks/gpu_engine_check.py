@@ -269,14 +269,15 @@ def part_graphs(report: Report, name: str, runner: ModelRunner, folder: Path, pl
 
 @contextmanager
 def instrumented(runner: ModelRunner, device: str, current: dict) -> Iterator[None]:
-    """Per step: its shape (from prepare_input) and the forward's time to completion (execute, synchronized)."""
-    prepare, execute = runner.prepare_input, runner.execute
+    """Per step: its shape (from input_from, which every step's input passes through just before its launch)
+    and the forward's time to completion (execute, synchronized)."""
+    input_from, execute = runner.input_from, runner.execute
 
-    def timed_prepare(step):
+    def timed_input_from(step, arrays):
         num_new = np.array(step.num_new)
         current.update(num_new=num_new, seq_lens=np.array(step.num_computed) + num_new,
                        num_sampled=int(sum(step.samples)))
-        return prepare(step)
+        return input_from(step, arrays)
 
     def timed_execute(model_input):
         start = time.perf_counter()
@@ -285,11 +286,11 @@ def instrumented(runner: ModelRunner, device: str, current: dict) -> Iterator[No
         current.update(forward_s=time.perf_counter() - start, bucket=getattr(model_input, "bucket", None))
         return out
 
-    runner.prepare_input, runner.execute = timed_prepare, timed_execute
+    runner.input_from, runner.execute = timed_input_from, timed_execute
     try:
         yield
     finally:
-        del runner.prepare_input, runner.execute  # back to the class's methods
+        del runner.input_from, runner.execute  # back to the class's methods
 
 
 def part_steps(runner: ModelRunner, plan: Plan, result: dict) -> None:
@@ -317,7 +318,8 @@ def part_steps(runner: ModelRunner, plan: Plan, result: dict) -> None:
                 continue
             settings = EngineSettings(model=str(runner.model_path), block_size=BLOCK_SIZE,
                                       max_model_len=plan.max_model_len, max_num_seqs=batch,
-                                      max_num_batched_tokens=plan.max_num_batched_tokens, enable_prefix_caching=False)
+                                      max_num_batched_tokens=plan.max_num_batched_tokens, enable_prefix_caching=False,
+                                      async_scheduling="off")  # each step() is then one forward, timed whole
             engine = LLMEngine(settings, runner=runner)
             # Requests prefilled first decode while the others prefill: room for those steps too.
             num_prefill_steps = -(-batch * plan.step_prompt // plan.max_num_batched_tokens) + 1
