@@ -114,6 +114,11 @@ class BlockPool:
         too few blocks are free.
         """
         assert num_new_tokens >= 1, num_new_tokens
+        if not computed_block_ids:  # the common case, a running request: often its blocks already hold it
+            num_total_tokens = request.num_computed_tokens + request.num_inflight_tokens + num_new_tokens
+            if num_total_tokens <= len(request.block_ids) * self.block_size:
+                assert num_total_tokens <= request.num_known_tokens, request.request_id
+                return True
         admitting = not request.block_ids
         if computed_block_ids:
             assert admitting and request.num_computed_tokens == 0, request.request_id

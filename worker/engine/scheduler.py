@@ -167,7 +167,8 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if request.num_pending_samples and self._last_token_in_flight(request):
                 continue  # the step in flight samples its last token: nothing more to compute
-            num_new_tokens = min(request.num_known_tokens - request.num_scheduled_tokens, budget)
+            num_before = request.num_computed_tokens + request.num_inflight_tokens
+            num_new_tokens = min(request.num_known_tokens - num_before, budget)
             assert num_new_tokens > 0, request.request_id
             while not self.pool.allocate_for(request, num_new_tokens):
                 victim = max(self.running, key=self._victim_key)
@@ -179,7 +180,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled[request.request_id] = self._entry(request, num_new_tokens, request.num_scheduled_tokens)
+                scheduled[request.request_id] = self._entry(request, num_new_tokens, num_before)
                 budget -= num_new_tokens
 
         if not output.preempted_request_ids:
@@ -237,9 +238,6 @@ class Scheduler:
                 output.deadline_dropped.append(request)
 
         output.scheduled = list(scheduled.values())
-        for entry in output.scheduled:  # cleared by update(), or by a preemption
-            entry.request.num_inflight_tokens += entry.num_new_tokens
-            entry.request.num_pending_samples += entry.samples
         output.num_batched_tokens = full_budget - budget
         assert output.num_batched_tokens == sum(entry.num_new_tokens for entry in output.scheduled)
         assert len(output.scheduled) <= self.max_num_seqs
@@ -339,7 +337,11 @@ class Scheduler:
                 or request.num_known_tokens >= self.max_model_len)
 
     def _entry(self, request: Request, num_new_tokens: int, num_computed_before: int) -> ScheduledRequest:
+        """The request's share of this step, counted as in flight until update() (a preemption later in the
+        same schedule() resets the counts with the rest)."""
         samples = num_computed_before + num_new_tokens == request.num_known_tokens
+        request.num_inflight_tokens += num_new_tokens
+        request.num_pending_samples += samples
         return ScheduledRequest(request, num_new_tokens, num_computed_before, samples)
 
     def _preempt_less_urgent(self, request: Request, scheduled: dict[str, ScheduledRequest],
