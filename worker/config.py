@@ -197,6 +197,10 @@ class WorkerSettings(BaseSettings):
     Llama-3.1-8B with 256 requests, 20 ms cut result records 2x (16,000 -> 8,000/s) and raised the Kafka
     path from 0.75-0.78 to 0.77-0.84 of the engine alone (benchmarks/bench_sim_kafka.py); a CPU step is
     longer than that anyway."""
+    engine_process: bool = False
+    """Run the engine core in a process of its own (worker/transport/engine_process.py), as vLLM v1 and SGLang
+    do, so the transport's Python never holds the engine's GIL; the worker joins its group once the engine in
+    the child is built. Off: the engine runs in a thread of the worker's process."""
     drain_timeout_s: float = Field(30.0, ge=0)
     """On SIGTERM/SIGINT: how long in-flight requests may run before the worker stops without them."""
     commit_interval_s: float = Field(0.5, gt=0)

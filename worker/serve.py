@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import signal
@@ -15,6 +16,7 @@ import signal
 from worker.config import EngineSettings, KafkaSettings, WorkerSettings
 from worker.config_cli import masked_dump
 from worker.engine.api import Engine
+from worker.transport.engine_process import EngineProcess
 from worker.transport.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -59,7 +61,11 @@ def run(args: argparse.Namespace) -> int:
     kafka, settings, engine_settings = KafkaSettings(**kafka_over), WorkerSettings(**worker_over), EngineSettings(**engine_over)
     if args.engine == "llm":
         log.info("engine configuration: %s", json.dumps(masked_dump(engine_settings), default=str))
-    engine = build_engine(args.engine, engine_settings, args.instant_step_ms)
+    if settings.engine_process:
+        engine = EngineProcess.spawn(functools.partial(build_engine, args.engine, engine_settings,
+                                                       args.instant_step_ms))
+    else:
+        engine = build_engine(args.engine, engine_settings, args.instant_step_ms)
     return asyncio.run(_serve(kafka, settings, engine, engine_settings))
 
 

@@ -105,6 +105,7 @@ def check_policy(
     return engine
 
 
+@pytest.mark.slow  # ~5 s with transformers' reference: in the full suite, not the fast subset
 @pytest.mark.parametrize("async_scheduling", ["off", "on"])
 def test_continuous_matches_transformers_with_preemption_and_prefix_hits(tiny_model_path: Path, tiny_expected,
                                                                           async_scheduling: str) -> None:

@@ -35,6 +35,7 @@ def run(engine: LLMEngine, **sampling) -> list:
     return [done[f"r{i}"] for i in range(len(PROMPTS))]
 
 
+@pytest.mark.slow  # with transformers' reference model: in the full suite, not the fast subset
 def test_repetition_penalty_matches_transformers_greedy(engine, hf_model):
     plain = [c.token_ids for c in run(engine, max_new_tokens=16, ignore_eos=True)]
     penalized = [c.token_ids for c in run(engine, max_new_tokens=16, ignore_eos=True, repetition_penalty=1.8)]
@@ -47,6 +48,7 @@ def test_repetition_penalty_matches_transformers_greedy(engine, hf_model):
             assert got == expected
 
 
+@pytest.mark.slow  # with transformers' reference model: in the full suite, not the fast subset
 def test_frequency_and_presence_penalties_match_a_transformers_logits_processor(engine, hf_model):
     """This model's logits are spread wide (std ~8), so penalties within [-2, 2] may not change its greedy
     choice in a few steps: the output is checked against transformers' generate with the same penalty."""
@@ -88,6 +90,7 @@ def test_min_tokens_delays_the_stop_token(engine):
     assert stop not in late.token_ids[:first + 3]
 
 
+@pytest.mark.slow  # with transformers' reference model: in the full suite, not the fast subset
 def test_greedy_logprobs_match_transformers_log_softmax(engine, hf_model):
     done = run(engine, max_new_tokens=10, ignore_eos=True, logprobs=True, top_logprobs=5)
     with torch.inference_mode():

@@ -153,6 +153,11 @@ class EngineThread:
                 self._stats = self.engine.stats()
             except Exception:  # noqa: BLE001 - stats are advisory; a broken stats() must not stop serving
                 log.exception("engine.stats() failed")
+            else:
+                self._stats_updated(self._stats)
+
+    def _stats_updated(self, stats: EngineStats) -> None:
+        """After each round of commands and step (engine_process.py sends them to its parent)."""
 
     def _seconds_until_due(self) -> float | None:
         """0.0 when a step has work now; else how long until it may (None: until a command arrives)."""

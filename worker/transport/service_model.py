@@ -153,13 +153,16 @@ class ServiceModel:
     def capacity_tokens_per_s(self) -> float | None:
         """Measured while saturated, else the step-time model's; None when neither exists yet. A measured rate
         below MIN_MEASURED_FRACTION of the step-time model's is raised to it (see there)."""
+        stats = self.engine_stats()
         tokens = self.saturated_step_tokens()
-        step = self.step_time_s(tokens)
+        step = self.step_time_s(tokens, stats)
         modelled = tokens / step if step > 0.0 else None
         measured = self.rate.rate
         if measured <= 0.0:
             return modelled
-        return measured if modelled is None else max(measured, MIN_MEASURED_FRACTION * modelled)
+        if modelled is None:
+            return measured
+        return max(measured, MIN_MEASURED_FRACTION * modelled)
 
     def wait_s(self, tokens_ahead: float) -> float | None:
         """Seconds until a new request's first step: the step under way ends (half a step on average: the

@@ -45,6 +45,7 @@ from worker.transport.backpressure import Backpressure
 from worker.transport.cancels import Cancel, CancelledIds
 from worker.transport.control import ControlReader
 from worker.transport.dispatcher import Dispatcher
+from worker.transport.engine_process import EngineProcess
 from worker.transport.engine_thread import EngineThread
 from worker.transport.intake import Intake
 from worker.transport.kafka_clients import RebalanceListener, make_consumer
@@ -88,7 +89,10 @@ class Worker:
         self.consumer, self.publisher = consumer, publisher
         self.tracker = OffsetTracker()
         self.outputs: asyncio.Queue = asyncio.Queue()
-        self.engine_thread = EngineThread(self.engine, asyncio.get_running_loop(), self.outputs)
+        if isinstance(self.engine, EngineProcess):  # the engine core runs in its own process
+            self.engine_thread = self.engine.attach(asyncio.get_running_loop(), self.outputs)
+        else:
+            self.engine_thread = EngineThread(self.engine, asyncio.get_running_loop(), self.outputs)
         self.queue = LocalQueue(kafka.num_priorities, settings.max_waiting)
         self.service = ServiceModel(kafka.num_priorities, self.max_num_seqs, self.max_num_batched_tokens,
                                     lambda: self.engine_thread.stats, self._engine_saturated,
