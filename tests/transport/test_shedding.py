@@ -47,3 +47,18 @@ def test_hysteresis_keeps_shedding_until_well_below_the_limit():
     assert shedder.decide([0, 0, 150], [0, 0, 150], 10.0).shed_priorities == {2}  # 15 s
     assert shedder.decide([0, 0, 90], [0, 0, 90], 10.0).shed_priorities == {2}  # 9 s: above 0.8 x 10
     assert shedder.decide([0, 0, 70], [0, 0, 70], 10.0).shed_priorities == frozenset()  # 7 s
+
+
+def test_a_priority_not_read_yet_borrows_the_share_of_valid_records_seen_at_the_others():
+    from worker.transport.shedding import ReachFraction
+
+    reach = ReachFraction(3)
+    assert reach.fractions() == [1.0, 1.0, 1.0]  # nothing seen: every unread record counts
+    reach.observe(0, 100, 95)  # a flood of bad records, read most urgent first
+    reach.observe(1, 100, 96)
+    # Priority 2 has not been read yet: its unread records are judged like the others', not as all valid.
+    assert reach.fraction(2) == pytest.approx(1.0 - 191 / 201, rel=1e-6)
+    assert reach.fraction(0) < 0.1 and reach.fraction(1) < 0.1
+    for _ in range(10):
+        reach.observe(2, 100, 0)  # its own records turn out valid: its own share takes over
+    assert reach.fraction(2) > 0.97

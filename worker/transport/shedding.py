@@ -54,6 +54,10 @@ class CompletionRate:
         self._last_time = now
 
 
+PRIOR_RECORDS = 20.0
+"""ReachFraction: how many records of the pooled share a priority's own share starts from."""
+
+
 @dataclass(slots=True)
 class ReachFraction:
     """Per priority, an exponentially decayed share of fetched records that were valid requests (queued, or
@@ -76,8 +80,14 @@ class ReachFraction:
         self._num_invalid[priority] = self._num_invalid[priority] * decay + num_invalid
 
     def fraction(self, priority: int) -> float:
-        # +1 in both terms: one imagined valid record, so a priority seen only a little is not written off.
-        return 1.0 - self._num_invalid[priority] / (self._num_seen[priority] + 1.0)
+        """The priority's own share, shrunk toward the share over all priorities by PRIOR_RECORDS imagined
+        records (the pooled share itself starts at 1: one imagined valid record). The intake reads the most
+        urgent priorities first, so in a sudden flood the least urgent one is judged before any of its records
+        was read; borrowing the others' share then keeps thousands of unread bad records from looking like
+        work (a flood of 10,000 bad records once had priority 2 shed, valid requests with it)."""
+        seen, invalid = self._num_seen[priority], self._num_invalid[priority]
+        pooled = 1.0 - sum(self._num_invalid) / (sum(self._num_seen) + 1.0)
+        return (seen - invalid + PRIOR_RECORDS * pooled) / (seen + PRIOR_RECORDS)
 
     def fractions(self) -> list[float]:
         return [self.fraction(p) for p in range(self.num_priorities)]
