@@ -59,7 +59,16 @@ def _scaled(a: np.ndarray, divisor: np.ndarray) -> np.ndarray:
     # With the max at 0 every quotient is <= 0: none reaches +inf, the max stays exactly 0, and the others may
     # overflow to -inf (weight 0), as they should this cold. Masked (-inf) logits stay -inf.
     y = np.subtract(a, a.max(axis=1, keepdims=True))
-    return np.divide(y, divisor, out=y)
+    return np.divide(y, _uniform(divisor), out=y)
+
+
+def _uniform(divisor: np.ndarray) -> np.ndarray:  # [R, 1], or a scalar when every row has the same temperature
+    """Dividing by one scalar is ~1.7x faster in numpy than by a [R, 1] column at [256, 2048] (the column
+    broadcast runs row by row), and gives the same quotients: IEEE division rounds each one exactly."""
+    if not divisor.size:
+        return divisor
+    first = divisor.flat[0]
+    return first if bool((divisor == first).all()) else divisor
 
 
 _SMALLEST_TOTAL = 1e-20
@@ -73,7 +82,7 @@ def _draw_whole_rows(a, divisor, k, top_p, u, nucleus_tiers, scratch) -> np.ndar
     The weights are exp(a / T), proportional to exp((a - max) / T) and one pass cheaper; a row whose total
     overflows or nearly underflows (a tiny temperature, huge logits) is redone in the shifted form. Which form
     a row gets depends on that row alone."""
-    weights = np.divide(a, divisor, out=scratch.get("weights", a.shape, np.float32))
+    weights = np.divide(a, _uniform(divisor), out=scratch.get("weights", a.shape, np.float32))
     cdf = _cumsum(np.exp(weights, out=weights), scratch)
     total = cdf[:, -1]
     redo = np.flatnonzero(~(np.isfinite(total) & (total >= _SMALLEST_TOTAL)))
