@@ -197,6 +197,10 @@ class WorkerSettings(BaseSettings):
     Llama-3.1-8B with 256 requests, 20 ms cut result records 2x (16,000 -> 8,000/s) and raised the Kafka
     path from 0.75-0.78 to 0.77-0.84 of the engine alone (benchmarks/bench_sim_kafka.py); a CPU step is
     longer than that anyway."""
+    io_gather_max_ms: float = Field(50.0, ge=0)
+    """While the engine runs requests, the intake waits 5 % of the engine's last step (at most this long)
+    between reads, and the publisher lets records gather as long before a send: fewer wake-ups of the worker's
+    loop, each of which takes the core from the forward on a CPU worker. 0 reads and sends at once."""
     engine_process: bool = False
     """Run the engine core in a process of its own (worker/transport/engine_process.py), as vLLM v1 and SGLang
     do, so the transport's Python never holds the engine's GIL; the worker joins its group once the engine in

@@ -58,3 +58,24 @@ async def test_order_acks_and_recovery_after_a_refused_batch(kafka_topics):
     for values in by_key.values():
         assert values == sorted(values)  # per key, publish order
     assert sorted(v for vs in by_key.values() for v in vs) == list(range(200))
+
+
+async def test_records_gather_for_the_gather_time_before_a_send(kafka_topics):
+    kafka = kafka_topics
+    sent_batches = {}
+    for gather_s in (0.0, 0.5):
+        publisher = Publisher(kafka.client_kwargs(), gather_s=lambda g=gather_s: g)
+        await publisher.start()
+        try:
+            await publisher.wait_acked(10)
+            for i in range(10):  # a record every 5 ms: 45 ms from the first to the last
+                publisher.publish_nowait(kafka.result_topic, b"k", f"{gather_s}:{i}".encode())
+                await asyncio.sleep(0.005)
+            assert await publisher.wait_acked(20)
+            sent_batches[gather_s] = publisher.num_batches_sent
+        finally:
+            await publisher.stop()
+    assert sent_batches[0.5] == 1  # all ten gathered into one batch
+    assert sent_batches[0.0] > 1  # sent as they came
+    values = [r.value.decode() for r in await read_all(kafka, kafka.result_topic, 20)]
+    assert values == [f"{g}:{i}" for g in (0.0, 0.5) for i in range(10)]  # nothing lost, order kept

@@ -52,7 +52,8 @@ def _nothing() -> None:
 
 class Publisher:
     def __init__(self, client_kwargs: dict, max_request_size: int = 4 * 1024 * 1024, linger_ms: int = 2,
-                 on_dropped: Callable[[str], None] = lambda topic: None) -> None:
+                 on_dropped: Callable[[str], None] = lambda topic: None,
+                 gather_s: Callable[[], float] = lambda: 0.0) -> None:
         self._producer_kwargs = dict(
             **client_kwargs, enable_idempotence=True, acks="all", linger_ms=linger_ms,
             max_request_size=max_request_size, max_batch_size=256 * 1024,
@@ -62,8 +63,11 @@ class Publisher:
         self._seq = 0
         self.num_producer_resets = 0
         self.num_dropped_records = 0
+        self.num_batches_sent = 0
         self.on_dropped = on_dropped
         """Called with the topic of each record dropped as undeliverable (a metric)."""
+        self.gather_s = gather_s
+        """How long the flusher lets records gather after the first one wakes it (worker.io_gather_s)."""
         self._partitioner = DefaultPartitioner()
         self._key_partitions: dict[tuple[str, bytes], int] = {}
         self._partitions: dict[str, tuple[float, list[int]]] = {}
@@ -148,6 +152,9 @@ class Publisher:
     async def _flush_loop(self) -> None:
         while True:
             await self._wake.wait()
+            gather = self.gather_s()
+            if gather > 0 and len(self._buffer) < MAX_BUFFERED // 2:
+                await asyncio.sleep(gather)
             self._wake.clear()
             while self._buffer:
                 if self._needs_new_producer:
@@ -182,6 +189,7 @@ class Publisher:
                         continue
                     chunk = group[start:end]
                     future = await self._producer.send_batch(batch, topic, partition=partition)
+                    self.num_batches_sent += 1
                     handed.update(r[4] for r in chunk)
                     producer_epoch = self.num_producer_resets
                     future.add_done_callback(lambda f, c=chunk, e=producer_epoch: self._on_done(f, c, e))
