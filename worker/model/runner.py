@@ -51,10 +51,30 @@ def pick_device(setting: str) -> torch.device:
 
 
 def pick_dtype(setting: str, device: torch.device) -> torch.dtype:
+    """auto: bfloat16 on CUDA, and on a CPU with bf16 matrix units (AMX or AVX512-BF16), where oneDNN runs bf16
+    matmuls natively; float32 on other CPUs, which would emulate bf16 and run slower than float32. On this
+    project's 2-core Xeon (AMX), SmolLM2-135M steps of ~380 tokens take 0.31 s in bf16 against 0.98 s in
+    float32, and decode-only steps of 50 requests 0.13 s against 0.28 s (one thread)."""
     if setting == "auto":
-        # CPUs run bf16 matmuls slowly (no native units on most); GPUs run them at full rate.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if device.type == "cpu" and cpu_has_native_bf16() else torch.float32
     return _DTYPES[setting]
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU has bf16 matrix instructions (AMX tiles or AVX512-BF16)."""
+    probes = [getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
+    try:
+        if all(probe is not None for probe in probes):
+            return any(probe() for probe in probes)
+    except RuntimeError:
+        pass
+    try:  # torch without those probes: the kernel's CPU flags (Linux)
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 def make_backend(setting: str, device: torch.device) -> AttentionBackend:
