@@ -17,7 +17,7 @@ Reported per run: output tok/s, (b)/(a) and (c)/(b), TTFT, per-token ITL and chu
 is what the worker's publisher sustained. Floor: (c) >= 0.85 x (b) at 256 running on the 8B shape, with the
 default chunk interval. The broker's JVM, the client and the worker share this machine's CPUs.
 
-    .venv/bin/python -m benchmarks.bench_sim_kafka                          # ~2 min, results/<date>-sim-kafka/
+    .venv/bin/python -m benchmarks.bench_sim_kafka                          # ~3 min, results/<date>-sim-kafka/
     .venv/bin/python -m benchmarks.bench_sim_kafka --points llama-3.1-8b@256 --chunk-intervals 0,20 --py-spy gil
 """
 
@@ -43,7 +43,7 @@ from benchmarks.settings import DEFAULT_MODEL, min_token_id, set_threads
 from benchmarks.token_times import TokenTimes
 from benchmarks.trace import Trace, TraceConfig, TraceRequest
 from schemas.result import StreamChunk
-from worker.config import EngineSettings
+from worker.config import EngineSettings, WorkerSettings
 from worker.engine.engine import LLMEngine
 from worker.model.pull import resolve_model
 from worker.model.sim import SimRunner
@@ -53,6 +53,7 @@ SIM_FLOOR = 0.85
 """Kafka path / engine alone output tok/s at FLOOR_POINT (issue #16)."""
 FLOOR_POINT = "llama-3.1-8b@256"
 DEFAULT_POINTS = "llama-3.1-8b@64,llama-3.1-8b@256,smollm2-135m@256"
+DEFAULT_CHUNK_INTERVAL_MS = WorkerSettings.model_fields["chunk_interval_ms"].default
 PROMPT_LEN = (96, 160)
 OUTPUT_LEN = (192, 320)
 """Mixed lengths keep the batch full: a request that finishes frees a seat for a waiting one at once."""
@@ -345,8 +346,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--requests-per-seat", type=int, default=2,
                         help="requests per max_num_seqs seat (2: the batch refills once)")
-    parser.add_argument("--chunk-intervals", default="0,20,50",
-                        help="WORKER_CHUNK_INTERVAL_MS of each Kafka run of a point; the first is the floor's")
+    parser.add_argument("--chunk-intervals", default=f"{DEFAULT_CHUNK_INTERVAL_MS:g},50,20,0",
+                        help="WORKER_CHUNK_INTERVAL_MS of each Kafka run of a point; the first is the floor's "
+                             "(default: the worker's default first)")
     parser.add_argument("--reps", type=int, default=1, help="repetitions of each point, in ABBA order")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],

@@ -194,11 +194,12 @@ class WorkerSettings(BaseSettings):
     """Per priority: inter-token latency target; 0 disables latency-target admission for that priority."""
     status_interval_s: float = Field(1.0, gt=0)
     """How often the worker publishes a status record."""
-    chunk_interval_ms: float = Field(20.0, ge=0)
-    """Coalesce stream chunks for this long; 0 sends one chunk per engine step. On a simulated H200 running
-    Llama-3.1-8B with 256 requests, 20 ms cut result records 2x (16,000 -> 8,000/s) and raised the Kafka
-    path from 0.75-0.78 to 0.77-0.84 of the engine alone (benchmarks/bench_sim_kafka.py); a CPU step is
-    longer than that anyway."""
+    chunk_interval_ms: float = Field(100.0, ge=0)
+    """Coalesce stream chunks for this long; 0 sends one chunk per engine step. The first token of a request
+    goes out at once. On a simulated H200 running Llama-3.1-8B with 256 requests, the Kafka path reached
+    0.83-0.88 of the engine alone at 20 ms (8,200 records/s), 0.84-0.91 at 50 ms (3,800-4,200/s) and
+    0.85-0.93 at 100 ms (2,150-2,350/s) (benchmarks/bench_sim_kafka.py, 2026-12-01); a CPU step is longer
+    than 100 ms anyway. Lower it for smoother streams where the publisher has cores to spare."""
     io_gather_max_ms: float = Field(50.0, ge=0)
     """While the engine runs requests, the intake waits 5 % of the engine's last step (at most this long)
     between reads, and the publisher lets records gather as long before a send: fewer wake-ups of the worker's

@@ -138,6 +138,21 @@ async def test_held_during_a_rebalance_then_released_or_closed():
     assert len(streamer) == 0 and streamer.held_partitions == set()
 
 
+async def test_the_first_chunk_goes_at_once_and_later_tokens_gather_for_the_interval():
+    publisher, tracker = FakePublisher(), OffsetTracker()
+    streamer = make_streamer(publisher, tracker)
+    streamer.chunk_interval_s = 3600.0
+    a = queued("a", 0)
+    tracker.track(a.partition, a.offset)
+    streamer.open(a)
+    for token in (1, 2, 3):
+        await streamer.handle([output(a, token)])
+    assert [c.token_ids for c in publisher.chunks()] == [[1]]  # time to first token is not held back
+    await streamer.handle([output(a, 4, True, "length")])
+    assert [(c.seq, c.token_ids) for c in publisher.chunks()] == [(0, [1]), (1, [2, 3, 4])]
+    assert publisher.finals()["a"].num_chunks == 2
+
+
 async def test_logprobs_follow_token_ids_across_chunks_replays_and_into_the_final():
     from schemas.request import SamplingSpec
     from worker.engine.api import TokenLogprobs
@@ -158,7 +173,7 @@ async def test_logprobs_follow_token_ids_across_chunks_replays_and_into_the_fina
         out.new_logprobs = [TokenLogprobs(token, -token / 10, [token, 99], [-token / 10, -5.0])]
         return out
 
-    streamer.chunk_interval_s = 3600.0  # tokens 1 and 2 gather into one chunk
+    streamer.chunk_interval_s = 3600.0  # token 1 goes at once (the first chunk); tokens 2 and 3 gather
     await streamer.handle([with_lp(1), output(plain, 1)])
     await streamer.handle([with_lp(2)])
     streamer.chunk_interval_s = 0.0
@@ -169,7 +184,7 @@ async def test_logprobs_follow_token_ids_across_chunks_replays_and_into_the_fina
     await streamer.handle([with_lp(3)])
     await streamer.handle([with_lp(4, True), output(plain, 2, True, "length")])
     chunks = [c for c in publisher.chunks() if c.id == "lp"]
-    assert [c.token_ids for c in chunks] == [[1, 2, 3], [4]]
+    assert [c.token_ids for c in chunks] == [[1], [2, 3], [4]]
     for chunk in chunks:
         assert [lp.token_id for lp in chunk.logprobs] == chunk.token_ids
         assert [lp.logprob for lp in chunk.logprobs] == [-t / 10 for t in chunk.token_ids]

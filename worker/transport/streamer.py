@@ -255,7 +255,8 @@ class Streamer:
         for stream in touched.values():
             if held and stream.queued.partition in held:
                 continue
-            if stream.sends_chunks and now - stream.last_flush >= self.chunk_interval_s:
+            # The first chunk goes at once (time to first token); later ones gather for chunk_interval_s.
+            if stream.sends_chunks and (stream.seq == 0 or now - stream.last_flush >= self.chunk_interval_s):
                 self._send_chunk(stream, now)
         for stream, out in finals:
             queued = stream.queued
