@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import logging
+import signal
 import sys
 import time
 import uuid
@@ -155,22 +156,64 @@ async def stream_to(handle: RequestHandle, out=sys.stdout, err=sys.stderr, timeo
     return final
 
 
+class Interrupted(Exception):
+    """Ctrl-C, while a step of `generate` was waiting."""
+
+
+async def until_interrupted(awaitable, interrupted: asyncio.Event):
+    """`awaitable`'s result, or Interrupted (the awaitable cancelled) once `interrupted` is set. Ctrl-C sets an
+    event rather than cancelling the main task: on Python 3.11 a cancellation that lands while asyncio.wait_for
+    completes (the client's stream waits that way) can be swallowed, and the stream then ran to its end."""
+    work = asyncio.ensure_future(awaitable)
+    interrupt = asyncio.ensure_future(interrupted.wait())
+    try:
+        await asyncio.wait({work, interrupt}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        interrupt.cancel()
+    if interrupted.is_set():
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        raise Interrupted
+    return work.result()
+
+
+def on_ctrl_c(loop: asyncio.AbstractEventLoop, interrupted: asyncio.Event) -> bool:
+    """The first Ctrl-C sets `interrupted`; a second one raises KeyboardInterrupt at once (the handler is
+    removed after the first, which restores Python's). False where the loop cannot take signal handlers."""
+    def first() -> None:
+        interrupted.set()
+        loop.remove_signal_handler(signal.SIGINT)
+
+    try:
+        loop.add_signal_handler(signal.SIGINT, first)
+    except (NotImplementedError, RuntimeError, ValueError):  # Windows, or not the main thread
+        return False
+    return True
+
+
 async def generate(settings: KafkaSettings, request: GenerationRequest, priority: int, wait_s: float,
                    backoff: BackoffPolicy, cancel_wait_s: float = CANCEL_WAIT_S) -> int:
     # Cancels are sent here (with a reason), not by the client's cancel_on_abandon.
     async with LLMClient(settings, backoff=backoff, default_timeout_s=wait_s, cancel_on_abandon=False) as client:
         handle: RequestHandle | None = None
         shown = Shown()
+        interrupted = asyncio.Event()
+        handled = on_ctrl_c(asyncio.get_running_loop(), interrupted)
         try:
-            handle = await client.submit(request, priority)
-            final = await stream_to(handle, shown=shown)
+            handle = await until_interrupted(client.submit(request, priority), interrupted)
+            final = await until_interrupted(stream_to(handle, shown=shown), interrupted)
         except RequestTimeout as exc:
             print(summary_line(None, handle, f"timed out: {exc}"), file=sys.stderr)
             return 1
+        except Interrupted:
+            return await cancel_and_finish(client, request.id, handle, shown, cancel_wait_s)
         except asyncio.CancelledError:
-            # Ctrl-C: asyncio.run cancels this task once (a second Ctrl-C raises KeyboardInterrupt at once).
+            # Ctrl-C where no handler could be set: asyncio.run cancels this task once.
             asyncio.current_task().uncancel()
             return await cancel_and_finish(client, request.id, handle, shown, cancel_wait_s)
+        finally:
+            if handled and not interrupted.is_set():
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)
     print(summary_line(final, handle), file=sys.stderr)
     return 0 if final.status == "completed" else 1
 
