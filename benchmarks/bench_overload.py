@@ -43,7 +43,7 @@ from benchmarks.overload_stats import (
     IN_TIME, LATE, FinalSeen, RequestLog, StatusSample, capacity_from_completions, check_floors, engine_summary,
     outcome, phase_summary, steady_span, time_series,
 )
-from benchmarks.settings import set_threads
+from benchmarks.settings import cpu_model, set_threads
 from producer_examples.client import BackoffPolicy, LLMClient
 from producer_examples.loadgen import make_prompt
 from producer_examples.loadstats import poisson_gaps
@@ -353,7 +353,7 @@ def render_report(results: dict) -> str:
     out = [f"# Overload control ({env['date']})", "",
            f"`{results['command']}`", "",
            f"One `llm-worker serve` per phase (default settings, {env['torch_threads']} torch thread(s)), "
-           f"{env['num_cpus']} CPUs shared with the broker and this client"
+           f"{env['num_cpus']} CPUs ({env.get('cpu_model', 'model not recorded')}) shared with the broker and this client"
            + (f" (they at niceness {env['others_nice']}, the worker at 0)" if env.get("others_nice") else "")
            + (f"; the worker pinned to CPU(s) {env['worker_cpus']}, the others to the rest"
               if env.get("worker_cpus") else "")
@@ -495,8 +495,8 @@ def main(argv: list[str] | None = None) -> int:
     worker_env = {k: v for k, v in os.environ.items() if k.startswith(("ENGINE_", "WORKER_"))}
     results = {
         "command": command,
-        "environment": {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "num_cpus": os.cpu_count(),
-                        "torch_threads": threads, "others_nice": args.others_nice,
+        "environment": {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpu_model": cpu_model(),
+                        "num_cpus": os.cpu_count(), "torch_threads": threads, "others_nice": args.others_nice,
                         "worker_cpus": sorted(args.worker_cpus), "load_start": load_start, "load_end": list(os.getloadavg()),
                         "python": sys.version.split()[0]},
         "config": {"factors": args.factors, "duration_s": args.duration, "capacity_concurrency": args.capacity_concurrency,

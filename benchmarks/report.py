@@ -64,7 +64,7 @@ from benchmarks.render import rate_label, render_markdown, render_plots
 from benchmarks.run_result import compute_metrics
 from benchmarks.settings import (ALL_SYSTEMS, BLOCK_SIZE, DEFAULT_MODEL, ENGINE_POLICIES, HF_SYSTEMS, KV_CACHE_BYTES,
                                  MAX_BATCH_SIZE, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, load_runner, min_token_id,
-                                 set_threads)
+                                 cpu_model, set_threads)
 from benchmarks.stats import median_min_max
 from benchmarks.trace import Trace, TraceConfig, generate_trace, is_offline
 from worker.model.runner import ModelRunner
@@ -80,16 +80,6 @@ OFFLINE_SKIPS = ("hf-static",)
 """Systems that sit the offline point out by default."""
 SUMMARY_KEYS = ("output_tokens_per_s", "requests_per_s", "kv_utilisation_mean", "kv_pool_usage_max",
                 "max_concurrent", "num_completed")
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def environment(threads: int) -> dict:

@@ -8,6 +8,8 @@ report, bench_kafka_path, bench_decode_attention) import them from here, never f
 from __future__ import annotations
 
 import os
+import platform
+from pathlib import Path
 
 from benchmarks.trace import max_request_len
 from worker.config import EngineSettings
@@ -72,3 +74,13 @@ def set_threads(threads: int | None) -> int:
 def load_runner(model: str, profile: str) -> ModelRunner:
     """The one ModelRunner (weights and KV memory) that every engine run of a process shares."""
     return ModelRunner(model, engine_settings("continuous", bench_max_model_len(profile)))
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
