@@ -29,7 +29,7 @@ import torch
 from benchmarks.settings import DEFAULT_MODEL, set_threads
 from worker.config import EngineSettings
 from worker.engine.api import EngineRequest, SamplingParams
-from worker.engine.engine import LLMEngine
+from worker.engine.engine import LLMEngine, freeze_startup_objects
 from worker.model.runner import ModelRunner
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -68,7 +68,9 @@ def engine_for(runner: ModelRunner, num_running: int) -> LLMEngine:
         max_num_seqs=num_running, max_num_batched_tokens=max(512, num_running * PROMPT_LEN),
         max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False,
     )
-    return LLMEngine(settings, runner)
+    engine = LLMEngine(settings, runner)
+    freeze_startup_objects()  # as the worker does once its engine is built (worker/serve.py)
+    return engine
 
 
 def requests(num: int, sampling: dict, num_steps: int, vocab: int) -> list[EngineRequest]:
