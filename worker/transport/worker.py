@@ -7,7 +7,8 @@ bypass the engine go Intake → Answers → Publisher → OffsetTracker.
 Tasks on one asyncio loop: intake (fetch, decode, check, queue; then admit into the engine), outputs (engine
 outputs -> chunks and finals; then admit, since room was made), commits (every commit_interval_s), control
 (every 100 ms: lag -> load decision -> pause/shed/end of input; a status record every status_interval_s),
-and the control reader (control.py: cancel records, on a consumer of their own; see `_on_cancel`).
+and the control reader (control.py: cancel records, on a consumer of their own; see `_on_cancel`); a
+watchdog thread logs the loop's stack when the loop stands still for 2 s (loop_watchdog.py).
 The engine runs in its own thread.
 
 Shutdown on SIGTERM/SIGINT: stop fetching, pause every partition, let in-flight requests finish for up to
@@ -51,6 +52,7 @@ from worker.transport.intake import Intake
 from worker.transport.kafka_clients import RebalanceListener, make_consumer
 from worker.transport.load_control import LoadControl
 from worker.transport.local_queue import LocalQueue
+from worker.transport.loop_watchdog import LoopWatchdog
 from worker.transport.metrics import WorkerMetrics
 from worker.transport.offsets import OffsetTracker
 from worker.transport.publisher import Publisher
@@ -269,7 +271,9 @@ class Worker:
             await self.publisher.stop()
             return 2
         self.engine_thread.start()
-        tasks = [asyncio.create_task(coro) for coro in (self._output_loop(), self._commit_loop(), self._control_loop())]
+        self.watchdog = LoopWatchdog()
+        tasks = [asyncio.create_task(coro) for coro in (self._output_loop(), self._commit_loop(), self._control_loop(),
+                                                        self.watchdog.run())]
         await self._wait_for_cancels()
         intake_task = asyncio.create_task(self._intake_loop())
         self.started.set()
