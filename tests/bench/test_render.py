@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from benchmarks.floors import check_floors
 from benchmarks.render import render_markdown, render_plots
 from benchmarks.report import finite_or_none, summarize
@@ -56,7 +58,7 @@ def test_floors_are_checked_per_rate():
     assert floors[-1]["check"].startswith("engine overhead") and floors[-1]["pass"]
 
 
-def test_markdown_tables(tmp_path):
+def test_markdown_tables():
     results = _results()
     json.dumps(results, allow_nan=False)  # strict JSON
     md = render_markdown(results)
@@ -73,6 +75,11 @@ def test_markdown_tables(tmp_path):
         if line.startswith("| continuous | 1 |"):
             assert line.count("|") == header.count("|")
             break
+
+
+@pytest.mark.slow  # matplotlib: ~1.5 s
+def test_plots(tmp_path):
+    results = _results()
     paths = render_plots(results, tmp_path)
     assert [p.name for p in paths] == ["latency_vs_throughput.png", "short_p99_vs_rate.png", "kv_utilisation.png"]
     assert all(p.stat().st_size > 1000 for p in paths)

@@ -29,6 +29,7 @@ VARIANTS = {
 }
 
 
+@pytest.mark.slow  # each variant builds a model and runs transformers beside it: ~0.5-2 s apiece
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_variant_logits_match_transformers(variant, smollm2_path, tmp_path):
     from transformers import AutoModelForCausalLM
