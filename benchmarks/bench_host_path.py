@@ -91,7 +91,7 @@ class PhaseTimer:
         ("prepare_input", "runner", "prepare_input"),
         ("sample", "sampler", "sample_step"),
         ("update", "scheduler", "update"),
-        ("postprocess", "engine", "_postprocess_all"),
+        ("postprocess", "engine", "_postprocess_step"),
         ("postprocess", "engine", "_postprocess"),
     )
 

@@ -155,11 +155,11 @@ def test_async_scheduling_schedules_the_next_step_while_the_forward_runs(tiny_mo
     assert engine.async_scheduling
     events: list[str] = []
     runner, scheduler = engine.runner, engine.scheduler
-    launch, wait, schedule, postprocess = runner.launch, runner._wait_until, scheduler.schedule, engine._postprocess
+    launch, wait, schedule, postprocess = runner.launch, runner._wait_until, scheduler.schedule, engine._postprocess_step
     runner.launch = lambda model_input: (launch(model_input), events.append("launch"))[0]
     runner._wait_until = lambda ready_at: (events.append("wait"), wait(ready_at))[1]
     scheduler.schedule = lambda *a, **k: (events.append("schedule"), schedule(*a, **k))[1]
-    engine._postprocess = lambda update: (events.append("detok"), postprocess(update))[1]
+    engine._postprocess_step = lambda flight, updates: (events.append("detok"), postprocess(flight, updates))[1]
     engine.generate([EngineRequest("a", prompt_token_ids=list(range(300, 310)),
                                    sampling=SamplingParams(max_new_tokens=4))])
     steady = "".join(e[0] for e in events)  # s(chedule) l(aunch) w(ait) d(etok)

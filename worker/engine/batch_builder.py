@@ -37,17 +37,20 @@ def build_step_requests(output: SchedulerOutput) -> StepRequests:
     requests = [entry.request for entry in scheduled]
     input_ids: list[int] = []
     pending: list[tuple[int, str]] = []
-    for entry in scheduled:
+    for entry in scheduled:  # runs for every request at every step: properties inlined
         request = entry.request
-        if entry.seq_len > request.num_tokens:  # its one input is the token the step in flight samples
-            pending.append((len(input_ids), request.request_id))
+        seq_len = entry.num_computed_before + entry.num_new_tokens
+        output_ids = request.output_token_ids
+        num_tokens = len(request.prompt_token_ids) + len(output_ids)
+        if seq_len > num_tokens:  # its one input is the token the step in flight samples
+            pending.append((len(input_ids), entry.request_id))
             input_ids.append(0)
-        elif entry.num_new_tokens == 1 and entry.seq_len == request.num_tokens and request.output_token_ids:
-            input_ids.append(request.output_token_ids[-1])  # a decode step: the last sampled token
+        elif entry.num_new_tokens == 1 and seq_len == num_tokens and output_ids:
+            input_ids.append(output_ids[-1])  # a decode step: the last sampled token
         else:
             input_ids += entry.token_ids()
     return StepRequests(
-        request_ids=[request.request_id for request in requests],
+        request_ids=[entry.request_id for entry in scheduled],
         block_ids=[request.block_ids for request in requests],
         num_computed=[entry.num_computed_before for entry in scheduled],
         num_new=[entry.num_new_tokens for entry in scheduled],

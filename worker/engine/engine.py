@@ -310,7 +310,7 @@ class LLMEngine:
         # scheduling) the forward is still running meanwhile.
         mask = self._grammar_mask(sampling_ids, outputs) if self._constrained else None
         # The draw's counter is the index of the token being generated: stable across preemption and replay.
-        counters = [entry.request.num_output_tokens for entry in sampling]
+        counters = [len(entry.request.output_token_ids) for entry in sampling]
         plan = self.sampler.plan(flight.params)
         logits = flight.launched.result()  # [S, V]
         sampled = self.sampler.sample_step(
@@ -331,7 +331,21 @@ class LLMEngine:
         return dict(zip(sampling_ids, sampled.token_ids))
 
     def _postprocess_step(self, flight: _InFlight, updates: list[RequestUpdate]) -> list[RequestOutput]:
-        outputs = [self._postprocess(update) for update in updates]
+        outputs = []
+        live_of, output = self._live, self._output
+        for update in updates:
+            # The common case inlined (a running request's next token, no grammar): it runs for every running
+            # request at every step. _postprocess has the rest.
+            live = live_of[update.request.request_id] if update.finish_status is None else None
+            if live is None or live.grammar is not None:
+                outputs.append(self._postprocess(update))
+                continue
+            detokenizer = live.detokenizer
+            text = detokenizer.push(update.new_token_ids)
+            if detokenizer.stopped:
+                outputs.append(self._postprocess_stopped(update.request, update.new_token_ids, text))
+            else:
+                outputs.append(output(update.request, update.new_token_ids, text))
         if flight.logprobs:
             for out in outputs:
                 lp = flight.logprobs.get(out.request_id)
@@ -368,24 +382,23 @@ class LLMEngine:
             ended = live.grammar is not None and live.grammar.advance(token_ids[-1])
             if not (detokenizer.stopped or ended):
                 return self._output(request, token_ids, text)
-            request.stop_reason = detokenizer.stop_string
-            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
-            return self._final(request, token_ids, text)
+            return self._postprocess_stopped(request, token_ids, text)
         # The EOS or stop token that ended it is counted, never shown.
         text_ids = token_ids[:-1] if status is RequestStatus.FINISHED_STOPPED else token_ids
         return self._final(request, token_ids, detokenizer.push(text_ids) if text_ids else "")
 
+    def _postprocess_stopped(self, request: Request, token_ids: list[int], text: str) -> RequestOutput:
+        """A stop string (or a complete grammar) ended the request at this token."""
+        request.stop_reason = self._live[request.request_id].detokenizer.stop_string
+        self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+        return self._final(request, token_ids, text)
+
     def _output(self, request: Request, token_ids: list[int], text: str) -> RequestOutput:
+        # Positional (in RequestOutput's field order): it runs for every running request at every step.
         return RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=token_ids,
-            text_delta=text,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
-            num_cached_tokens=request.num_cached_tokens,
-            arrival_time=request.arrival_time,
-            first_scheduled_time=request.first_scheduled_time,
-            first_token_time=request.first_token_time,
+            request.request_id, token_ids, text, False, None, None, None,  # finished .. error_message
+            len(request.prompt_token_ids), len(request.output_token_ids), request.num_cached_tokens,
+            request.arrival_time, request.first_scheduled_time, request.first_token_time,
         )
 
     def _final(self, request: Request, token_ids: list[int] | None = None, text: str = "") -> RequestOutput:

@@ -160,7 +160,8 @@ class Scheduler:
         budget = self.deadline_budget(now, step_cost)
         full_budget = budget
         scheduled: dict[str, ScheduledRequest] = {}
-        for request in list(self.running):
+        block_size = self.block_size
+        for request in list(self.running):  # the hot loop of a decode step: properties and calls inlined
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:
@@ -168,8 +169,18 @@ class Scheduler:
             if request.num_pending_samples and self._last_token_in_flight(request):
                 continue  # the step in flight samples its last token: nothing more to compute
             num_before = request.num_computed_tokens + request.num_inflight_tokens
-            num_new_tokens = min(request.num_known_tokens - num_before, budget)
+            num_known = len(request.prompt_token_ids) + len(request.output_token_ids) + request.num_pending_samples
+            num_new_tokens = min(num_known - num_before, budget)
             assert num_new_tokens > 0, request.request_id
+            if num_before + num_new_tokens <= len(request.block_ids) * block_size:
+                # Its blocks already hold the step's tokens (allocate_for's first test, without the call).
+                samples = num_before + num_new_tokens == num_known
+                request.num_inflight_tokens += num_new_tokens
+                request.num_pending_samples += samples
+                scheduled[request.request_id] = ScheduledRequest(request, num_new_tokens, num_before, samples,
+                                                                 request.request_id)
+                budget -= num_new_tokens
+                continue
             while not self.pool.allocate_for(request, num_new_tokens):
                 victim = max(self.running, key=self._victim_key)
                 self._preempt(victim)
@@ -289,28 +300,48 @@ class Scheduler:
         """Apply a finished step: advance num_computed_tokens, append one sampled token per sampling request,
         check stop conditions, free finished requests. Requests finished since schedule() are skipped."""
         now = time.monotonic() if now is None else now
-        sampling_ids = {entry.request_id for entry in output.scheduled if entry.samples}
-        assert sampled_token_ids.keys() <= sampling_ids, set(sampled_token_ids) - sampling_ids
+        # The loop of a decode step: it runs for every running request, so properties and calls are inlined.
+        caching = self.pool.enable_caching
+        block_size = self.block_size
+        max_model_len = self.max_model_len
+        running = RequestStatus.RUNNING
+        num_consumed = 0
         updates = []
         for entry in output.scheduled:
             request = entry.request
-            if request.status is not RequestStatus.RUNNING:
+            if request.status is not running:
+                num_consumed += entry.samples and entry.request_id in sampled_token_ids
                 continue
+            num_new = entry.num_new_tokens
             assert request.num_computed_tokens == entry.num_computed_before, request.request_id
-            request.num_computed_tokens += entry.num_new_tokens
-            request.num_inflight_tokens -= entry.num_new_tokens
-            request.num_pending_samples -= entry.samples
-            self.pool.cache_full_blocks(request)
+            request.num_computed_tokens = num_computed = request.num_computed_tokens + num_new
+            request.num_inflight_tokens -= num_new
+            if caching and num_computed % block_size < num_new:  # a block filled up in this step
+                self.pool.cache_full_blocks(request)
             if not entry.samples:
                 continue
-            token_id = sampled_token_ids[request.request_id]
-            request.output_token_ids.append(token_id)
+            request.num_pending_samples -= 1
+            token_id = sampled_token_ids[entry.request_id]
+            num_consumed += 1
+            output_ids = request.output_token_ids
+            output_ids.append(token_id)
             if request.first_token_time is None:
                 request.first_token_time = now
-            finish_status = self._stop_status(request, token_id)
-            if finish_status is not None:
-                self._finish(request, finish_status, now)
+            sampling = request.sampling
+            if token_id in sampling.stop_token_ids or (not sampling.ignore_eos and token_id in request.eos_token_ids):
+                request.stop_reason = token_id
+                finish_status = RequestStatus.FINISHED_STOPPED
+            elif (len(output_ids) >= sampling.max_new_tokens
+                  or len(request.prompt_token_ids) + len(output_ids) >= max_model_len):
+                finish_status = RequestStatus.FINISHED_LENGTH
+            else:
+                updates.append(RequestUpdate(request, [token_id], None))
+                continue
+            self._finish(request, finish_status, now)
             updates.append(RequestUpdate(request, [token_id], finish_status))
+        if num_consumed != len(sampled_token_ids):  # a token for a request this step did not sample
+            sampling_ids = {entry.request_id for entry in output.scheduled if entry.samples}
+            raise AssertionError(set(sampled_token_ids) - sampling_ids)
         return updates
 
     def check_invariants(self) -> None:
@@ -342,7 +373,7 @@ class Scheduler:
         samples = num_computed_before + num_new_tokens == request.num_known_tokens
         request.num_inflight_tokens += num_new_tokens
         request.num_pending_samples += samples
-        return ScheduledRequest(request, num_new_tokens, num_computed_before, samples)
+        return ScheduledRequest(request, num_new_tokens, num_computed_before, samples, request.request_id)
 
     def _preempt_less_urgent(self, request: Request, scheduled: dict[str, ScheduledRequest],
                              output: SchedulerOutput) -> int:
@@ -375,15 +406,6 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.push(request, self._add_order[request.request_id])
-
-    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
-        sampling = request.sampling
-        if token_id in sampling.stop_token_ids or (not sampling.ignore_eos and token_id in request.eos_token_ids):
-            request.stop_reason = token_id
-            return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= sampling.max_new_tokens or request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def _finish(self, request: Request, status: RequestStatus, now: float, in_queue: bool = True) -> None:
         if request.status is RequestStatus.RUNNING:

@@ -17,10 +17,8 @@ class ScheduledRequest:
     """Tokens whose K/V were already in the cache before this step (prefix-cache hits included)."""
     samples: bool
     """True when the step computes the request's last known token, so a next token is sampled from it."""
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
+    request_id: str
+    """request.request_id (a field, not a property: the engine reads it several times per request and step)."""
 
     @property
     def seq_len(self) -> int:

@@ -81,16 +81,14 @@ class RowSampling:
     """Penalties need the request's prompt and output token ids."""
     plain: bool = field(init=False, default=True)
     """No penalty, no min_tokens, no logprobs: the sampler's fast path."""
+    greedy: bool = field(init=False, default=True)
+    """Temperature 0, or top_k 1 (one candidate: the argmax, without spending a draw)."""
 
     def __post_init__(self) -> None:
         history = self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
         object.__setattr__(self, "uses_history", history)
         object.__setattr__(self, "plain", not (history or self.min_tokens > 0 or self.logprobs))
-
-    @property
-    def greedy(self) -> bool:
-        # top_k == 1 leaves one candidate: argmax, without spending a draw.
-        return self.temperature <= 0.0 or self.top_k == 1
+        object.__setattr__(self, "greedy", self.temperature <= 0.0 or self.top_k == 1)
 
 
 class SamplingPlan(NamedTuple):
