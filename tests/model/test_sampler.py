@@ -286,3 +286,25 @@ def test_ties_are_broken_by_token_id_and_the_tied_tokens_kept_are_drawn_evenly()
     # top_p: the shortest prefix in that order reaching 0.5 of the mass: three of the five equal tokens.
     nucleus = _draws(row, RowSampling(temperature=1.0, top_p=0.5), n=600, seed=22)
     assert set(nucleus) == {1, 2, 4}
+
+
+@pytest.mark.parametrize("width", [2048, 2051, 49152, 32001])
+@pytest.mark.parametrize("threads", [1, 2, 7])
+def test_the_cpu_draws_exp_gives_a_row_the_same_bits_wherever_it_sits(width, threads):
+    """sampler_numpy._exp runs through torch; the draw stays a function of its row only if torch's exp rounds
+    an element the same whatever its offset in the batch and however the threads split it (the last partial
+    vector included). A torch whose kernels finish a chunk with scalar code that rounds differently fails
+    here."""
+    from worker.model.sampler_numpy import _exp
+
+    rows = 40 if width > 10_000 else 300
+    logits = (torch.randn(rows, width, generator=torch.Generator().manual_seed(width)) * 5).numpy()
+    alone = np.stack([_exp(logits[i : i + 1].copy())[0] for i in range(rows)])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for start, stop in [(0, 1), (0, 3), (1, 18), (0, rows - 1), (1, rows), (0, rows)]:
+            together = _exp(logits[start:stop].copy())
+            assert np.array_equal(together.view(np.uint32), alone[start:stop].view(np.uint32)), (start, stop)
+    finally:
+        torch.set_num_threads(before)
