@@ -7,7 +7,8 @@ LLMClient (status-based backoff, `--no-backoff` to switch it off); a separate co
 and status record, so a duplicate final cannot hide behind the client.
 
 1. capacity: a closed loop keeps `--capacity-concurrency` priority-0 requests without deadline outstanding
-   (each final sends the next) for `--capacity-duration` s; capacity = completions after the first
+   (each final sends the next) for `--capacity-duration` s (longer on a worker too slow to complete 40 past
+   the first `--capacity-concurrency` in that time); capacity = completions after the first
    `--capacity-concurrency` ones up to the end of sending / the time between them (req/s).
 2. per factor in `--factors`: Poisson arrivals at factor x capacity for `--duration` s, priorities 0/1/2
    drawn 10/30/60 %, timeout_ms 10/20/30 s; then until every request has its final record (at most the
@@ -148,10 +149,19 @@ async def send_poisson(client: LLMClient, run: OverloadRun, rate: float, duratio
     await asyncio.gather(*tasks)
 
 
+STEADY_COMPLETIONS = 40
+"""Completions the capacity loop wants after its first `concurrency` ones (the warm-up it does not count)."""
+CLOSED_LOOP_MAX_STRETCH = 4.0
+"""The capacity loop sends for at most this many times --capacity-duration while it waits for them."""
+
+
 async def send_closed_loop(client: LLMClient, run: OverloadRun, concurrency: int, duration_s: float,
                            rng: random.Random) -> float:
     """Keeps `concurrency` priority-0 requests without deadline outstanding for duration_s: each first final
-    record sends the next. Returns when sending stopped, in seconds since the phase's start."""
+    record sends the next. On a worker too slow to answer `concurrency` + STEADY_COMPLETIONS requests in that
+    time (float32 on one core of a 2-core EPYC: ~4 req/s) it goes on until it has, for at most
+    CLOSED_LOOP_MAX_STRETCH x duration_s, so the steady span after the first `concurrency` finals has completions to
+    count. Returns when sending stopped, in seconds since the phase's start."""
     answered: asyncio.Queue[str] = asyncio.Queue()
     run.final_listener = answered.put_nowait
     tasks: list[asyncio.Task] = []
@@ -162,13 +172,17 @@ async def send_closed_loop(client: LLMClient, run: OverloadRun, concurrency: int
 
     for _ in range(concurrency):
         send_one()
-    end = time.monotonic() + duration_s
+    start = time.monotonic()
+    end, hard_end = start + duration_s, start + CLOSED_LOOP_MAX_STRETCH * duration_s
+    wanted = concurrency + STEADY_COMPLETIONS
+    num_answered = 0
     try:
-        while (left := end - time.monotonic()) > 0:
+        while (left := (end if num_answered >= wanted else hard_end) - time.monotonic()) > 0:
             try:
                 await asyncio.wait_for(answered.get(), left)
             except TimeoutError:
                 break
+            num_answered += 1
             send_one()
     finally:
         run.final_listener = None
