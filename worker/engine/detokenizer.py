@@ -38,11 +38,14 @@ class ByteLevelTable:
     tokenizer whose decode is not exactly that.
     """
 
-    __slots__ = ("token_bytes", "__weakref__")
+    __slots__ = ("token_bytes", "token_text", "__weakref__")
     _cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
     def __init__(self, token_bytes: list[bytes]) -> None:
         self.token_bytes = token_bytes
+        self.token_text: list[str | None] = [_whole_utf8(b) for b in token_bytes]
+        """A token's text when its bytes are complete UTF-8 by themselves (most are), else None. Decoding
+        such a token after a boundary (nothing pending) gives exactly that text."""
 
     def __len__(self) -> int:
         return len(self.token_bytes)
@@ -90,6 +93,13 @@ class ByteLevelTable:
         return cls(token_bytes)
 
 
+def _whole_utf8(data: bytes) -> str | None:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map, as the ByteLevel pre-tokenizer and decoder use it."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
@@ -129,7 +139,9 @@ class IncrementalDetokenizer:
         self.stop = tuple(s for s in stop if s)
         self.skip_special_tokens = skip_special_tokens
         self._table = ByteLevelTable.of(tokenizer, skip_special_tokens) if byte_level else None
-        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if self._table is not None else None
+        self._pending = b""
+        """Bytes of an incomplete UTF-8 character (byte-level table): an incremental UTF-8 decoder's buffer,
+        kept here so that a token whose bytes are whole characters skips the decoder."""
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._backend_decode = backend.decode if backend is not None and _plain_backend_decode(tokenizer) else None
         self._token_ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
@@ -175,7 +187,14 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         if self._table is not None:
-            text = self._utf8.decode(self._table.bytes_of(token_ids))
+            text = None
+            if len(token_ids) == 1 and not self._pending:  # one token, at a character boundary: the common case
+                try:
+                    text = self._table.token_text[token_ids[0]]
+                except IndexError:
+                    pass
+            if text is None:
+                text = self._decode_bytes(self._table.bytes_of(token_ids), final=False)
             if not self.stop:  # nothing is held back: the text is emitted as it comes
                 if text:
                     self._pieces.append(text)
@@ -191,7 +210,7 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         if self._table is not None:
-            text = self._utf8.decode(b"", final=True)
+            text = self._decode_bytes(b"", final=True)
             if not self.stop:
                 if text:
                     self._pieces.append(text)
@@ -200,6 +219,13 @@ class IncrementalDetokenizer:
         elif self._read_offset < len(self._token_ids):
             self._text += self._decode_new(final=True)
         return self._advance(final=True)
+
+    def _decode_bytes(self, data: bytes, final: bool) -> str:
+        """What codecs' incremental UTF-8 decoder ("replace") does with its buffer."""
+        data = self._pending + data
+        text, consumed = codecs.utf_8_decode(data, "replace", final)
+        self._pending = data[consumed:]
+        return text
 
     def _advance(self, final: bool) -> str:
         if self.stop:

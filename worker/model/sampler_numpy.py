@@ -92,7 +92,7 @@ def _draw_whole_rows(a, divisor, k, top_p, u, nucleus_tiers, scratch) -> np.ndar
     overflows or nearly underflows (a tiny temperature, huge logits) is redone in the shifted form. Which form
     a row gets depends on that row alone."""
     weights = np.divide(a, _uniform(divisor), out=scratch.get("weights", a.shape, np.float32))
-    cdf = _cumsum(_exp(weights), scratch)
+    cdf = _cumsum_(_exp(weights))
     total = cdf[:, -1]
     redo = np.flatnonzero(~(np.isfinite(total) & (total >= _SMALLEST_TOTAL)))
     if redo.size:
@@ -105,12 +105,12 @@ def _draw_whole_rows(a, divisor, k, top_p, u, nucleus_tiers, scratch) -> np.ndar
     return torch.searchsorted(cdf, target, right=True).squeeze(1).numpy()
 
 
-def _cumsum(weights: np.ndarray, scratch: Scratch) -> np.ndarray:  # [R, V] float32
-    # torch's CPU cumsum runs each row sequentially in float64: exact for a row wherever it sits, 3x faster
-    # than numpy's float32 one.
-    cdf = scratch.get("cdf", weights.shape, np.float32)
-    torch.cumsum(torch.from_numpy(weights), dim=1, out=torch.from_numpy(cdf))
-    return cdf
+def _cumsum_(weights: np.ndarray) -> np.ndarray:  # [R, V] float32, in place
+    """Row-wise running sums, in place. torch's CPU cumsum runs each row sequentially in float64: exact for a
+    row wherever it sits, 3x faster than numpy's float32 one. In place, the weights' buffer is the only
+    [R, V] array the draw writes (a pass over 2 MB costs ~0.3 ms here when it comes from memory)."""
+    torch.from_numpy(weights).cumsum_(dim=1)
+    return weights
 
 
 def _top_sorted(a: np.ndarray, width: int, scratch: Scratch) -> np.ndarray:  # [R, width] largest, descending
