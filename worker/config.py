@@ -118,6 +118,11 @@ class EngineSettings(BaseSettings):
     """Token budget of one engine step (prefill chunks plus decode tokens)."""
     max_num_seqs: int = Field(64, ge=1)
     """Maximum number of requests running at once."""
+    protected_priorities: int = Field(2, ge=0)
+    """Requests of the most urgent this many priorities (0 and 1: all but the bulk priority of the default
+    three) are protected by deadline-aware step sizes: the scheduler shrinks a step's token budget when a running
+    protected request's deadline needs it (down to a quarter of the budget), and admission counts on those
+    smaller steps. Unprotected requests are admitted on full steps and stopped by their deadline. 0: none."""
     max_model_len: int | None = None
     """Longest prompt plus output; defaults to the model's max_position_embeddings."""
     enable_prefix_caching: bool = True

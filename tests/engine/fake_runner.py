@@ -51,7 +51,8 @@ class FakeRunner:
 
 def make_scheduler(num_blocks: int = 64, max_model_len: int = 4096, **settings) -> Scheduler:
     # Every field the scheduler reads is passed explicitly, so ENGINE_* variables cannot change a test.
-    defaults = dict(block_size=4, max_num_batched_tokens=512, max_num_seqs=64, enable_prefix_caching=True)
+    defaults = dict(block_size=4, max_num_batched_tokens=512, max_num_seqs=64, enable_prefix_caching=True,
+                    protected_priorities=2)
     defaults |= dict(policy="continuous", max_batch_size=settings.get("max_num_seqs", 16), batch_window_ms=50.0)
     settings = defaults | settings
     return Scheduler(EngineSettings(**settings), num_blocks=num_blocks, max_model_len=max_model_len)

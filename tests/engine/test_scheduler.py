@@ -221,8 +221,8 @@ def test_a_request_that_cannot_finish_before_its_deadline_is_not_started():
     scheduler = make_scheduler(max_num_seqs=4)
     runner = FakeRunner(64, 4)
     # Steps of 0.2 s + 0.1 ms a token: alone, a prefill step and 10 decode steps end at about 2.2 s.
-    hopeless = make_request("hopeless", 4, 10, deadline=2.0)
-    feasible = make_request("feasible", 4, 10, arrival_time=0.1, deadline=2.5)
+    hopeless = make_request("hopeless", 4, 10, priority=2, deadline=2.0)  # the bulk priority: judged on these steps
+    feasible = make_request("feasible", 4, 10, priority=2, arrival_time=0.1, deadline=2.5)
     free = make_request("free", 4, 10, arrival_time=0.2)  # no deadline: never refused
     for request in (hopeless, feasible, free):
         scheduler.add_request(request)
@@ -231,9 +231,29 @@ def test_a_request_that_cannot_finish_before_its_deadline_is_not_started():
     assert hopeless.first_scheduled_time is None and hopeless.block_ids == []  # never ran: nothing wasted
     assert sorted(scheduled_ids(output)) == ["feasible", "free"]
     scheduler.update(output, runner.step(output), 0.0)
-    # Once running, a request is not refused for slow steps (its work is sunk); only its deadline stops it.
-    output = scheduler.schedule(0.1, step_cost=(10.0, 0.0))
+    # Once running, it keeps going while its remaining 9 tokens fit before its deadline on the smallest steps...
+    output = scheduler.schedule(0.1, step_cost=(0.2, 0.0001))
     assert output.deadline_dropped == [] and sorted(scheduled_ids(output)) == ["feasible", "free"]
+    scheduler.update(output, runner.step(output), 0.1)
+    # ...and stops, with what it has, once they do not (steps of 0.3 s: 8 tokens need 2.4 s, 2.3 s are left).
+    output = scheduler.schedule(0.2, step_cost=(0.3, 0.0))
+    assert output.deadline_dropped == [feasible] and feasible.status is RequestStatus.FINISHED_DEADLINE
+    assert feasible.num_output_tokens == 2 and scheduled_ids(output) == ["free"]  # no deadline: never stopped
+    scheduler.check_invariants()
+
+
+def test_a_protected_request_is_started_on_the_promise_of_smaller_steps():
+    scheduler = make_scheduler(num_blocks=256, max_num_batched_tokens=512)
+    cost = (0.01, 0.001)  # a full 512-token step takes 0.52 s, a quarter of it 0.14 s
+    scheduler.add_request(make_request("long", 600, 4, arrival_time=0.1, priority=2))  # the next steps are full
+    # 11 steps (a prefill and 10 decodes) with 3 s to go: 5.7 s on full steps, 1.5 s on the smallest.
+    urgent = make_request("urgent", 4, 10, priority=1, deadline=3.0)
+    bulk = make_request("bulk", 4, 10, priority=2, deadline=3.0)
+    scheduler.add_request(urgent)
+    scheduler.add_request(bulk)
+    output = scheduler.schedule(0.0, step_cost=cost)
+    assert output.deadline_dropped == [bulk]  # the bulk priority is judged on full steps
+    assert "urgent" in scheduled_ids(output)
     scheduler.check_invariants()
 
 
@@ -253,7 +273,14 @@ def test_steps_shrink_so_a_running_request_keeps_its_deadline():
     assert scheduler.deadline_budget(0.0, (0.0, 0.0)) == 512  # no step-time model: the full budget
     # A request that cannot be saved even by the smallest step (a quarter of the budget) shrinks nothing.
     assert scheduler.deadline_budget(0.5, cost) == 512
-    # Only the most urgent priority is protected this way: a priority-1 request near its deadline is not.
+    # One that fits on the smallest steps only without the margin gets them (8 × 74 ms = 0.59 s of 0.65 s).
+    assert scheduler.deadline_budget(0.35, cost) == 128
+    # Only the protected priorities (0 and 1 by default) are: a bulk request near its deadline is not.
+    urgent.priority = 1  # (8 tokens left now: 0.8 × 1 s / 8 = 100 ms a step, 180 tokens)
+    assert scheduler.deadline_budget(0.0, cost) == 180
+    urgent.priority = 2
+    assert scheduler.deadline_budget(0.0, cost) == 512
+    scheduler.protected_priorities = 1
     urgent.priority = 1
     assert scheduler.deadline_budget(0.0, cost) == 512
     scheduler.check_invariants()

@@ -88,6 +88,7 @@ def test_preemption_and_a_second_run_give_the_same_outputs(tiny_model_path: Path
     assert {k: v.token_ids for k, v in again.items()} == {k: first[k] for k in again}
 
 
+@pytest.mark.slow  # ~1 s: in the full suite, not the fast subset
 def test_a_refused_schema_ends_in_invalid_request_with_the_library_message(tiny_model_path: Path):
     engine = tiny_engine(tiny_model_path)
     bad = EngineRequest("bad", prompt_token_ids=[5, 6], sampling=SamplingParams(
@@ -102,6 +103,7 @@ def test_a_refused_schema_ends_in_invalid_request_with_the_library_message(tiny_
     assert out.error_code == "invalid_request" and out.error_message == last.error_message
 
 
+@pytest.mark.slow  # ~1.3 s: in the full suite, not the fast subset
 def test_a_request_waits_outside_the_scheduler_while_its_grammar_compiles(tiny_model_path: Path):
     engine = tiny_engine(tiny_model_path)
     engine.generate([schema_request("enums-0.0", "enums")])  # the compiler exists, its tokenizer built

@@ -232,6 +232,7 @@ def test_bucketed_engine_matches_the_normal_path_token_for_token(tiny_model_path
     engine.scheduler.check_invariants()
 
 
+@pytest.mark.slow  # ~1 s: in the full suite, not the fast subset
 def test_configured_sizes_leave_larger_batches_unpadded_and_still_match(tiny_model_path: Path, normal_tokens):
     engine = LLMEngine(engine_settings(tiny_model_path, "on", cuda_graph_batch_sizes=[3, 5]))
     tokens, _ = run_trace(engine, make_trace())
@@ -239,6 +240,7 @@ def test_configured_sizes_leave_larger_batches_unpadded_and_still_match(tiny_mod
     assert set(engine.runner.graphs.steps_by_bucket) == {3, 5}
 
 
+@pytest.mark.slow  # in the full suite, not the fast subset
 def test_calibration_runs_through_the_bucketed_path(tiny_model_path: Path):
     from worker.engine.calibrate import calibrate
 

@@ -18,9 +18,10 @@ def make(stats: EngineStats = STEP, saturated: list[bool] | None = None) -> Serv
 def test_cold_capacity_comes_from_the_step_time_model():
     model = make()
     for _ in range(20):
-        model.observe_read(1, 56, 8)
-    # A seat holds a request for 9 steps; 64 seats × 64 tokens / 9 = 455 tokens a step, under the 512 budget.
-    tokens = 64 * 64 / 9
+        model.observe_read(1, 56, 16)
+    # A seat holds a request for 16 steps (its prefill samples the first token); 64 seats × 72 tokens / 16 =
+    # 288 tokens a step, under the 512 budget.
+    tokens = 64 * 72 / 16
     assert model.saturated_step_tokens() == pytest.approx(tokens)
     assert model.capacity_tokens_per_s() == pytest.approx(tokens / (0.05 + 0.001 * tokens))
     assert make(EngineStats()).capacity_tokens_per_s() is None  # nothing measured, no calibration: no guess
@@ -86,14 +87,17 @@ def test_service_time_at_the_batch_it_will_share():
     model = make(stats)
     model.observe_read(0, 56, 8)
     assert model.num_sharing(4) == 9
-    # Alone: one prefill step of 56 tokens and 8 decode steps of one, exactly, under the linear model.
-    assert model.service_s(56, 8, num_sharing=0) == pytest.approx(0.05 + 0.056 + 8 * (0.05 + 0.001))
-    # Beside 9 others: 10 seats, 64 / 9 tokens each a step.
-    assert model.service_s(56, 8, num_sharing=9) == pytest.approx(9 * (0.05 + 0.001 * 10 * 64 / 9))
-    # A full batch: the saturated step (455 tokens), however many more wait.
+    # Alone: one prefill step of 56 tokens, which samples the first token, and 7 decode steps: 8 steps of
+    # 64 / 8 tokens on average, the same under the linear model as 0.05 + 0.056 + 7 × (0.05 + 0.001) up to
+    # the one token the last step does not compute.
+    assert model.service_s(56, 8, num_sharing=0) == pytest.approx(8 * (0.05 + 0.001 * 64 / 8))
+    # Beside 9 others: 10 seats, 64 / 8 tokens each a step.
+    assert model.service_s(56, 8, num_sharing=9) == pytest.approx(8 * (0.05 + 0.001 * 10 * 64 / 8))
+    # A full batch: the saturated step (512 tokens: 64 seats of 8), however many more wait.
     t = model.saturated_step_tokens()
-    assert model.service_s(56, 8, num_sharing=500) == pytest.approx(9 * (0.05 + 0.001 * t))
-    assert model.service_s(1200, 8, num_sharing=500) == pytest.approx(11 * (0.05 + 0.001 * t))  # 3 prefill chunks
+    assert t == 512
+    assert model.service_s(56, 8, num_sharing=500) == pytest.approx(8 * (0.05 + 0.001 * t))
+    assert model.service_s(1200, 8, num_sharing=500) == pytest.approx(10 * (0.05 + 0.001 * t))  # 3 prefill chunks
     assert model.engine_tokens_ahead(2) == pytest.approx(2 * 64)  # no per-priority counts: all count
 
 
@@ -110,14 +114,14 @@ def test_only_more_urgent_engine_work_is_ahead():
     assert model.engine_waiting_by_priority() == [6, 0, 5]
 
 
-def test_priority_zero_is_admitted_on_the_squeezed_service():
+def test_protected_priorities_are_admitted_on_the_squeezed_service():
     from types import SimpleNamespace
 
-    model = make()
+    model = make(EngineStats(step_time_base_s=0.05, step_time_per_token_s=0.001, protected_priorities=2))
     model.observe_read(0, 56, 8)
     squeezed = model.squeezed_service_s(56, 8, num_sharing=100)
-    # Prefill beside 100 others, then 8 steps of a quarter of the 512-token budget (more than 64 decodes).
-    assert squeezed == pytest.approx((0.05 + 0.001 * 156) + 8 * (0.05 + 0.001 * 128))
+    # Prefill beside 100 others, then 7 steps of a quarter of the 512-token budget (more than 64 decodes).
+    assert squeezed == pytest.approx((0.05 + 0.001 * 156) + 7 * (0.05 + 0.001 * 128))
     assert squeezed < model.service_s(56, 8, num_sharing=100)
     # In a small batch the usual steps are already smaller than the squeezed ones.
     assert model.squeezed_service_s(56, 8, num_sharing=3) == model.service_s(56, 8, num_sharing=3)
@@ -128,7 +132,13 @@ def test_priority_zero_is_admitted_on_the_squeezed_service():
 
     assert model.service_for(queued(0, 10_000), 100) == squeezed
     assert model.service_for(queued(0, None), 100) == model.service_s(56, 8, 100)  # no deadline, no squeeze
-    assert model.service_for(queued(1, 10_000), 100) == model.service_s(56, 8, 100)
+    assert model.service_for(queued(1, 10_000), 100) == squeezed
+    # The bulk priority, which the engine does not protect, is admitted on full steps.
+    assert model.service_for(queued(2, 10_000), 100) == model.service_s(56, 8, 100)
+    # An engine that protects nothing (or does not say so): no squeeze for anyone.
+    unprotected = make()
+    unprotected.observe_read(0, 56, 8)
+    assert unprotected.service_for(queued(0, 10_000), 100) == unprotected.service_s(56, 8, 100)
 
 
 def test_a_busy_engine_takes_new_requests_between_steps():

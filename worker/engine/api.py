@@ -12,9 +12,6 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 
-PROTECTED_PRIORITY = 0
-"""Requests of this priority or a more urgent one get deadline-aware step sizes in the engine (scheduler.py):
-steps shrink so that their deadlines hold. The transport admits them on that promise (service_model.py)."""
 MIN_BUDGET_FRACTION = 0.25
 """Deadline-aware steps keep at least this share of max_num_batched_tokens (small steps cost throughput)."""
 MAX_TOP_LOGPROBS = 20
@@ -170,6 +167,8 @@ class EngineStats:
     step_time_per_token_s: float = 0.0
     max_model_len: int = 0
     """Prompt + max_new_tokens the engine accepts (0: unknown); longer requests end in prompt_too_long."""
+    protected_priorities: int = 0
+    """Priorities below this get deadline-aware step sizes (scheduler.py), so admission may count on them."""
 
 
 class Engine(Protocol):

@@ -434,6 +434,7 @@ class LLMEngine:
             step_time_base_s=base,
             step_time_per_token_s=per_token,
             max_model_len=self.scheduler.max_model_len,
+            protected_priorities=self.scheduler.protected_priorities,
         )
 
     def generate(self, requests: list[EngineRequest]) -> dict[str, Completion]:

@@ -17,15 +17,16 @@ num_tokens (prompt + output), and a step computes some of the difference. One lo
      smallest size deadline-aware steps go down to.
 Deadline-aware step size: when the engine's step-time model is given (`step_cost`: base seconds + seconds per
 token), the step's token budget shrinks, if need be, so that every running request of a protected priority
-(<= PROTECTED_PRIORITY: the most urgent) with a deadline can still produce its remaining tokens in time (with
-DEADLINE_STEP_SAFETY to spare): a step of T tokens takes about base + per_token × T, so a request with r
-tokens left and s seconds to go needs steps of at most s / r. Never below max(len(running) + 1,
-max_num_batched_tokens × MIN_BUDGET_FRACTION), since small steps cost throughput (each pays the base), and a
-request that cannot be saved even then does not shrink the others' steps. Less urgent requests are not
-protected this way (they were admitted on full-size steps, and protecting each near its deadline would
-starve the batch: fewer tokens a step, so later starts, so more to protect); a deadline stops them. On a CPU,
-where a step's time grows with its tokens, this keeps an urgent request's latency within its deadline while
-long prefills queue.
+(priority < EngineSettings.protected_priorities: 0 and 1 by default) with a deadline can still produce its
+remaining tokens in time (with DEADLINE_STEP_SAFETY to spare): a step of T tokens takes about base +
+per_token × T, so a request with r tokens left and s seconds to go needs steps of at most s / r. Never below
+max(len(running) + 1, max_num_batched_tokens × MIN_BUDGET_FRACTION), since small steps cost throughput (each
+pays the base), and a request that cannot be saved even then does not shrink the others' steps. The bulk
+priority is not protected this way (it is admitted on full-size steps, and protecting every request near its
+deadline would starve the batch: fewer tokens a step, so later starts, so more to protect); a deadline stops
+it. On a CPU, where a step's time grows with its tokens, this keeps an urgent request's latency within its
+deadline while long prefills queue: on a slow float32 CPU a full 512-token step took 2.5 s, so a request of
+9 steps could not meet a 20 s deadline on full steps at all.
 `update()` then appends the sampled tokens, advances num_computed_tokens and applies stop conditions.
 Times are time.monotonic() seconds; every method takes `now` so tests are deterministic.
 """
@@ -36,7 +37,7 @@ import time
 from collections.abc import Iterable
 
 from worker.config import EngineSettings
-from worker.engine.api import MIN_BUDGET_FRACTION, PROTECTED_PRIORITY
+from worker.engine.api import MIN_BUDGET_FRACTION
 from worker.engine.block_pool import BlockPool
 from worker.engine.policies import AdmissionPolicy, WaitingQueue
 from worker.engine.request import Request, RequestStatus
@@ -53,6 +54,7 @@ class Scheduler:
         self.block_size = settings.block_size
         self.max_num_batched_tokens = settings.max_num_batched_tokens
         self.max_num_seqs = settings.max_num_seqs
+        self.protected_priorities = settings.protected_priorities
         # A request alone must always fit the pool, or preempting it would never help: cap its length there.
         self.max_model_len = min(max_model_len, num_blocks * settings.block_size)
         self.pool = BlockPool(num_blocks, settings.block_size, settings.enable_prefix_caching)
@@ -148,8 +150,12 @@ class Scheduler:
             self._finish(request, RequestStatus.FINISHED_DEADLINE, now, in_queue=False)
             output.deadline_dropped.append(request)
         # Work nobody can use any more: a request that ran (running, or preempted and waiting again) stops at
-        # the first step past its deadline and ends with what it generated so far.
-        started = [r for r in self.running if r.deadline is not None and r.deadline <= now]
+        # the first step past its deadline and ends with what it generated so far; so does a running one that
+        # could not produce its remaining tokens in time even on the smallest steps the engine takes (it would
+        # finish late, or be stopped later, its compute wasted either way).
+        fastest = step_cost[0] + step_cost[1] * self.min_budget()
+        started = [r for r in self.running if r.deadline is not None and r.deadline <= now
+                   + fastest * (r.sampling.max_new_tokens - r.num_output_tokens)]
         started += [r for r in self.waiting if r.status is RequestStatus.PREEMPTED and r.deadline is not None
                     and r.deadline <= now]
         for request in started:
@@ -263,15 +269,18 @@ class Scheduler:
             return budget
         floor = self.min_budget()
         for request in self.running:
-            if request.deadline is None or request.priority > PROTECTED_PRIORITY:
+            if request.deadline is None or request.priority >= self.protected_priorities:
                 continue
             left = request.sampling.max_new_tokens - request.num_output_tokens
             slack = request.deadline - now
             if left <= 0 or slack <= 0:
                 continue
             tokens = int((slack * DEADLINE_STEP_SAFETY / left - base) / per_token)
-            if tokens >= floor:  # below the floor it cannot be saved by smaller steps: it does not count
+            if tokens >= floor:
                 budget = min(budget, tokens)
+            elif left * (base + per_token * floor) <= slack:  # in time on the smallest steps, without the margin
+                budget = floor
+            # else it cannot be saved by smaller steps: it does not count (schedule() stops it)
         return budget
 
     def _leader_prefilling(self, request: Request) -> bool:
@@ -289,9 +298,11 @@ class Scheduler:
     def _cannot_finish(self, request: Request, now: float, step_cost: tuple[float, float], next_tokens: int) -> bool:
         base, per_token = step_cost
         if request.deadline is None or base + per_token <= 0.0 or request.first_scheduled_time is not None:
-            return False  # a request that ran already keeps going until its deadline (its work is sunk)
-        tokens = self.min_budget() if request.priority <= PROTECTED_PRIORITY else next_tokens
-        num_steps = -(-request.num_prompt_tokens // self.max_num_batched_tokens) + request.sampling.max_new_tokens
+            return False  # a request that ran already is judged among the running (schedule())
+        tokens = self.min_budget() if request.priority < self.protected_priorities else next_tokens
+        # Its prefill step(s), the last of which samples the first token, then a decode step per token left.
+        num_steps = (-(-request.num_prompt_tokens // self.max_num_batched_tokens)
+                     + max(0, request.sampling.max_new_tokens - 1))
         return now + num_steps * (base + per_token * tokens) > request.deadline
 
     def update(

@@ -6,14 +6,15 @@ Order of checks for a decoded request (decode errors are handled by schemas.deco
    `reply_topic_not_allowed` (answered on the result topic, never on the topic the sender named).
 2. deadline: already past, or unreachable by estimate, gives `rejected` / `deadline`. The estimate
    (service_model.py) is the queue wait (tokens ahead of it in the local queue and the engine's waiting
-   queue / the saturated capacity in tokens per second) + its prefill + max_new_tokens decode steps at the
+   queue / the saturated capacity in tokens per second) + its prefill + max_new_tokens - 1 decode steps at the
    step time the engine will run, with a safety margin: the prediction × DEADLINE_SAFETY_FACTOR +
    DEADLINE_SAFETY_S must fit before the deadline. Checked at intake, and again when the request leaves the
    local queue for the engine (its service alone, then). A request that would finish late is refused before it
    costs compute: its tokens would be wasted. With no estimate at all (an engine that has measured nothing)
-   only the queue wait is taken as 0. The most urgent priority (0) is admitted on the shortest service the
-   engine can give (ServiceModel.squeezed_service_s): the scheduler shrinks its steps for a running request
-   whose deadline needs it, at the expense of less urgent work's throughput.
+   only the queue wait is taken as 0. The protected priorities (EngineSettings.protected_priorities: 0 and 1 by
+   default) are admitted on the shortest service the engine can give (ServiceModel.squeezed_service_s): the
+   scheduler shrinks its steps for a running request whose deadline needs it, at the expense of the bulk
+   priority's throughput.
 3. latency target (when moving a request from the local queue into the engine's batch): it is held back
    while admitting it would push the predicted step time past the inter-token latency target of a running
    request that is more urgent. With nothing more urgent running, a request is always admitted, so holding

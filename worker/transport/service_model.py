@@ -15,15 +15,16 @@ Capacity, in tokens per second when the engine is saturated:
   step-time model's capacity (MIN_MEASURED_FRACTION).
 - before that (a cold worker): the engine's step-time model, calibrated at start-up (worker/engine/
   calibrate.py), at the step size a saturated engine runs for the average request of the backlog (P prompt
-  and O output tokens): each request holds a seat for O + 1 steps (its prefill, then O decodes) and the batch
-  holds max_num_seqs seats, so a step carries T = min(max_num_batched_tokens, max_num_seqs × (P + O) / (O + 1))
-  tokens and capacity = T / step_time(T).
+  and O output tokens): each request holds a seat for O steps (its prefill, which samples the first output
+  token, then O - 1 decodes) and the batch holds max_num_seqs seats, so a step carries T =
+  min(max_num_batched_tokens, max_num_seqs × (P + O) / O) tokens and capacity = T / step_time(T).
 
-A new request's queue wait = the tokens ahead of it / capacity. Its service = its prefill step(s) + O decode
-steps, each at the step time of the batch it will share: n requests (those running, waiting in the engine and
-ahead of it locally, and itself, at most max_num_seqs) carry T(n) = min(max_num_batched_tokens,
-n × (P + O) / (O + 1)) tokens a step. For n = 1 this is exact under the linear step-time model (one prefill
-step of P tokens and O decode steps of one cost (O + 1) × base + (P + O) × per_token); for n = max_num_seqs it
+A new request's queue wait = the tokens ahead of it / capacity. Its service = its prefill step(s) + O - 1
+decode steps, each at the step time of the batch it will share: n requests (those running, waiting in the
+engine and ahead of it locally, and itself, at most max_num_seqs) carry T(n) = min(max_num_batched_tokens,
+n × (P + O) / O) tokens a step. For n = 1 this is exact under the linear step-time model (one prefill step of
+P tokens and O - 1 decode steps of one cost O × base + (P + O - 1) × per_token, P + O tokens up to one); for
+n = max_num_seqs it
 is the saturated step above. Counting the requests ahead, not only those running, matters on a CPU, where a
 step's time grows with its tokens: a burst admitted into an idle engine soon shares full steps.
 """
@@ -34,7 +35,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from worker.engine.api import MIN_BUDGET_FRACTION, PROTECTED_PRIORITY, EngineStats
+from worker.engine.api import MIN_BUDGET_FRACTION, EngineStats
 from worker.transport.shedding import CompletionRate
 
 
@@ -139,7 +140,7 @@ class ServiceModel:
     def step_tokens(self, num_requests: float) -> float:
         """Tokens a step carries with num_requests requests sharing the batch (capped at max_num_seqs)."""
         prompt, output = self._prompt.get(0.0), self._output.get(0.0)
-        per_seat = (prompt + output) / (output + 1.0) if prompt + output > 0 else 1.0
+        per_seat = (prompt + output) / max(output, 1.0) if prompt + output > 0 else 1.0
         seats = max(1.0, min(float(self.max_num_seqs), num_requests))
         return max(1.0, min(float(self.max_num_batched_tokens), seats * per_seat))
 
@@ -179,9 +180,11 @@ class ServiceModel:
         """From its first step to its last, with max_new_tokens output tokens (the longest it can run), beside
         num_sharing other requests (running, waiting in the engine, ahead of it locally)."""
         prompt = self.expected_prompt(estimated_prompt_tokens)
-        # A prompt longer than the token budget is prefilled in chunks, one step each.
+        # A prompt longer than the token budget is prefilled in chunks, one step each; the last samples the
+        # first output token.
         prefill_steps = max(1, math.ceil(prompt / self.max_num_batched_tokens))
-        return (prefill_steps + max_new_tokens) * self.step_time_s(self.step_tokens(num_sharing + 1))
+        num_steps = prefill_steps + max(0, max_new_tokens - 1)
+        return num_steps * self.step_time_s(self.step_tokens(num_sharing + 1))
 
     def squeezed_service_s(self, estimated_prompt_tokens: int, max_new_tokens: int, num_sharing: int) -> float:
         """The shortest service the engine can give a protected request: its deadline-aware step sizing
@@ -191,14 +194,14 @@ class ServiceModel:
         prefill = self.step_time_s(min(prompt, self.max_num_batched_tokens) + num_sharing)
         prefill_steps = max(1, math.ceil(prompt / self.max_num_batched_tokens))
         smallest = max(min(self.max_num_seqs, num_sharing + 1), self.max_num_batched_tokens * MIN_BUDGET_FRACTION)
-        squeezed = prefill_steps * prefill + max_new_tokens * self.step_time_s(smallest)
+        squeezed = prefill_steps * prefill + max(0, max_new_tokens - 1) * self.step_time_s(smallest)
         return min(squeezed, self.service_s(estimated_prompt_tokens, max_new_tokens, num_sharing))
 
     def service_for(self, queued, num_sharing: int) -> float:
-        """A queued request's service for admission: the usual estimate; for priority 0 with a deadline, the
-        squeezed one (admission.py)."""
+        """A queued request's service for admission: the usual estimate; for a priority the engine protects
+        (EngineStats.protected_priorities) with a deadline, the squeezed one (admission.py)."""
         prompt, max_new = queued.num_prompt_tokens, queued.request.max_new_tokens
-        if queued.priority <= PROTECTED_PRIORITY and queued.deadline_ms is not None:
+        if queued.priority < self.engine_stats().protected_priorities and queued.deadline_ms is not None:
             return self.squeezed_service_s(prompt, max_new, num_sharing)
         return self.service_s(prompt, max_new, num_sharing)
 
