@@ -257,6 +257,34 @@ def test_a_protected_request_is_started_on_the_promise_of_smaller_steps():
     scheduler.check_invariants()
 
 
+def test_the_step_that_prefills_an_urgent_request_is_small_too():
+    scheduler = make_scheduler(num_blocks=256, max_num_batched_tokens=512)
+    cost = (0.01, 0.0005)
+    scheduler.add_request(make_request("long", 600, 4, priority=2))  # would fill a whole step
+    urgent = make_request("urgent", 4, 10, priority=0, arrival_time=0.1, deadline=1.0)
+    scheduler.add_request(urgent)
+    # Waiting, it needs 10 steps (a prefill that samples its first token, 9 decodes): 0.8 × 1 s / 10 = 80 ms
+    # a step, at most 140 tokens; the long prompt takes the rest of that step after the urgent one's 4.
+    output = scheduler.schedule(0.0, step_cost=cost)
+    assert output.num_batched_tokens == 140 and sorted(scheduled_ids(output)) == ["long", "urgent"]
+    scheduler.check_invariants()
+
+
+def test_below_the_most_urgent_priority_a_protected_request_starts_only_with_the_margin():
+    scheduler = make_scheduler(max_num_seqs=4, max_num_batched_tokens=512)
+    # 11 steps (a prefill that samples the first of 11 tokens, 10 decodes) of at least a quarter budget
+    # (128 tokens): 11 × 0.2128 = 2.34 s; 2.5 s fit, but not with the step sizing's 20 % to spare.
+    cost = (0.2, 0.0001)
+    urgent = make_request("urgent", 4, 11, priority=0, deadline=2.5)
+    second = make_request("second", 4, 11, priority=1, arrival_time=0.1, deadline=2.5)
+    roomy = make_request("roomy", 4, 11, priority=1, arrival_time=0.2, deadline=3.0)
+    for request in (urgent, second, roomy):
+        scheduler.add_request(request)
+    output = scheduler.schedule(0.0, step_cost=cost)
+    assert output.deadline_dropped == [second] and sorted(scheduled_ids(output)) == ["roomy", "urgent"]
+    scheduler.check_invariants()
+
+
 def test_steps_shrink_so_a_running_request_keeps_its_deadline():
     scheduler = make_scheduler(num_blocks=256, max_num_batched_tokens=512)
     runner = FakeRunner(256, 4)
@@ -273,8 +301,9 @@ def test_steps_shrink_so_a_running_request_keeps_its_deadline():
     assert scheduler.deadline_budget(0.0, (0.0, 0.0)) == 512  # no step-time model: the full budget
     # A request that cannot be saved even by the smallest step (a quarter of the budget) shrinks nothing.
     assert scheduler.deadline_budget(0.5, cost) == 512
-    # One that fits on the smallest steps only without the margin gets them (8 × 74 ms = 0.59 s of 0.65 s).
-    assert scheduler.deadline_budget(0.35, cost) == 128
+    # Nor one that would fit on the smallest steps only without the margin (8 × 74 ms = 0.59 s of 0.65 s):
+    # steps at the floor for it alone cost every other request a third of its throughput.
+    assert scheduler.deadline_budget(0.35, cost) == 512
     # Only the protected priorities (0 and 1 by default) are: a bulk request near its deadline is not.
     urgent.priority = 1  # (8 tokens left now: 0.8 × 1 s / 8 = 100 ms a step, 180 tokens)
     assert scheduler.deadline_budget(0.0, cost) == 180

@@ -33,6 +33,7 @@ Times are time.monotonic() seconds; every method takes `now` so tests are determ
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterable
 
@@ -268,19 +269,21 @@ class Scheduler:
         if per_token <= 0.0:
             return budget
         floor = self.min_budget()
-        for request in self.running:
+        for request in itertools.chain(self.running, self.waiting):
             if request.deadline is None or request.priority >= self.protected_priorities:
                 continue
+            # Steps it still needs: one per token left; one waiting to start needs its prefill step(s) first,
+            # the last of which samples its next token. Counting those that wait keeps the step that prefills
+            # an urgent request small too, not only the steps after it.
             left = request.sampling.max_new_tokens - request.num_output_tokens
+            if request.status is not RequestStatus.RUNNING:
+                left += -(-request.num_tokens // self.max_num_batched_tokens) - 1
             slack = request.deadline - now
             if left <= 0 or slack <= 0:
                 continue
             tokens = int((slack * DEADLINE_STEP_SAFETY / left - base) / per_token)
-            if tokens >= floor:
+            if tokens >= floor:  # below the floor it cannot be saved by smaller steps: it does not count
                 budget = min(budget, tokens)
-            elif left * (base + per_token * floor) <= slack:  # in time on the smallest steps, without the margin
-                budget = floor
-            # else it cannot be saved by smaller steps: it does not count (schedule() stops it)
         return budget
 
     def _leader_prefilling(self, request: Request) -> bool:
@@ -299,11 +302,18 @@ class Scheduler:
         base, per_token = step_cost
         if request.deadline is None or base + per_token <= 0.0 or request.first_scheduled_time is not None:
             return False  # a request that ran already is judged among the running (schedule())
-        tokens = self.min_budget() if request.priority < self.protected_priorities else next_tokens
         # Its prefill step(s), the last of which samples the first token, then a decode step per token left.
         num_steps = (-(-request.num_prompt_tokens // self.max_num_batched_tokens)
                      + max(0, request.sampling.max_new_tokens - 1))
-        return now + num_steps * (base + per_token * tokens) > request.deadline
+        if request.priority >= self.protected_priorities:
+            return now + num_steps * (base + per_token * next_tokens) > request.deadline
+        # A protected request is started on the promise of the smallest steps. Below the most urgent priority
+        # only with the margin the step sizing keeps: one started at the edge is likely to be stopped a few
+        # steps later, its prefill wasted (schedule()); the most urgent priority's deadline comes first.
+        slack = request.deadline - now
+        if request.priority > 0:
+            slack *= DEADLINE_STEP_SAFETY
+        return num_steps * (base + per_token * self.min_budget()) > slack
 
     def update(
         self, output: SchedulerOutput, sampled_token_ids: dict[str, int], now: float | None = None

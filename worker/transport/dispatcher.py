@@ -138,7 +138,7 @@ class Dispatcher:
         if now_ms >= queued.deadline_ms:
             return Verdict("rejected", "deadline", "deadline passed while waiting in the local queue")
         service = self.service.service_for(queued, self.service.num_sharing())
-        return self.admission.check_deadline(queued.deadline_ms, now_ms, 0.0, service)
+        return self.admission.check_deadline(queued.deadline_ms, now_ms, 0.0, service, queued.priority)
 
     def _has_room(self, priority: int) -> bool:
         """Below the cap, or past it while less urgent requests hold places in the engine: the engine's

@@ -334,7 +334,7 @@ class Intake:
         now_ms = time.time() * 1000.0
         queued.predicted_queue_ms = max(0.0, now_ms - queued.timestamp_ms) + (wait or 0.0) * 1000.0
         queued.predicted_e2e_ms = queued.predicted_queue_ms + service * 1000.0
-        return self.admission.check_deadline(queued.deadline_ms, now_ms, wait, service)
+        return self.admission.check_deadline(queued.deadline_ms, now_ms, wait, service, queued.priority)
 
     # -- load ----------------------------------------------------------------------------------------------
     async def lag_by_priority(self) -> list[int]:
