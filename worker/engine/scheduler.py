@@ -269,7 +269,7 @@ class Scheduler:
         if per_token <= 0.0:
             return budget
         floor = self.min_budget()
-        for request in itertools.chain(self.running, self.waiting):
+        for request in itertools.chain(self.running, self._protected_waiting()):
             if request.deadline is None or request.priority >= self.protected_priorities:
                 continue
             # Steps it still needs: one per token left; one waiting to start needs its prefill step(s) first,
@@ -285,6 +285,14 @@ class Scheduler:
             if tokens >= floor:  # below the floor it cannot be saved by smaller steps: it does not count
                 budget = min(budget, tokens)
         return budget
+
+    def _protected_waiting(self) -> Iterable[Request]:
+        """Waiting requests of the protected priorities; the queue is in priority order except under the static
+        policy, so the less urgent rest is not walked at every step."""
+        for request in self.waiting:
+            if request.priority >= self.protected_priorities and self.policy.name != "static":
+                return
+            yield request
 
     def _leader_prefilling(self, request: Request) -> bool:
         """Whether `request` waits for its prefix leader (a sibling completion of the same prompt) to compute
