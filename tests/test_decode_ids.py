@@ -162,6 +162,7 @@ json_values = st.recursive(
 
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(keys, json_values), max_size=6), st.booleans(), st.sampled_from([None, 1]))
+@pytest.mark.slow  # ~1.6 s of hypothesis examples: in the full suite, not the fast subset
 def test_the_scan_finds_what_a_json_parser_finds(members, ensure_ascii, indent):
     # Duplicate keys allowed: the first "id" member counts, and only when its value is a string.
     def dumps(value) -> str:

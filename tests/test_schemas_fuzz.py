@@ -8,6 +8,7 @@ import json
 import re
 
 import jsonschema
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -25,6 +26,8 @@ from schemas import export
 from schemas.limits import MAX_ID_CHARS
 from schemas.request import (ID_PATTERN, GrammarFormat, JsonObjectFormat, JsonSchemaFormat, JsonSchemaSpec,
                              RegexFormat, TextFormat)
+
+pytestmark = pytest.mark.slow  # ~5 s of hypothesis examples: in the full suite, not the fast subset
 
 # Drawing a whole request costs hypothesis ~7 ms, so the request-based properties run fewer examples to keep the
 # schemas suite under 10 s; raw bytes are cheap.

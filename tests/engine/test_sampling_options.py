@@ -11,6 +11,8 @@ from worker.config import EngineSettings
 from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.engine import LLMEngine
 
+pytestmark = pytest.mark.slow  # ~4 s (an engine per test): in the full suite, not the fast subset
+
 PROMPTS = [[300 + 17 * i for i in range(12)], [1000, 1001, 1002, 1000, 1001], [4242] * 3 + [77, 78, 79, 80]]
 
 

@@ -55,6 +55,7 @@ def assert_valid(completions: dict, requests: list[EngineRequest]) -> None:
         jsonschema.validate(json.loads(done.text), SCHEMAS[name])
 
 
+@pytest.mark.slow  # ~2 s: in the full suite, not the fast subset
 def test_constrained_and_free_requests_share_steps_and_free_ones_are_unchanged(tiny_model_path: Path):
     engine = tiny_engine(tiny_model_path)
     alone = {k: v.token_ids for k, v in engine.generate(free_requests()).items()}

@@ -220,6 +220,7 @@ def normal_tokens(tiny_model_path: Path) -> dict[str, list[int]]:
     return tokens
 
 
+@pytest.mark.slow  # ~3 s: in the full suite, not the fast subset
 def test_bucketed_engine_matches_the_normal_path_token_for_token(tiny_model_path: Path, normal_tokens):
     engine = LLMEngine(engine_settings(tiny_model_path, "on"))
     tokens, num_steps = run_trace(engine, make_trace())

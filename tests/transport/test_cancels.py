@@ -213,6 +213,7 @@ async def test_every_completion_of_a_request_with_n_stops_and_the_request_ends_c
     assert finals[-1].usage.completion_tokens == 2 and len(streamer) == 0
 
 
+@pytest.mark.slow  # ~1.2 s: in the full suite, not the fast subset
 async def test_an_aborts_final_reaches_the_loop_before_the_next_step_ends():
     """A cancel's final goes out as soon as the engine thread applied the abort, not with the next step's outputs."""
     import asyncio

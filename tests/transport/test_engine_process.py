@@ -17,6 +17,8 @@ from worker.engine.api import EngineRequest, SamplingParams
 from worker.serve import build_engine
 from worker.transport.engine_process import EngineProcess
 
+pytestmark = pytest.mark.slow  # starts engine processes: in the full suite, not the fast subset
+
 
 def spawn_instant() -> EngineProcess:
     return EngineProcess.spawn(functools.partial(build_engine, "instant", EngineSettings(max_num_seqs=8), 1.0))

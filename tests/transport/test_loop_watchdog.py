@@ -8,6 +8,9 @@ import logging
 import time
 
 from worker.transport.loop_watchdog import LoopWatchdog
+import pytest
+
+pytestmark = pytest.mark.slow  # waits out a 1 s stall: in the full suite, not the fast subset
 
 
 def block_the_loop_for(seconds: float) -> None:
