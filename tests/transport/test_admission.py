@@ -20,13 +20,13 @@ def test_reply_topic_allow_list():
 
 def test_deadline_passed_or_unreachable_is_rejected():
     admission = make()
-    assert admission.check_deadline(None, 1000.0, 5.0, 5.0) is None
+    assert admission.check_deadline(None, 1000.0, 5.0, 5.0, 1) is None
     margin_ms = (0.9 * DEADLINE_SAFETY_FACTOR + DEADLINE_SAFETY_S) * 1000  # a 0.9 s prediction with its margin
-    assert admission.check_deadline(round(1000 + margin_ms + 1), 1000.0, 0.5, 0.4) is None
-    passed = admission.check_deadline(900, 1000.0, 0.0, 0.0)
+    assert admission.check_deadline(round(1000 + margin_ms + 1), 1000.0, 0.5, 0.4, 1) is None
+    passed = admission.check_deadline(900, 1000.0, 0.0, 0.0, 1)
     assert (passed.status, passed.reason) == ("rejected", "deadline")
     # 0.9 s fits in the 1.0 s left, but not with the margin: refused before it costs compute.
-    unreachable = admission.check_deadline(2000, 1000.0, 0.5, 0.4)
+    unreachable = admission.check_deadline(2000, 1000.0, 0.5, 0.4, 1)
     assert unreachable.reason == "deadline" and "900 ms" in unreachable.message and "queue 500 ms" in unreachable.message
     # The most urgent priority is refused only past a tighter margin: 6 s of 7.1 s left fit 6 × 1.1 + 0.25,
     # not 6 × 1.2 + 0.25.

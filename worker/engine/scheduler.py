@@ -26,7 +26,7 @@ priority is not protected this way (it is admitted on full-size steps, and prote
 deadline would starve the batch: fewer tokens a step, so later starts, so more to protect); a deadline stops
 it. On a CPU, where a step's time grows with its tokens, this keeps an urgent request's latency within its
 deadline while long prefills queue: on a slow float32 CPU a full 512-token step took 2.5 s, so a request of
-9 steps could not meet a 20 s deadline on full steps at all.
+8 steps could not meet a 20 s deadline on full steps at all.
 `update()` then appends the sampled tokens, advances num_computed_tokens and applies stop conditions.
 Times are time.monotonic() seconds; every method takes `now` so tests are deterministic.
 """
@@ -155,8 +155,8 @@ class Scheduler:
         # could not produce its remaining tokens in time even on the smallest steps the engine takes (it would
         # finish late, or be stopped later, its compute wasted either way).
         fastest = step_cost[0] + step_cost[1] * self.min_budget()
-        started = [r for r in self.running if r.deadline is not None and r.deadline <= now
-                   + fastest * (r.sampling.max_new_tokens - r.num_output_tokens)]
+        started = [r for r in self.running
+                   if r.deadline is not None and r.deadline <= now + fastest * self._steps_left(r)]
         started += [r for r in self.waiting if r.status is RequestStatus.PREEMPTED and r.deadline is not None
                     and r.deadline <= now]
         for request in started:
@@ -272,12 +272,9 @@ class Scheduler:
         for request in itertools.chain(self.running, self._protected_waiting()):
             if request.deadline is None or request.priority >= self.protected_priorities:
                 continue
-            # Steps it still needs: one per token left; one waiting to start needs its prefill step(s) first,
-            # the last of which samples its next token. Counting those that wait keeps the step that prefills
-            # an urgent request small too, not only the steps after it.
-            left = request.sampling.max_new_tokens - request.num_output_tokens
-            if request.status is not RequestStatus.RUNNING:
-                left += -(-request.num_tokens // self.max_num_batched_tokens) - 1
+            # Counting those that wait keeps the step that prefills an urgent request small too, not only the
+            # steps after it.
+            left = self._steps_left(request)
             slack = request.deadline - now
             if left <= 0 or slack <= 0:
                 continue
@@ -285,6 +282,14 @@ class Scheduler:
             if tokens >= floor:  # below the floor it cannot be saved by smaller steps: it does not count
                 budget = min(budget, tokens)
         return budget
+
+    def _steps_left(self, request: Request) -> int:
+        """Steps a request still needs at most: one per output token left when it runs; one that waits (new or
+        preempted) needs its prefill step(s) first, the last of which samples its next token."""
+        left = request.sampling.max_new_tokens - request.num_output_tokens
+        if request.status is not RequestStatus.RUNNING:
+            left += -(-request.num_tokens // self.max_num_batched_tokens) - 1
+        return left
 
     def _protected_waiting(self) -> Iterable[Request]:
         """Waiting requests of the protected priorities; the queue is in priority order except under the static
@@ -310,9 +315,7 @@ class Scheduler:
         base, per_token = step_cost
         if request.deadline is None or base + per_token <= 0.0 or request.first_scheduled_time is not None:
             return False  # a request that ran already is judged among the running (schedule())
-        # Its prefill step(s), the last of which samples the first token, then a decode step per token left.
-        num_steps = (-(-request.num_prompt_tokens // self.max_num_batched_tokens)
-                     + max(0, request.sampling.max_new_tokens - 1))
+        num_steps = self._steps_left(request)
         if request.priority >= self.protected_priorities:
             return now + num_steps * (base + per_token * next_tokens) > request.deadline
         # A protected request is started on the promise of the smallest steps. Below the most urgent priority

@@ -79,8 +79,7 @@ class Admission:
         return Verdict("error", "reply_topic_not_allowed", f"reply topic {reply_topic!r} is not in the allow-list")
 
     def check_deadline(
-        self, deadline_ms: int | None, now_ms: float, est_queue_s: float | None, est_service_s: float,
-        priority: int = 1,
+        self, deadline_ms: int | None, now_ms: float, est_queue_s: float | None, est_service_s: float, priority: int
     ) -> Verdict | None:
         if deadline_ms is None:
             return None
