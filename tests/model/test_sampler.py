@@ -308,3 +308,28 @@ def test_the_cpu_draws_exp_gives_a_row_the_same_bits_wherever_it_sits(width, thr
             assert np.array_equal(together.view(np.uint32), alone[start:stop].view(np.uint32)), (start, stop)
     finally:
         torch.set_num_threads(before)
+
+
+@NUMPY_ONLY
+def test_the_cpu_top_k_selects_the_same_values_as_a_full_sort():
+    """sampler_numpy._top_sorted partitions int32 keys that order as the float32 logits do (negatives, -inf
+    masks, subnormals, both zeros, exact ties) and turns the selected keys back into the same floats."""
+    from worker.model.sampler_numpy import Scratch, _order_keys, _top_sorted
+
+    rng = np.random.default_rng(5)
+    rows, vocab = 40, 1024
+    a = (rng.standard_normal((rows, vocab)) * 4).astype(np.float32)
+    a[::3, ::2] = -np.inf  # grammar-masked rows
+    a[1] = np.round(a[1])  # many exact ties
+    a[2, :600] = -0.0
+    a[2, 600:] = 0.0
+    a[4, :] = -np.abs(a[4]) * 1e-40  # negative subnormals only
+    a[5, 7] = np.inf
+    specials = np.array([-np.inf, -3.5, -1e-45, -0.0, 0.0, 1e-45, 2.0, np.inf], dtype=np.float32)
+    keys = _order_keys(specials.view(np.int32), np.empty(len(specials), np.int32))
+    assert np.all(np.diff(keys) > 0)  # -0.0 gets a key just below 0.0, its only departure from the float order
+    assert np.array_equal(_order_keys(keys, np.empty_like(keys)).view(np.float32).view(np.int32),
+                          specials.view(np.int32))
+    for width in (1, 50, 128):
+        expected = np.sort(a, axis=1)[:, ::-1][:, :width]
+        assert np.array_equal(_top_sorted(a, width, Scratch()), expected), width

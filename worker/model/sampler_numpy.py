@@ -115,12 +115,23 @@ def _cumsum_(weights: np.ndarray) -> np.ndarray:  # [R, V] float32, in place
 
 def _top_sorted(a: np.ndarray, width: int, scratch: Scratch) -> np.ndarray:  # [R, width] largest, descending
     vocab = a.shape[1]
-    if width * 8 <= vocab:
-        part = scratch.get("partition", a.shape, a.dtype)
-        part[...] = a
-        part.partition(vocab - width, axis=1)
-        a = part[:, vocab - width :]
-    return np.sort(a, axis=1)[:, : -width - 1 : -1]
+    if width * 8 > vocab:
+        return np.sort(a, axis=1)[:, : -width - 1 : -1]
+    # Selected as int32 keys that order as the floats do: numpy partitions [256, 2048] int32 in ~0.67 ms against
+    # ~0.92 ms for a copy of the float32 logits (p10 of 500 on the AVX2 EPYC), the keys' three passes included.
+    keys = _order_keys(np.ascontiguousarray(a, dtype=np.float32).view(np.int32), scratch.get("keys", a.shape, np.int32))
+    keys.partition(vocab - width, axis=1)
+    top = np.sort(keys[:, vocab - width :], axis=1)[:, ::-1]
+    return _order_keys(top, np.empty(top.shape, np.int32)).view(np.float32)
+
+
+def _order_keys(bits: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """int32 keys in the order of the float32 values whose bits they are: a negative float's other 31 bits are
+    flipped (its magnitude grows as they do). Its own inverse: the keys of keys are the float's bits again. Only
+    -0.0 < 0.0 differs from the float order; both turn back into floats that compare and compute as equal."""
+    np.right_shift(bits, 31, out=out)
+    np.bitwise_and(out, 0x7FFFFFFF, out=out)
+    return np.bitwise_xor(out, bits, out=out)
 
 
 def _draw_cut_rows(a, divisor, k, top_p, u, nucleus_tiers, scratch) -> np.ndarray:
@@ -139,7 +150,9 @@ def _draw_cut_rows(a, divisor, k, top_p, u, nucleus_tiers, scratch) -> np.ndarra
         ordered = _top_sorted(a, max(width, int(k.max())), scratch)  # [R, K] raw logits, descending
         width = ordered.shape[1]
         weights = np.exp((ordered - ordered[:, :1]) / divisor, dtype=np.float64)  # [R, K] the first is 1
-        weights[np.arange(width)[None, :] >= np.where(k > 0, k, width)[:, None]] = 0.0  # top-k first
+        limit = np.where(k > 0, k, width)
+        if limit.min() < width:  # top-k first, for the rows whose k is below the widest
+            weights[np.arange(width)[None, :] >= limit[:, None]] = 0.0
         cumulative = np.cumsum(weights, axis=1)  # [R, K] sequential per row
         total = cumulative[:, -1] if row_mass is None else np.where(nucleus_only, row_mass, cumulative[:, -1])
         # A top-p-only row's nucleus must end inside this tier, or a wider tier decides.
