@@ -14,10 +14,15 @@ and status record, so a duplicate final cannot hide behind the client.
    drawn 10/30/60 %, timeout_ms 10/20/30 s; then until every request has its final record (at most the
    longest timeout + 60 s), a few seconds more for duplicates, and until the worker group's committed
    offsets reach the log end of every request partition.
+3. capacity again, after the overload phases (`--no-capacity-after` skips it). The floors and the factors'
+   rates use the first capacity; the report's drift table sets each phase's goodput beside both capacities
+   and beside the tokens per busy second its engine computed, so a machine that sped up or slowed down
+   between the phases shows as such instead of as a change of goodput.
 
 Text prompts of 16-64 words, max_new_tokens 8 with ignore_eos, stream false, seeded. Writes results.json,
 report.md and timeline-<factor>x.png to benchmarks/results/<date>-overload-control/ and exits 1 if a floor
-fails (benchmarks/overload_stats.py). About 4-6 minutes with the defaults; `--quick` (a 30 s capacity loop, 15 s per factor) 2-3.
+fails (benchmarks/overload_stats.py). About 5-7 minutes with the defaults on a fast CPU, 9-10 on a slow one;
+`--quick` (30 s capacity loops, 15 s per factor) 3-4.
 
     .venv/bin/python -m benchmarks.bench_overload --quick
 """
@@ -151,6 +156,12 @@ async def send_poisson(client: LLMClient, run: OverloadRun, rate: float, duratio
 
 STEADY_COMPLETIONS = 40
 """Completions the capacity loop wants after its first `concurrency` ones (the warm-up it does not count)."""
+STEADY_MIN_S = 30.0
+"""Seconds the capacity loop goes on sending after its `concurrency`-th completion, at least. Completions come in
+bursts, one per engine step (a step finishes every request whose last token it samples): on float32 on one
+EPYC core a step takes ~2.5 s, and the 40 completions alone spanned ~10 s, 4 steps. The span's ends cut bursts,
+so the two capacity phases of one run measured 3.48 and 4.61 req/s while the engine computed 192 tokens per busy
+second in both (benchmarks/results/2026-12-01-overload-epyc-f32-drift). 30 s is ~12 steps there."""
 CLOSED_LOOP_MAX_STRETCH = 4.0
 """The capacity loop sends for at most this many times --capacity-duration while it waits for them."""
 
@@ -159,9 +170,10 @@ async def send_closed_loop(client: LLMClient, run: OverloadRun, concurrency: int
                            rng: random.Random) -> float:
     """Keeps `concurrency` priority-0 requests without deadline outstanding for duration_s: each first final
     record sends the next. On a worker too slow to answer `concurrency` + STEADY_COMPLETIONS requests in that
-    time (float32 on one core of a 2-core EPYC: ~4 req/s) it goes on until it has, for at most
-    CLOSED_LOOP_MAX_STRETCH x duration_s, so the steady span after the first `concurrency` finals has completions to
-    count. Returns when sending stopped, in seconds since the phase's start."""
+    time, or to have answered the `concurrency`-th more than STEADY_MIN_S before its end (float32 on one core of
+    a 2-core EPYC: ~4 req/s), it goes on until both hold, for at most CLOSED_LOOP_MAX_STRETCH x duration_s, so
+    the steady span after the first `concurrency` finals has completions and steps to count. Returns when
+    sending stopped, in seconds since the phase's start."""
     answered: asyncio.Queue[str] = asyncio.Queue()
     run.final_listener = answered.put_nowait
     tasks: list[asyncio.Task] = []
@@ -176,13 +188,17 @@ async def send_closed_loop(client: LLMClient, run: OverloadRun, concurrency: int
     end, hard_end = start + duration_s, start + CLOSED_LOOP_MAX_STRETCH * duration_s
     wanted = concurrency + STEADY_COMPLETIONS
     num_answered = 0
+    warm_at = None  # when the concurrency-th final came
     try:
-        while (left := (end if num_answered >= wanted else hard_end) - time.monotonic()) > 0:
+        while (left := (max(end, warm_at + STEADY_MIN_S) if num_answered >= wanted else hard_end)
+               - time.monotonic()) > 0:
             try:
-                await asyncio.wait_for(answered.get(), left)
+                await asyncio.wait_for(answered.get(), min(left, hard_end - time.monotonic()))
             except TimeoutError:
                 break
             num_answered += 1
+            if num_answered == concurrency:
+                warm_at = time.monotonic()
             send_one()
     finally:
         run.final_listener = None
@@ -285,7 +301,40 @@ async def run_all(args: argparse.Namespace, threads: int, out_dir: Path) -> list
             phases.append(await run_phase(session.bootstrap, session.tmp, out_dir, args, threads, f"{factor:g}x",
                                           factor, capacity))
             print(render_phase(phases[-1]), flush=True)
+        if args.capacity is None and not args.no_capacity_after:
+            phases.append(await run_phase(session.bootstrap, session.tmp, out_dir, args, threads,
+                                          CAPACITY_AFTER, None, None))
+            print(render_phase(phases[-1]), flush=True)
     return phases
+
+
+CAPACITY_AFTER = "capacity-after"
+"""The name of the second capacity phase, measured after the overload phases."""
+
+
+def drift_rows(phases: list[dict]) -> list[list[str]]:
+    """Per phase: its goodput (req/s) and tokens per busy second, and each as a share of both capacity phases'.
+    Goodput ÷ capacity that follows the busy-second ratio says the machine's speed moved, not the scheduling."""
+    before = next((p for p in phases if p["name"] == "capacity"), None)
+    after = next((p for p in phases if p["name"] == CAPACITY_AFTER), None)
+    if before is None or after is None:
+        return []
+
+    def speed(phase: dict) -> float | None:
+        return (phase["summary"].get("engine") or {}).get("tokens_per_busy_s")
+
+    def ratio(a, b) -> str:
+        return _num(a / b if a is not None and b else None)
+
+    rows = []
+    for phase in phases:
+        factor = phase["factor"]
+        goodput = phase["capacity_per_s"] if factor is None else phase["summary"]["goodput"]["per_s"]
+        rows.append([phase["name"], _num(goodput), ratio(goodput, before["capacity_per_s"]),
+                     ratio(goodput, after["capacity_per_s"]),
+                     ratio(goodput, (before["capacity_per_s"] + after["capacity_per_s"]) / 2),
+                     _num(speed(phase), 0), ratio(speed(phase), speed(before)), ratio(speed(phase), speed(after))])
+    return rows
 
 
 # ---- report ------------------------------------------------------------------------------------------------
@@ -386,6 +435,16 @@ def render_report(results: dict) -> str:
         out.append(render_phase(phase))
         if phase["factor"] is not None:
             out += [f"![timeline]({phase['timeline']})", ""]
+    drift = drift_rows(results["phases"])
+    if drift:
+        out += ["## Drift: both capacities beside each phase", "",
+                "Goodput of an overload phase (req/s completed within deadline; a capacity phase: its capacity) "
+                "as a share of the capacity measured before the overload phases (what the floors use), after them, "
+                "and of their mean; and the engine's tokens per busy second (status records) against the "
+                "capacity phases'.", ""]
+        out += _table(["phase", "goodput (req/s)", "÷ capacity before", "÷ capacity after", "÷ their mean",
+                       "tokens / busy s", "÷ capacity before's", "÷ capacity after's"], drift)
+        out.append("")
     out += ["## Floors", ""]
     out += _table(["check", "phase", "measured", "floor", "pass", "note"],
                   [[f["check"], f["phase"], f["value"] if not isinstance(f["value"], float) else f"{f['value']:.3f}",
@@ -458,7 +517,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"requests the capacity loop keeps outstanding (default {CAPACITY_CONCURRENCY})")
     parser.add_argument("--capacity-duration", type=float,
                         help="seconds the capacity loop sends (default 50; --quick 30)")
-    parser.add_argument("--capacity", type=float, help="req/s: skip the capacity phase and use this")
+    parser.add_argument("--capacity", type=float, help="req/s: skip the capacity phases and use this")
+    parser.add_argument("--no-capacity-after", action="store_true",
+                        help="skip measuring capacity again after the overload phases")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: a 30 s capacity loop, 15 s per factor")
     parser.add_argument("--seed", type=int, default=0)
