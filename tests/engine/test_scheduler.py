@@ -301,9 +301,15 @@ def test_steps_shrink_so_a_running_request_keeps_its_deadline():
     assert scheduler.deadline_budget(0.0, (0.0, 0.0)) == 512  # no step-time model: the full budget
     # A request that cannot be saved even by the smallest step (a quarter of the budget) shrinks nothing.
     assert scheduler.deadline_budget(0.5, cost) == 512
-    # Nor one that would fit on the smallest steps only without the margin (8 × 74 ms = 0.59 s of 0.65 s):
-    # steps at the floor for it alone cost every other request a third of its throughput.
+    # One that fits on the smallest steps only without the margin (8 × 74 ms = 0.59 s of 0.65 s) gets steps at
+    # that floor if it is of priority 0 (it was started on that promise: _cannot_finish) ...
+    assert scheduler.deadline_budget(0.35, cost) == 128
+    # ... and shrinks nothing otherwise: steps at the floor for each such request would cost every other
+    # request a share of its throughput.
+    urgent.priority = 1
     assert scheduler.deadline_budget(0.35, cost) == 512
+    urgent.priority = 0
+    assert scheduler.deadline_budget(0.42, cost) == 512  # 0.58 s left: not even the floor saves it
     # Only the protected priorities (0 and 1 by default) are: a bulk request near its deadline is not.
     urgent.priority = 1  # (8 tokens left now: 0.8 × 1 s / 8 = 100 ms a step, 180 tokens)
     assert scheduler.deadline_budget(0.0, cost) == 180

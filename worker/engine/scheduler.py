@@ -21,7 +21,9 @@ token), the step's token budget shrinks, if need be, so that every running reque
 remaining tokens in time (with DEADLINE_STEP_SAFETY to spare): a step of T tokens takes about base +
 per_token × T, so a request with r tokens left and s seconds to go needs steps of at most s / r. Never below
 max(len(running) + 1, max_num_batched_tokens × MIN_BUDGET_FRACTION), since small steps cost throughput (each
-pays the base), and a request that cannot be saved even then does not shrink the others' steps. The bulk
+pays the base). A request that cannot be saved even then does not shrink the others' steps; one that can be
+saved there only without the margin gets steps at that floor if it is of priority 0 (it was started on that
+promise), and otherwise shrinks nothing. The bulk
 priority is not protected this way (it is admitted on full-size steps, and protecting every request near its
 deadline would starve the batch: fewer tokens a step, so later starts, so more to protect); a deadline stops
 it. On a CPU, where a step's time grows with its tokens, this keeps an urgent request's latency within its
@@ -279,8 +281,15 @@ class Scheduler:
             if left <= 0 or slack <= 0:
                 continue
             tokens = int((slack * DEADLINE_STEP_SAFETY / left - base) / per_token)
-            if tokens >= floor:  # below the floor it cannot be saved by smaller steps: it does not count
+            if tokens >= floor:
                 budget = min(budget, tokens)
+            elif request.priority == 0 and left * (base + per_token * floor) <= slack:
+                # The most urgent priority is started on the promise of the smallest steps without the margin
+                # (_cannot_finish); it keeps that promise while the margin is gone. (On the EPYC in float32 a
+                # priority-0 request that had waited ~1.5 s of its 10 s was otherwise left to full 2.5 s steps
+                # and stopped as hopeless 4 tokens in.) Other priorities get no such squeeze: below the floor
+                # they do not count, as smaller steps for each would cost every other request throughput.
+                budget = min(budget, floor)
         return budget
 
     def _steps_left(self, request: Request) -> int:
