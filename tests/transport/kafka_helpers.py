@@ -151,6 +151,12 @@ async def running_worker(kafka: KafkaSettings, settings: WorkerSettings, engine,
 
 def subprocess_env(kafka: KafkaSettings, **worker_env) -> dict[str, str]:
     env = dict(os.environ)
+    # Tests start several workers beside the broker and pytest on 2 cores. With torch's default of one OpenMP
+    # thread per core, two workers' threads spin against each other: in one fresh-clone run both calibrated
+    # the tiny model at ~480 ms a step (15 ms when alone), and the survivor of the SIGKILL test shed 30
+    # requests it could serve on that estimate. One thread each, as a deployment of several workers per host
+    # would be configured (README, "Scaling out and in").
+    env.setdefault("OMP_NUM_THREADS", "1")
     env.update({
         "KAFKA_BOOTSTRAP_SERVERS": kafka.bootstrap_servers, "KAFKA_REQUEST_TOPIC": kafka.request_topic,
         "KAFKA_RESULT_TOPIC": kafka.result_topic, "KAFKA_DEAD_LETTER_TOPIC": kafka.dead_letter_topic,
