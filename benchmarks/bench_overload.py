@@ -73,6 +73,33 @@ OFFSETS_WAIT_S = 15.0
 """How long the worker gets (commit interval, acknowledgements) to commit up to the log end."""
 
 
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def worker_thread_cpu(pid: int) -> tuple[float, float] | None:
+    """CPU seconds (user + system) of the process's thread named "engine" and of all its other threads, from
+    /proc/<pid>/task (Linux); None where that cannot be read (the process is gone, another OS)."""
+    engine = other = 0.0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = stat[stat.index("(") + 1: stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()  # fields[0] is the state, the 3rd field of stat
+        seconds = (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime: the 14th and 15th fields
+        if name == "engine":
+            engine += seconds
+        else:
+            other += seconds
+    return engine, other
+
+
 class OverloadRun(KafkaRun):
     """KafkaRun that keeps every final record and every status record of one phase, on the wall clock."""
 
@@ -81,6 +108,8 @@ class OverloadRun(KafkaRun):
         self.t0_wall = time.time()
         self.logs: dict[str, RequestLog] = {}
         self.raw_statuses: list[WorkerStatus] = []
+        self.raw_cpu: list[tuple[float, float] | None] = []
+        """(engine thread, other threads) CPU seconds of the worker when each status record was read."""
         self.num_answered = self.num_send_errors = 0
         self.final_listener: Callable[[str], None] | None = None
         """Called with the request id at each request's first final record (the capacity loop's trigger)."""
@@ -88,6 +117,7 @@ class OverloadRun(KafkaRun):
     def on_status(self, status: WorkerStatus) -> None:
         super().on_status(status)
         self.raw_statuses.append(status)
+        self.raw_cpu.append(worker_thread_cpu(self.proc.pid) if getattr(self, "proc", None) else None)
 
     def on_result(self, record: StreamChunk | FinalRecord, now: float) -> None:
         log = self.logs.get(record.id)
@@ -104,7 +134,7 @@ class OverloadRun(KafkaRun):
         if first and self.final_listener is not None:
             self.final_listener(record.id)
 
-    def sample(self, status: WorkerStatus) -> StatusSample:
+    def sample(self, status: WorkerStatus, cpu: tuple[float, float] | None = None) -> StatusSample:
         num_p, num_parts = self.kafka.num_priorities, self.kafka.num_request_partitions
         worker_paused = {priority_of_partition(p, num_parts, num_p) for p in status.paused_partitions
                          if 0 <= p < num_parts}
@@ -116,7 +146,7 @@ class OverloadRun(KafkaRun):
             [bool(p in entries and entries[p].shed) for p in range(num_p)],
             [entries[p].est_wait_s if p in entries else None for p in range(num_p)], status.num_running,
             status.num_preemptions, status.last_step_ms, status.num_steps, status.num_batched_tokens,
-            status.busy_ms)
+            status.busy_ms, *(cpu or (None, None)))
 
     @property
     def all_answered(self) -> bool:
@@ -143,14 +173,14 @@ async def submit(client: LLMClient, run: OverloadRun, request: GenerationRequest
 
 
 async def send_poisson(client: LLMClient, run: OverloadRun, rate: float, duration_s: float,
-                       rng: random.Random) -> None:
+                       rng: random.Random, timeouts: dict[int, float] = TIMEOUT_S) -> None:
     tasks, at_s, start = [], 0.0, time.monotonic()
     gaps = poisson_gaps(rate, rng)
     while (at_s := at_s + next(gaps)) < duration_s:
         await asyncio.sleep(max(0.0, start + at_s - time.monotonic()))
         priority = rng.choices(list(PRIORITY_MIX), weights=list(PRIORITY_MIX.values()))[0]
-        request = new_request(f"r{len(tasks):05d}", TIMEOUT_S[priority], rng)
-        tasks.append(asyncio.create_task(submit(client, run, request, priority, TIMEOUT_S[priority])))
+        request = new_request(f"r{len(tasks):05d}", timeouts[priority], rng)
+        tasks.append(asyncio.create_task(submit(client, run, request, priority, timeouts[priority])))
     await asyncio.gather(*tasks)
 
 
@@ -247,8 +277,8 @@ async def run_phase(bootstrap: str, log_dir: Path, out_dir: Path, args: argparse
                                                     args.capacity_duration, rng)
                 limit_s = 600.0
             else:
-                await send_poisson(client, run, rate, args.duration, rng)
-                limit_s = max(TIMEOUT_S.values()) + DRAIN_GRACE_S
+                await send_poisson(client, run, rate, args.duration, rng, timeouts(args))
+                limit_s = max(timeouts(args).values()) + DRAIN_GRACE_S
             window_s = args.duration if factor is not None else None
             try:
                 await run.wait_for(lambda: run.all_answered, "every final record", limit_s)
@@ -262,7 +292,7 @@ async def run_phase(bootstrap: str, log_dir: Path, out_dir: Path, args: argparse
         exit_code = await run.stop()
         shutil.copyfile(run.log_path, out_dir / f"worker-{name}.log")
     requests = list(run.logs.values())
-    statuses = [run.sample(s) for s in run.raw_statuses]
+    statuses = [run.sample(s, cpu) for s, cpu in zip(run.raw_statuses, run.raw_cpu)]
     finals_at = [r.final.at_s for r in requests if outcome(r) in (IN_TIME, LATE)]
     end_s = max([window_s or 0.0] + [f.at_s for r in requests for f in r.finals])
     if factor is None:
@@ -398,7 +428,10 @@ def render_phase(phase: dict) -> str:
         lines += [f"Engine over {engine['span_s']:.1f} s of the span measured above (from the status records): "
                   f"{engine['steps']} steps, {_num(engine['tokens_per_step'], 1)} tokens per step, "
                   f"{_num(engine['tokens_per_busy_s'], 0)} tokens per busy second, busy "
-                  f"{_num(100 * engine['busy_fraction'], 0)} % of the time.", ""]
+                  f"{_num(100 * engine['busy_fraction'], 0)} % of the time"
+                  + (f"; the worker's engine thread used {_num(engine['engine_cpu_per_s'])} CPU s per s, its other "
+                     f"threads (transport, Kafka I/O) {_num(engine['other_cpu_per_s'])}"
+                     if engine.get("engine_cpu_per_s") is not None else "") + ".", ""]
     offsets = ", ".join(f"p{p}: {c}/{e}" for p, (c, e) in phase["offsets"].items())
     lines += [f"Finals: {s['num_missing']} missing, {s['num_duplicate_finals']} duplicate within an attempt, "
               f"{s['num_redelivered']} redelivered (higher attempt). Committed / log end per request partition: "
@@ -428,7 +461,9 @@ def render_report(results: dict) -> str:
            f"(ignore_eos), stream false; priorities 0/1/2 drawn "
            f"{'/'.join(f'{100 * w:g}' for w in cfg['priority_mix'].values())} %, timeout_ms "
            f"{'/'.join(f'{t:g}' for t in cfg['timeout_s'].values())} s; backoff {'on' if cfg['backoff'] else 'off'}; seed {cfg['seed']}. Deadlines and "
-           f"e2e count from the submit call. Worker settings from the environment: {cfg['worker_env'] or 'none'}.",
+           f"e2e count from the submit call. Worker settings from the environment: {cfg['worker_env'] or 'none'}."
+           + (f" **Deadlines scaled × {cfg['deadline_scale']:g} (--deadline-scale): not the issue's workload.**"
+              if cfg.get("deadline_scale", 1.0) != 1.0 else ""),
            "", f"Capacity: {results['capacity_per_s']:.2f} req/s ("
            + ("given with --capacity" if cfg["capacity_given"] else "measured below") + ").", ""]
     for phase in results["phases"]:
@@ -509,6 +544,11 @@ def plot_timeline(phase: dict, capacity: float, path: Path) -> Path:
 # ---- command line --------------------------------------------------------------------------------------------
 
 
+def timeouts(args: argparse.Namespace) -> dict[int, float]:
+    """Each priority's timeout in seconds: TIMEOUT_S times --deadline-scale."""
+    return {p: t * args.deadline_scale for p, t in TIMEOUT_S.items()}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--factors", default="2,5", help="overload factors, comma-separated (default 2,5)")
@@ -523,6 +563,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: a 30 s capacity loop, 15 s per factor")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--deadline-scale", type=float, default=1.0, metavar="S",
+                        help="multiply every priority's timeout by S (default 1: the issue's 10/20/30 s). A machine "
+                             "S times slower than one the workload was sized for sees the same deadlines in steps "
+                             "with S; the floors are then checked on that workload, not the issue's")
     parser.add_argument("--no-backoff", action="store_true", help="the client ignores the workers' status")
     parser.add_argument("--threads", type=int, help="torch threads of the worker (default: settings.set_threads)")
     parser.add_argument("--bootstrap", help="use this broker instead of starting a local one")
@@ -577,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {"factors": args.factors, "duration_s": args.duration, "capacity_concurrency": args.capacity_concurrency,
                    "capacity_duration_s": args.capacity_duration,
                    "capacity_given": args.capacity, "seed": args.seed, "backoff": not args.no_backoff,
-                   "priority_mix": PRIORITY_MIX, "timeout_s": TIMEOUT_S, "prompt_words": PROMPT_WORDS,
+                   "priority_mix": PRIORITY_MIX, "timeout_s": timeouts(args), "deadline_scale": args.deadline_scale, "prompt_words": PROMPT_WORDS,
                    "max_new_tokens": MAX_NEW_TOKENS, "worker_env": worker_env},
         "capacity_per_s": capacity, "phases": phases, "floors": floors,
         "all_pass": all(f["pass"] for f in floors),

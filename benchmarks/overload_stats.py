@@ -91,6 +91,10 @@ class StatusSample:
     """Cumulative, like num_batched_tokens and busy_ms."""
     num_batched_tokens: int = 0
     busy_ms: float = 0.0
+    engine_cpu_s: float | None = None
+    """CPU seconds the worker's engine thread had used when the client read this record (/proc; cumulative)."""
+    other_cpu_s: float | None = None
+    """The same for all the worker's other threads together: the asyncio transport, the Kafka clients' I/O."""
 
 
 def outcome(r: RequestLog) -> str:
@@ -151,7 +155,8 @@ def goodput(requests: list[RequestLog], window_s: float) -> dict:
 
 def engine_summary(statuses: list[StatusSample], start_s: float, end_s: float) -> dict:
     """The engine's work between the status samples nearest start_s and end_s (cumulative counters): steps,
-    tokens per step, tokens per busy second and the share of the time it was busy. None where fewer than
+    tokens per step, tokens per busy second, the share of the time it was busy, and the CPU its thread and the
+    worker's other threads used per second of the span (where the samples carry it). None where fewer than
     two samples fall in the span."""
     inside = [s for s in statuses if start_s <= s.at_s <= end_s]
     if len(inside) < 2 or inside[-1].num_steps <= inside[0].num_steps:
@@ -162,8 +167,13 @@ def engine_summary(statuses: list[StatusSample], start_s: float, end_s: float) -
     tokens = last.num_batched_tokens - first.num_batched_tokens
     busy_s = (last.busy_ms - first.busy_ms) / 1000.0
     span_s = last.at_s - first.at_s
+    cpu = {}
+    for key in ("engine_cpu_s", "other_cpu_s"):
+        a, b = getattr(first, key), getattr(last, key)
+        cpu[key.replace("_cpu_s", "_cpu_per_s")] = (b - a) / span_s if a is not None and b is not None else None
     return {"span_s": span_s, "steps": steps, "tokens_per_step": tokens / steps,
-            "tokens_per_busy_s": tokens / busy_s if busy_s > 0 else None, "busy_fraction": busy_s / span_s}
+            "tokens_per_busy_s": tokens / busy_s if busy_s > 0 else None, "busy_fraction": busy_s / span_s,
+            **cpu}
 
 
 def wasted_tokens(requests: list[RequestLog]) -> dict:

@@ -1,6 +1,8 @@
 """The overload benchmark's arithmetic on hand-made records: outcomes, the per-priority table, goodput, wasted
 tokens, predicted vs actual, capacity, time series and floors."""
 
+import dataclasses
+
 import pytest
 
 from benchmarks.overload_stats import (
@@ -182,33 +184,39 @@ def test_engine_rates_come_from_the_cumulative_step_counters():
     assert summary["steps"] == 12 and summary["tokens_per_step"] == 1600 / 12
     assert summary["tokens_per_busy_s"] == 1600 / 2.4 and summary["busy_fraction"] == pytest.approx(0.8)
     assert engine_summary(statuses, 3.0, 4.0)["steps"] is None  # one sample: no interval
+    assert summary["engine_cpu_per_s"] is None  # samples without CPU readings
+    with_cpu = [dataclasses.replace(s, engine_cpu_s=e, other_cpu_s=o)
+                for s, e, o in zip(statuses, (10.0, 10.9, 12.8), (5.0, 5.1, 5.3))]
+    summary = engine_summary(with_cpu, 0.0, 4.0)
+    # over the 3 s between the first and the last sample
+    assert summary["engine_cpu_per_s"] == pytest.approx(2.8 / 3) and summary["other_cpu_per_s"] == pytest.approx(0.1)
 
 
-def _summary(in_time_by_priority: dict[int, tuple[int, int]], goodput_ratio: float, wasted: float,
-             missing: int = 0, duplicates: int = 0) -> dict:
-    table = {str(p): {"in_time_fraction": n / sent} for p, (n, sent) in in_time_by_priority.items()}
-    return {"table": table, "goodput_over_capacity": goodput_ratio, "wasted_tokens": {"fraction": wasted},
-            "num_missing": missing, "num_duplicate_finals": duplicates, "duplicate_ids": ["x"] * duplicates}
+def test_the_worker_cpu_reading_tells_the_engine_thread_from_the_others():
+    import os
+    import threading
+    import time
 
+    from benchmarks.bench_overload import worker_thread_cpu
+    from worker.transport.engine_thread import name_os_thread
 
-def _failed(floors: list[dict]) -> list[str]:
-    return [f["check"] for f in floors if not f["pass"]]
+    done = threading.Event()
 
+    def engine() -> None:  # spins 0.3 CPU s as "engine", then stays alive (a finished thread leaves /proc)
+        name_os_thread("engine")
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:
+            pass
+        done.wait(30)
 
-def test_floors_at_5x_2x_and_in_every_phase():
-    good = _summary({0: (99, 100), 1: (95, 100)}, 0.9, 0.05)
-    assert _failed(check_floors("5x", 5.0, good, True)) == []
-    assert len(check_floors("5x", 5.0, good, True)) == 6
-    bad = _summary({0: (98, 100), 1: (10, 100)}, 0.89, 0.051)
-    assert _failed(check_floors("5x", 5.0, bad, True)) == [
-        "priority 0 completed within deadline", "goodput / capacity", "wasted tokens / tokens generated"]
-    # At 2x priority 1 counts as well; goodput and waste are 5x floors only.
-    assert _failed(check_floors("2x", 2.0, bad, True)) == [
-        "priority 0 completed within deadline", "priority 1 completed within deadline"]
-    assert _failed(check_floors("2x", 2.0, _summary({0: (99, 100)}, 0.1, 0.5), True)) == [
-        "priority 1 completed within deadline"]  # none sent: not a pass
-    lost = _summary({}, 1.0, 0.0, missing=1, duplicates=2)
-    assert _failed(check_floors("capacity", None, lost, False)) == [
-        "every request has a final record", "no duplicate final within one attempt",
-        "committed offsets reach the log end"]
-    assert _failed(check_floors("3x", 3.0, good, None)) == ["committed offsets reach the log end"]
+    before = worker_thread_cpu(os.getpid())
+    thread = threading.Thread(target=engine)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while (reading := worker_thread_cpu(os.getpid()))[0] < 0.29 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    done.set()
+    thread.join()
+    assert before is not None and before[0] == 0.0  # no thread of this process was named engine yet
+    assert reading[0] >= 0.29 and reading[1] >= before[1]  # this test's own thread is among the others
+    assert worker_thread_cpu(2**22 + 12345) is None  # no such process

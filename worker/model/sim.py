@@ -276,16 +276,16 @@ class SimRunner(PersistentInputRunner):
         wakes up late (about 90 µs for a 3 ms sleep on the 2-core machine), which a real sync does not, so the
         last SYNC_SPIN_S are waited by yielding (time.sleep(0) releases the GIL each time)."""
         remaining = ready_at - time.perf_counter()
+        if self._sleep is not time.sleep:  # tests: an injected sleep that records every wait instead of waiting
+            self._sleep(max(remaining, 0.0))  # 0: the host work outran this step (a loaded machine)
+            return
         if remaining <= 0:
             return
         slept = time.perf_counter()
-        if self._sleep is not time.sleep:  # tests: an injected sleep that records instead of waiting
-            self._sleep(remaining)
-        else:
-            if remaining > SYNC_SPIN_S:
-                time.sleep(remaining - SYNC_SPIN_S)
-            while time.perf_counter() < ready_at:
-                time.sleep(0)
+        if remaining > SYNC_SPIN_S:
+            time.sleep(remaining - SYNC_SPIN_S)
+        while time.perf_counter() < ready_at:
+            time.sleep(0)
         self.waited_s += time.perf_counter() - slept
 
     def next_token_ids(self, last_token_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
