@@ -3,11 +3,12 @@
 `host_path_ab` times whole engine steps in two source trees, one subprocess after the other; on this project's
 shared 2-core VM its rounds differ by up to 2x even for an unchanged tree, which swamps a change of a tenth
 of a millisecond. This loads both trees' sampler_numpy side by side and alternates single draws at [R, V]
-(temperature 0.8, top-k 50, top-p 0.9, 3 x standard normal logits), so both versions share every moment of the
-machine; it checks that both draw the same tokens and prints the median and 10th percentile of each.
+(temperature 0.8, with top-k 50 and top-p 0.9 or, with `--sampling t0.8`, without; 3 x standard normal
+logits), so both versions share every moment of the machine; it checks that both draw the same tokens and
+prints the median and 10th percentile of each.
 
     git worktree add /tmp/before <commit>
-    .venv/bin/python -m benchmarks.draw_ab --before /tmp/before
+    .venv/bin/python -m benchmarks.draw_ab --before /tmp/before [--sampling t0.8]
 """
 
 from __future__ import annotations
@@ -38,14 +39,16 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--draws", type=int, default=800, help="draws of each version, alternated")
+    parser.add_argument("--sampling", choices=["t0.8-k50-p0.9", "t0.8"], default="t0.8-k50-p0.9")
     parser.add_argument("--out", default=None, help="write the figures as JSON to this file")
     args = parser.parse_args()
 
     rng = np.random.default_rng(0)
     logits = (rng.standard_normal((args.rows, args.vocab)) * 3).astype(np.float32)
     temperature = np.full(args.rows, 0.8, np.float32)
-    top_k = np.full(args.rows, 50, np.int64)
-    top_p = np.full(args.rows, 0.9)
+    cut = args.sampling != "t0.8"
+    top_k = np.full(args.rows, 50 if cut else 0, np.int64)
+    top_p = np.full(args.rows, 0.9 if cut else 1.0)
     u = rng.random(args.rows)
     draws = {}
     for name in ("before", "after"):
@@ -61,7 +64,7 @@ def main() -> None:
             start = time.perf_counter()
             draw()
             times[name].append(time.perf_counter() - start)
-    record = {"rows": args.rows, "vocab": args.vocab, "draws": args.draws, "loadavg_before": load_before,
+    record = {"rows": args.rows, "vocab": args.vocab, "draws": args.draws, "sampling": args.sampling, "loadavg_before": load_before,
               "loadavg_after": os.getloadavg(), "cpu_count": os.cpu_count(),
               "trees": {"before": args.before, "after": args.after}, "ms": {}}
     for name, values in times.items():

@@ -291,21 +291,27 @@ def test_ties_are_broken_by_token_id_and_the_tied_tokens_kept_are_drawn_evenly()
 @pytest.mark.parametrize("width", [2048, 2051, 49152, 32001])
 @pytest.mark.parametrize("threads", [1, 2, 7])
 def test_the_cpu_draws_exp_gives_a_row_the_same_bits_wherever_it_sits(width, threads):
-    """sampler_numpy._exp runs through torch; the draw stays a function of its row only if torch's exp rounds
-    an element the same whatever its offset in the batch and however the threads split it (the last partial
-    vector included). A torch whose kernels finish a chunk with scalar code that rounds differently fails
+    """sampler_numpy._exp and the whole-row draw's block sums run through torch; the draw stays a function of
+    its row only if torch's exp rounds an element, and its sum adds a block, the same whatever its offset in the
+    batch and however the threads split it (the last partial vector included). A torch whose kernels finish a chunk with scalar code that rounds differently fails
     here."""
-    from worker.model.sampler_numpy import _exp
+    from worker.model.sampler_numpy import _BLOCK, _block_cdf, _exp
 
     rows = 40 if width > 10_000 else 300
     logits = (torch.randn(rows, width, generator=torch.Generator().manual_seed(width)) * 5).numpy()
     alone = np.stack([_exp(logits[i : i + 1].copy())[0] for i in range(rows)])
+    blocked = width % _BLOCK == 0  # the whole-row draw's block sums too (sampler_numpy._draw_whole_rows)
+    shape = (-1, width // _BLOCK, _BLOCK)
+    sums_alone = np.stack([_block_cdf(alone[i : i + 1].reshape(shape))[0] for i in range(rows)]) if blocked else None
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for start, stop in [(0, 1), (0, 3), (1, 18), (0, rows - 1), (1, rows), (0, rows)]:
             together = _exp(logits[start:stop].copy())
             assert np.array_equal(together.view(np.uint32), alone[start:stop].view(np.uint32)), (start, stop)
+            if blocked:
+                sums = _block_cdf(together.reshape(shape))
+                assert np.array_equal(sums.view(np.uint64), sums_alone[start:stop].view(np.uint64)), (start, stop)
     finally:
         torch.set_num_threads(before)
 
@@ -333,3 +339,35 @@ def test_the_cpu_top_k_selects_the_same_values_as_a_full_sort():
     for width in (1, 50, 128):
         expected = np.sort(a, axis=1)[:, ::-1][:, :width]
         assert np.array_equal(_top_sorted(a, width, Scratch()), expected), width
+
+
+@NUMPY_ONLY
+def test_the_two_level_whole_row_draw_picks_the_tokens_of_one_running_sum():
+    """sampler_numpy's whole-row draw finds the block, then the token inside it: the tokens of one running sum
+    over the row (`_draw_in_one_level`, the definition as written), except where u lands within float rounding
+    of a boundary; never a token of weight 0, whole blocks of them included. Just below u = 1 it draws a token
+    with at most float32 rounding of the row's weight after it."""
+    from worker.model.sampler_numpy import _BLOCK, Scratch, _draw_in_one_level, _draw_whole_rows
+
+    rng = np.random.default_rng(3)
+    rows, vocab = 512, 4 * 512
+    a = (rng.standard_normal((rows, vocab)) * 3).astype(np.float32)
+    a[::4, : 3 * _BLOCK] = -np.inf  # masked leading blocks
+    a[1::4, -2 * _BLOCK :] = -np.inf  # masked trailing blocks
+    a[2::4, _BLOCK + 5 : 5 * _BLOCK - 3] = -np.inf  # a masked run across block edges
+    a[3, :] = -np.inf
+    a[3, 777] = 0.0  # a single possible token
+    divisor = np.full((rows, 1), 0.8, np.float32)
+    none = np.zeros(rows, np.int64), np.ones(rows)
+    weights = np.exp(a / np.float32(0.8))
+    possible = weights > 0
+    after = weights.astype(np.float64)[:, ::-1].cumsum(axis=1)[:, ::-1]  # [R, V] weight from each token on
+    for u in [rng.random(rows), np.zeros(rows), np.full(rows, np.nextafter(1.0, 0.0))]:
+        two = _draw_whole_rows(a, divisor, *none, u, (), Scratch())
+        assert possible[np.arange(rows), two].all() and two[3] == 777
+        if u[0] == np.nextafter(1.0, 0.0):
+            beyond = after[np.arange(rows), two] - weights[np.arange(rows), two]
+            assert (beyond <= 1e-6 * after[:, 0]).all()
+        else:
+            one = _draw_in_one_level(a, divisor, u, weights.copy())
+            assert (two == one).sum() >= rows - 1
