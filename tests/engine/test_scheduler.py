@@ -80,6 +80,16 @@ def test_admission_in_priority_order_then_arrival():
     assert first_seen == ["d", "b", "c", "e", "a"]  # c and e: same priority and arrival -> added order
 
 
+def test_waiting_requests_are_counted_by_priority():
+    scheduler = make_scheduler(max_num_seqs=1)
+    assert scheduler.num_waiting_by_priority() == ()
+    for request_id, priority in [("a", 2), ("b", 0), ("c", 2)]:
+        scheduler.add_request(make_request(request_id, 5, 2, priority=priority))
+    assert scheduler.num_waiting_by_priority() == (1, 0, 2)
+    step(scheduler, FakeRunner(64, 4))  # b starts: its one seat is taken
+    assert scheduler.num_waiting_by_priority() == (0, 0, 2)
+
+
 def test_fcfs_by_arrival_time_within_a_priority():
     scheduler = make_scheduler(max_num_seqs=1)
     for request_id, arrival in [("x", 3.0), ("y", 1.0), ("z", 2.0)]:

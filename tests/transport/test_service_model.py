@@ -114,6 +114,21 @@ def test_only_more_urgent_engine_work_is_ahead():
     assert model.engine_waiting_by_priority() == [6, 0, 5]
 
 
+def test_the_engines_own_waiting_counts_replace_the_seat_inference():
+    # Seats free (20 open of 64), yet requests wait inside the engine: its steps' token budget ran out.
+    stats = EngineStats(step_time_base_s=0.05, step_time_per_token_s=0.001, num_waiting_by_priority=(2, 5))
+    model = ServiceModel(3, max_num_seqs=64, max_num_batched_tokens=512, engine_stats=lambda: stats,
+                         open_by_priority=lambda: [8, 12, 0])
+    for p in range(3):
+        model.observe_read(p, 90, 10)
+    assert model.engine_waiting_by_priority() == [2, 5, 0]
+    assert model.engine_tokens_ahead(0) == pytest.approx(2 * 100)
+    assert model.engine_tokens_ahead(1) == pytest.approx(7 * 100)
+    # Priorities past the transport's count as its last.
+    stats = EngineStats(num_waiting_by_priority=(1, 0, 2, 4))
+    assert model.engine_waiting_by_priority() == [1, 0, 6]
+
+
 def test_protected_priorities_are_admitted_on_the_squeezed_service():
     from types import SimpleNamespace
 

@@ -169,6 +169,9 @@ class EngineStats:
     """Prompt + max_new_tokens the engine accepts (0: unknown); longer requests end in prompt_too_long."""
     protected_priorities: int = 0
     """Priorities below this get deadline-aware step sizes (scheduler.py), so admission may count on them."""
+    num_waiting_by_priority: tuple[int, ...] = ()
+    """Requests in the scheduler's waiting queue (not started, or preempted), by priority 0, 1, ...; () where
+    an engine does not count them."""
 
 
 class Engine(Protocol):

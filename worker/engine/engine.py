@@ -435,6 +435,7 @@ class LLMEngine:
             step_time_per_token_s=per_token,
             max_model_len=self.scheduler.max_model_len,
             protected_priorities=self.scheduler.protected_priorities,
+            num_waiting_by_priority=self.scheduler.num_waiting_by_priority(),
         )
 
     def generate(self, requests: list[EngineRequest]) -> dict[str, Completion]:

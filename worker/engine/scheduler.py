@@ -78,6 +78,15 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    def num_waiting_by_priority(self) -> tuple[int, ...]:
+        """Waiting requests by priority 0 .. the largest waiting (() when none wait)."""
+        counts: list[int] = []
+        for request in self.waiting:
+            while len(counts) <= request.priority:
+                counts.append(0)
+            counts[request.priority] += 1
+        return tuple(counts)
+
     @property
     def num_running(self) -> int:
         return len(self.running)
