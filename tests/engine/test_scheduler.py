@@ -82,7 +82,7 @@ def test_admission_in_priority_order_then_arrival():
 
 def test_waiting_requests_are_counted_by_priority():
     scheduler = make_scheduler(max_num_seqs=1)
-    assert scheduler.num_waiting_by_priority() == ()
+    assert scheduler.num_waiting_by_priority() == (0,)  # counted: none wait
     for request_id, priority in [("a", 2), ("b", 0), ("c", 2)]:
         scheduler.add_request(make_request(request_id, 5, 2, priority=priority))
     assert scheduler.num_waiting_by_priority() == (1, 0, 2)

@@ -127,6 +127,11 @@ def test_the_engines_own_waiting_counts_replace_the_seat_inference():
     # Priorities past the transport's count as its last.
     stats = EngineStats(num_waiting_by_priority=(1, 0, 2, 4))
     assert model.engine_waiting_by_priority() == [1, 0, 6]
+    # An engine that counts and has none waiting: none, whatever the seats would suggest.
+    open_many = ServiceModel(3, max_num_seqs=4, max_num_batched_tokens=512,
+                             engine_stats=lambda: EngineStats(num_waiting_by_priority=(0,)),
+                             open_by_priority=lambda: [10, 0, 0])
+    assert open_many.engine_waiting_by_priority() == [0, 0, 0]
 
 
 def test_protected_priorities_are_admitted_on_the_squeezed_service():

@@ -79,8 +79,9 @@ class Scheduler:
         return len(self.waiting)
 
     def num_waiting_by_priority(self) -> tuple[int, ...]:
-        """Waiting requests by priority 0 .. the largest waiting (() when none wait)."""
-        counts: list[int] = []
+        """Waiting requests by priority 0 .. the largest waiting; (0,) when none wait (EngineStats reads () as
+        "not counted")."""
+        counts: list[int] = [0]
         for request in self.waiting:
             while len(counts) <= request.priority:
                 counts.append(0)
