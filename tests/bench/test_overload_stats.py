@@ -192,6 +192,36 @@ def test_engine_rates_come_from_the_cumulative_step_counters():
     assert summary["engine_cpu_per_s"] == pytest.approx(2.8 / 3) and summary["other_cpu_per_s"] == pytest.approx(0.1)
 
 
+def _summary(in_time_by_priority: dict[int, tuple[int, int]], goodput_ratio: float, wasted: float,
+             missing: int = 0, duplicates: int = 0) -> dict:
+    table = {str(p): {"in_time_fraction": n / sent} for p, (n, sent) in in_time_by_priority.items()}
+    return {"table": table, "goodput_over_capacity": goodput_ratio, "wasted_tokens": {"fraction": wasted},
+            "num_missing": missing, "num_duplicate_finals": duplicates, "duplicate_ids": ["x"] * duplicates}
+
+
+def _failed(floors: list[dict]) -> list[str]:
+    return [f["check"] for f in floors if not f["pass"]]
+
+
+def test_floors_at_5x_2x_and_in_every_phase():
+    good = _summary({0: (99, 100), 1: (95, 100)}, 0.9, 0.05)
+    assert _failed(check_floors("5x", 5.0, good, True)) == []
+    assert len(check_floors("5x", 5.0, good, True)) == 6
+    bad = _summary({0: (98, 100), 1: (10, 100)}, 0.89, 0.051)
+    assert _failed(check_floors("5x", 5.0, bad, True)) == [
+        "priority 0 completed within deadline", "goodput / capacity", "wasted tokens / tokens generated"]
+    # At 2x priority 1 counts as well; goodput and waste are 5x floors only.
+    assert _failed(check_floors("2x", 2.0, bad, True)) == [
+        "priority 0 completed within deadline", "priority 1 completed within deadline"]
+    assert _failed(check_floors("2x", 2.0, _summary({0: (99, 100)}, 0.1, 0.5), True)) == [
+        "priority 1 completed within deadline"]  # none sent: not a pass
+    lost = _summary({}, 1.0, 0.0, missing=1, duplicates=2)
+    assert _failed(check_floors("capacity", None, lost, False)) == [
+        "every request has a final record", "no duplicate final within one attempt",
+        "committed offsets reach the log end"]
+    assert _failed(check_floors("3x", 3.0, good, None)) == ["committed offsets reach the log end"]
+
+
 def test_the_worker_cpu_reading_tells_the_engine_thread_from_the_others():
     import os
     import threading
