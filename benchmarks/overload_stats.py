@@ -167,13 +167,13 @@ def engine_summary(statuses: list[StatusSample], start_s: float, end_s: float) -
     tokens = last.num_batched_tokens - first.num_batched_tokens
     busy_s = (last.busy_ms - first.busy_ms) / 1000.0
     span_s = last.at_s - first.at_s
-    cpu = {}
-    for key in ("engine_cpu_s", "other_cpu_s"):
-        a, b = getattr(first, key), getattr(last, key)
-        cpu[key.replace("_cpu_s", "_cpu_per_s")] = (b - a) / span_s if a is not None and b is not None else None
+    def per_s(a: float | None, b: float | None) -> float | None:
+        return (b - a) / span_s if a is not None and b is not None else None
+
     return {"span_s": span_s, "steps": steps, "tokens_per_step": tokens / steps,
             "tokens_per_busy_s": tokens / busy_s if busy_s > 0 else None, "busy_fraction": busy_s / span_s,
-            **cpu}
+            "engine_cpu_per_s": per_s(first.engine_cpu_s, last.engine_cpu_s),
+            "other_cpu_per_s": per_s(first.other_cpu_s, last.other_cpu_s)}
 
 
 def wasted_tokens(requests: list[RequestLog]) -> dict:

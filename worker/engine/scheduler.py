@@ -166,7 +166,7 @@ class Scheduler:
         # the first step past its deadline and ends with what it generated so far; so does a running one that
         # could not produce its remaining tokens in time even on the smallest steps the engine takes (it would
         # finish late, or be stopped later, its compute wasted either way).
-        fastest = step_cost[0] + step_cost[1] * self.min_budget()
+        fastest = self._smallest_step_s(step_cost)
         started = [r for r in self.running
                    if r.deadline is not None and r.deadline <= now + fastest * self._steps_left(r)]
         started += [r for r in self.waiting if r.status is RequestStatus.PREEMPTED and r.deadline is not None
@@ -281,6 +281,7 @@ class Scheduler:
         if per_token <= 0.0:
             return budget
         floor = self.min_budget()
+        smallest = self._smallest_step_s(step_cost)
         for request in itertools.chain(self.running, self._protected_waiting()):
             if request.deadline is None or request.priority >= self.protected_priorities:
                 continue
@@ -293,7 +294,7 @@ class Scheduler:
             tokens = int((slack * DEADLINE_STEP_SAFETY / left - base) / per_token)
             if tokens >= floor:
                 budget = min(budget, tokens)
-            elif request.priority == 0 and left * (base + per_token * floor) <= slack:
+            elif request.priority == 0 and left * smallest <= slack:
                 # The most urgent priority is started on the promise of the smallest steps without the margin
                 # (_cannot_finish); it keeps that promise while the margin is gone. (On the EPYC in float32 a
                 # priority-0 request that had waited ~1.5 s of its 10 s was otherwise left to full 2.5 s steps
@@ -343,7 +344,12 @@ class Scheduler:
         slack = request.deadline - now
         if request.priority > 0:
             slack *= DEADLINE_STEP_SAFETY
-        return num_steps * (base + per_token * self.min_budget()) > slack
+        return num_steps * self._smallest_step_s(step_cost) > slack
+
+    def _smallest_step_s(self, step_cost: tuple[float, float]) -> float:
+        """The time of the smallest step the deadline-aware sizing takes (min_budget tokens): what a request
+        is started on the promise of, and what a running one cannot be saved below."""
+        return step_cost[0] + step_cost[1] * self.min_budget()
 
     def update(
         self, output: SchedulerOutput, sampled_token_ids: dict[str, int], now: float | None = None

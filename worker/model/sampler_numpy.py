@@ -85,6 +85,11 @@ _SMALLEST_TOTAL = 1e-20
 temperatures below its best are then still normal floats; anything further is below 1e-13 of it."""
 
 
+def _rows_to_redo(total: np.ndarray) -> np.ndarray:
+    """Rows whose unshifted total overflowed or nearly underflowed: redone in the shifted form."""
+    return np.flatnonzero(~(np.isfinite(total) & (total >= _SMALLEST_TOTAL)))
+
+
 def _draw_whole_rows(a, divisor, k, top_p, u, nucleus_tiers, scratch) -> np.ndarray:
     """Vocabulary order: the first token whose cumulative weight exceeds u · total.
 
@@ -104,7 +109,7 @@ def _draw_whole_rows(a, divisor, k, top_p, u, nucleus_tiers, scratch) -> np.ndar
     by_block = weights.reshape(rows, blocks, _BLOCK)
     cdf = _block_cdf(by_block)  # [R, blocks] float64
     total = cdf[:, -1]
-    redo = np.flatnonzero(~(np.isfinite(total) & (total >= _SMALLEST_TOTAL)))
+    redo = _rows_to_redo(total)
     if redo.size:
         by_block[redo] = _exp(_scaled(a[redo], divisor[redo])).reshape(redo.size, blocks, _BLOCK)
         cdf[redo] = _block_cdf(by_block[redo])
@@ -135,7 +140,7 @@ def _draw_in_one_level(a, divisor, u, weights) -> np.ndarray:
     """The whole-row draw for a vocabulary that does not split into blocks: one running sum over all V."""
     cdf = _cumsum_(weights)
     total = cdf[:, -1]
-    redo = np.flatnonzero(~(np.isfinite(total) & (total >= _SMALLEST_TOTAL)))
+    redo = _rows_to_redo(total)
     if redo.size:
         shifted = _exp(_scaled(a[redo], divisor[redo]))
         cdf[redo] = torch.from_numpy(shifted).cumsum(dim=1).numpy()
