@@ -90,6 +90,38 @@ def test_waiting_requests_are_counted_by_priority():
     assert scheduler.num_waiting_by_priority() == (0, 0, 2)
 
 
+def test_a_priority_0_request_started_without_the_margin_meets_its_deadline_beside_bulk_prefills():
+    """The outcome of the priority-0 floor squeeze (deadline_budget): a request admitted on the promise of the
+    smallest steps, with too little time for the margin, finishes in time while long prompts would fill every
+    step; on a clock that advances by the step-time model's time for each step's tokens."""
+    scheduler = make_scheduler(num_blocks=256, block_size=16, max_num_batched_tokens=512)
+    runner = FakeRunner(256, 16)
+    cost = (0.01, 0.0005)  # 10 ms + 0.5 ms a token: a full step 266 ms, the smallest (128 tokens) 74 ms
+    for i in range(4):
+        scheduler.add_request(make_request(f"bulk{i}", 600, 4, priority=2))
+    now = 0.0
+
+    def advance() -> int:
+        nonlocal now
+        output = scheduler.schedule(now, step_cost=cost)
+        now += cost[0] + cost[1] * output.num_batched_tokens
+        scheduler.update(output, runner.step(output), now)
+        scheduler.check_invariants()
+        return output.num_batched_tokens
+
+    assert advance() == 512  # bulk prefill
+    # 9 steps (prefill + 8 decodes) of 74 ms = 0.67 s fit its 0.68 s, with 0.8 of it they would not.
+    urgent = make_request("urgent", 4, 9, arrival_time=now, deadline=now + 0.68)
+    scheduler.add_request(urgent)
+    sizes = []
+    while urgent.status is not RequestStatus.FINISHED_LENGTH:
+        assert urgent.status in (RequestStatus.WAITING, RequestStatus.RUNNING), urgent.status
+        sizes.append(advance())
+    assert now <= urgent.deadline and len(urgent.output_token_ids) == 9
+    assert max(sizes) <= 128  # the bulk went on in steps at the floor meanwhile
+    assert advance() == 512  # and gets full steps again once it is done
+
+
 def test_fcfs_by_arrival_time_within_a_priority():
     scheduler = make_scheduler(max_num_seqs=1)
     for request_id, arrival in [("x", 3.0), ("y", 1.0), ("z", 2.0)]:
