@@ -19,6 +19,9 @@
 #                        compiles, several minutes on top: raise TEST_TIMEOUT_S with it)
 #   WHEELS_DIR           wheels installed first when the engine's pure-Python dependencies are missing
 #                        (default .whl; benchmarks/gpu_wheels.sh fetches them on a machine with an index)
+#   GPU_CHECK_SMOKE      1: a rehearsal on a CPU (benchmarks/gpu_rehearsal.sh): no CUDA required, the engine
+#                        part in its --smoke mode (tiny shapes, float32), PARTS defaulting to "engine" (the
+#                        kernel benchmark needs CUDA; kernel tests on a CPU run under Triton's interpreter)
 #
 # The GPU machine has no package index and lacks pydantic, pydantic-settings (the engine's settings) and
 # llguidance (structured output). Fetch their wheels here with `bash benchmarks/gpu_wheels.sh` (into .whl/, which git ignores) and name `.whl` in the
@@ -35,10 +38,19 @@ cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-benchmarks/results/gpu_check}"
 mkdir -p "$OUT_DIR"
 MARKERS="${KERNEL_TEST_MARKERS:-gpu or not slow}"
-PARTS="${PARTS:-engine,kernel-tests,kernel-bench}"
 WHEELS_DIR="${WHEELS_DIR:-.whl}"
+SMOKE="${GPU_CHECK_SMOKE:-0}"
+if [ "$SMOKE" = 1 ]; then
+    PARTS="${PARTS:-engine}"
+    ENGINE_ARGS=(--smoke)
+    NEEDS_CUDA=""
+else
+    PARTS="${PARTS:-engine,kernel-tests,kernel-bench}"
+    ENGINE_ARGS=()
+    NEEDS_CUDA="; assert torch.cuda.is_available()"
+fi
 
-works() { "$1" -c "import torch, triton, pytest; assert torch.cuda.is_available()" >/dev/null 2>&1; }
+works() { "$1" -c "import torch, triton, pytest$NEEDS_CUDA" >/dev/null 2>&1; }
 
 PY=""
 for candidate in "${PYTHON:-}" .venv/bin/python python3; do
@@ -47,7 +59,7 @@ for candidate in "${PYTHON:-}" .venv/bin/python python3; do
         break
     fi
 done
-if [ -z "$PY" ] && ! nvidia-smi >/dev/null 2>&1; then
+if [ -z "$PY" ] && [ "$SMOKE" != 1 ] && ! nvidia-smi >/dev/null 2>&1; then
     echo "FAILED: no GPU here (nvidia-smi fails); this script is for a CUDA machine" | tee "$OUT_DIR/FAILED"
     exit 3
 fi
@@ -62,7 +74,8 @@ if [ -z "$PY" ]; then
     fi
 fi
 
-unset TRITON_INTERPRET  # compiled kernels on CUDA (tests/kernels/conftest.py picks CUDA when it sees a GPU)
+# Compiled kernels on CUDA (tests/kernels/conftest.py picks CUDA when it sees a GPU, else the interpreter).
+unset TRITON_INTERPRET
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 
@@ -76,7 +89,8 @@ fi
 {
     echo "python: $PY"
     "$PY" -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', \
-triton.__version__, 'cuda', torch.version.cuda, '|', torch.cuda.get_device_name(0))"
+triton.__version__, 'cuda', torch.version.cuda, '|', \
+torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU (rehearsal)')"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv 2>/dev/null
     "$PY" -c "$ENGINE_IMPORTS; print('engine imports: ok')" 2>&1 | tail -1
 } 2>&1 | tee "$OUT_DIR/env.txt"
@@ -89,7 +103,8 @@ for part in ${PARTS//,/ }; do
         # a little before the outer timeout would.
         limit="${ENGINE_TIMEOUT_S:-290}"
         timeout "$limit" "$PY" benchmarks/gpu_engine_check.py --out "$OUT_DIR" --json-name engine_check.json \
-            --models-dir /tmp/gpu-check-models --budget-s "$((limit - 10))" 2>&1 | tee "$OUT_DIR/engine_check.log"
+            --models-dir /tmp/gpu-check-models --budget-s "$((limit - 10))" ${ENGINE_ARGS[@]+"${ENGINE_ARGS[@]}"} 2>&1 \
+            | tee "$OUT_DIR/engine_check.log"
         engine_rc=${PIPESTATUS[0]}
         ;;
     kernel-tests)

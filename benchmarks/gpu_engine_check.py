@@ -415,9 +415,21 @@ def part_systems(runner: ModelRunner, folder: Path, plan: Plan, result: dict) ->
         finally:
             if plan.device == "cuda":
                 torch.cuda.empty_cache()
-    failed = [s for s, m in runs.items() if "error" in m]
+    failed = failed_systems(runs)
     if failed:
         raise RuntimeError(f"systems failed: {failed}")
+
+
+def failed_systems(runs: dict[str, dict]) -> dict[str, str]:
+    """The systems that raised, or that ran but left requests unanswered (transformers' continuous batching logs
+    an error in its own thread and returns what it has: on a CPU without psutil it completed 0 of 4)."""
+    failed = {}
+    for system, m in runs.items():
+        if "error" in m:
+            failed[system] = m["error"]
+        elif m["num_completed"] < m["num_requests"]:
+            failed[system] = f"completed {m['num_completed']} of {m['num_requests']} requests"
+    return failed
 
 
 # ---- main ------------------------------------------------------------------------------------------------------

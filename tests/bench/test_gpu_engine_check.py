@@ -5,12 +5,15 @@ that our runner, the sampler's detokenizer and transformers all load."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from benchmarks.gpu_engine_check import compare, main, tiny_shape
+from benchmarks.gpu_engine_check import compare, failed_systems, main, tiny_shape
 from benchmarks.random_model import build_random_model, hf_tensor_shapes
 from worker.model.config import parse_config
 
@@ -40,6 +43,14 @@ def test_compare_reports_where_tokens_diverge() -> None:
     assert not diff["equal"] and diff["first_divergence"] == {"a": 1} and diff["tokens_before_first_divergence"] == 2
 
 
+def test_a_system_that_leaves_requests_unanswered_fails_the_systems_part() -> None:
+    ok = {"num_completed": 4, "num_requests": 4}
+    assert failed_systems({"continuous": ok}) == {}
+    failed = failed_systems({"continuous": ok, "hf-cb": {"num_completed": 0, "num_requests": 4},
+                             "static": {"error": "RuntimeError: boom"}})
+    assert failed == {"hf-cb": "completed 0 of 4 requests", "static": "RuntimeError: boom"}
+
+
 @pytest.mark.slow  # ~3-4 s: in the full suite, not the fast subset
 def test_random_model_loads_in_transformers_with_a_tokenizer_of_its_vocabulary(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -52,3 +63,20 @@ def test_random_model_loads_in_transformers_with_a_tokenizer_of_its_vocabulary(t
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     names = set(model.state_dict())
     assert set(hf_tensor_shapes(parse_config(shape))) <= names  # every tensor the loader expects, by HF's names
+
+
+@pytest.mark.slow  # ~15 s: in the full suite, not the fast subset
+def test_gpu_check_script_rehearses_on_the_cpu(tmp_path: Path) -> None:
+    """benchmarks/gpu_check.sh itself (interpreter search, parts, summary, exit status) with GPU_CHECK_SMOKE=1, as
+    benchmarks/gpu_rehearsal.sh runs it in the GPU machine's versions: a shell error meets the GPU here first."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "GPU_CHECK_SMOKE": "1", "PYTHON": sys.executable, "OUT": str(tmp_path),
+           "WHEELS_DIR": str(tmp_path / "no-wheels")}
+    done = subprocess.run(["bash", str(root / "benchmarks" / "gpu_check.sh")], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "engine check exit 0, kernel tests exit -, kernel benchmark exit -" in summary
+    assert "no GPU (rehearsal)" in (tmp_path / "env.txt").read_text()
+    data = json.loads((tmp_path / "engine_check.json").read_text())
+    assert data["ok"] and data["plan"]["smoke"] and {"tiny-2-layers/systems", "tiny-3-layers/systems"} <= set(data["parts"])
