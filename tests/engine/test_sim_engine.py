@@ -150,7 +150,9 @@ def test_async_scheduling_gives_the_synchronous_loops_tokens_text_and_endings(ti
 
 def test_async_scheduling_schedules_the_next_step_while_the_forward_runs(tiny_model_path):
     """The order of the host's calls: the next step is scheduled between a launch and the wait for its
-    logits, and the previous step's tokens are detokenized after the next launch."""
+    logits, the draw comes before that wait (on a GPU the sampler's operations queue behind the forward, and the
+    simulated step's time counts their bytes: drawing after the wait would add the CPU draw to every step), and
+    the previous step's tokens are detokenized after the next launch."""
     engine = sim_engine(tiny_model_path)  # auto: on for a simulated device
     assert engine.async_scheduling
     events: list[str] = []
@@ -160,8 +162,11 @@ def test_async_scheduling_schedules_the_next_step_while_the_forward_runs(tiny_mo
     runner._wait_until = lambda ready_at: (events.append("wait"), wait(ready_at))[1]
     scheduler.schedule = lambda *a, **k: (events.append("schedule"), schedule(*a, **k))[1]
     engine._postprocess_step = lambda flight, updates: (events.append("detok"), postprocess(flight, updates))[1]
+    draw = engine.sampler.sample_step
+    engine.sampler.sample_step = lambda *a, **k: (events.append("xdraw"), draw(*a, **k))[1]
     engine.generate([EngineRequest("a", prompt_token_ids=list(range(300, 310)),
-                                   sampling=SamplingParams(max_new_tokens=4))])
-    steady = "".join(e[0] for e in events)  # s(chedule) l(aunch) w(ait) d(etok)
-    # step 1: schedule, launch; then each call: schedule the next, wait the previous, launch, detokenize.
-    assert steady.startswith("sl" + "swld" * 3), steady
+                                   sampling=SamplingParams(max_new_tokens=4, temperature=0.8, top_k=20))])
+    steady = "".join(e[0] for e in events)  # s(chedule) l(aunch) x (draw) w(ait) d(etok)
+    # step 1: schedule, launch; then each call: schedule the next, draw and wait the previous, launch, detokenize.
+    assert steady.startswith("sl" + "sxwld" * 3), steady
+

@@ -312,13 +312,14 @@ class LLMEngine:
         # The draw's counter is the index of the token being generated: stable across preemption and replay.
         counters = [len(entry.request.output_token_ids) for entry in sampling]
         plan = self.sampler.plan(flight.params)
-        logits = flight.launched.result()  # [S, V]
+        # The draw goes in behind the forward, as a GPU queues it on its stream (worker/model/input.py, Launched).
         sampled = self.sampler.sample_step(
-            logits, flight.params, counters,
+            flight.launched.logits, flight.params, counters,  # [S, V]
             # Asked only for the rows with penalties.
             lambda row: (sampling[row].request.prompt_token_ids, sampling[row].request.output_token_ids),
             mask, plan,
         )
+        flight.launched.wait()
         if sampled.logprobs:
             flight.logprobs = {sampling_ids[row]: lp for row, lp in sampled.logprobs.items()}
         sched = flight.sched

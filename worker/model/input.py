@@ -224,20 +224,27 @@ _TORCH_DTYPES = {np.int32: torch.int32, np.int64: torch.int64}
 
 
 class Launched:
-    """A forward in flight: `result()` returns its logits [S, V] float32, waiting for the device if need be.
-    A real runner's forward is already asynchronous on a GPU (the sampler's copy of the tokens to the host is the
-    sync), so its handle holds the logits tensor as is; the simulated device waits out the step's time here."""
+    """A forward in flight. `logits` [S, V] float32 is its output as the device will hold it; `wait()` returns once
+    the device is done with the step. A real runner's forward is already asynchronous on a GPU: its logits tensor
+    is there at once, the sampler's operations queue behind the forward and its copy of the tokens to the host is
+    the sync, so `wait()` has nothing left to do. The simulated device computes its logits at launch and waits
+    out the step's time in `wait()`: the engine draws before waiting, so the draw, which a GPU runs on the device
+    after the forward (its bytes are in the simulated step's time), overlaps the simulated step instead of
+    following it. `result()`: wait, then the logits."""
 
-    __slots__ = ("_logits", "_ready_at", "_wait")
+    __slots__ = ("logits", "_ready_at", "_wait")
 
     def __init__(self, logits: torch.Tensor, ready_at: float = 0.0, wait=None) -> None:
-        self._logits, self._ready_at, self._wait = logits, ready_at, wait
+        self.logits, self._ready_at, self._wait = logits, ready_at, wait
 
-    def result(self) -> torch.Tensor:
+    def wait(self) -> None:
         if self._wait is not None:
             self._wait(self._ready_at)
             self._wait = None
-        return self._logits
+
+    def result(self) -> torch.Tensor:
+        self.wait()
+        return self.logits
 
 
 class PersistentInputRunner:

@@ -29,8 +29,11 @@ dominate), and a Llama-3.1-8B step at 3.9, 5.2 and 10.7 ms: "about 10 ms at 256"
 (benchmarks/sim_profiles.py prints the table).
 
 The wait is the step's time less what `launch` itself spent (the cost and the logits) and whatever the caller
-did before asking for the result: with ENGINE_ASYNC_SCHEDULING (engine.py) the engine schedules the next step
-and detokenizes the last one meanwhile, as it would while a GPU runs the forward.
+did before waiting: with ENGINE_ASYNC_SCHEDULING (engine.py) the engine schedules the next step and detokenizes
+the last one meanwhile, as it would while a GPU runs the forward. The sampler's draw also comes before the wait
+(`Launched`, worker/model/input.py): on a GPU it runs on the device right behind the forward, and its bytes are
+in the step's time above, so drawing on the host after the wait would count it twice (at 256 running the CPU
+draw with top-k/top-p costs 1.5-2.5 ms against a 10.7 ms 8B step).
 
 KV capacity: (HBM - all weights) x ENGINE_KV_CACHE_GPU_FRACTION, in blocks of the model's shape (or
 ENGINE_NUM_KV_BLOCKS): only the block pool's count, nothing is allocated.
