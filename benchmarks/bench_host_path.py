@@ -30,6 +30,7 @@ from benchmarks.settings import DEFAULT_MODEL, set_threads
 from worker.config import EngineSettings
 from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.engine import LLMEngine, freeze_startup_objects
+from worker.model import sampler_numpy
 from worker.model.runner import ModelRunner
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -84,12 +85,16 @@ def requests(num: int, sampling: dict, num_steps: int, vocab: int) -> list[Engin
 
 class PhaseTimer:
     """Wraps named methods of the engine's parts and sums the time spent in each (found by name, so the
-    breakdown survives refactoring: a phase whose method is gone is simply not reported)."""
+    breakdown survives refactoring: a phase whose method is gone is simply not reported). `draw` is the CPU
+    draw's array math inside `sample` (worker/model/sampler_numpy.py): on a GPU it runs on the device (the
+    sampler's torch operations queue behind the forward), so step - draw is this CPU's host work of the GPU
+    regime, less the launches of those operations (not measurable here)."""
 
     PHASES = (
         ("schedule", "scheduler", "schedule"),
         ("prepare_input", "runner", "prepare_input"),
         ("sample", "sampler", "sample_step"),
+        ("draw", "sampler_numpy", "draw"),
         ("update", "scheduler", "update"),
         ("postprocess", "engine", "_postprocess_step"),
         ("postprocess", "engine", "_postprocess"),
@@ -98,12 +103,19 @@ class PhaseTimer:
     def __init__(self, engine: LLMEngine) -> None:
         self.totals: dict[str, float] = {}
         self.active = False
+        self._wrapped: list[tuple[object, str, object]] = []
         for phase, owner_name, method in self.PHASES:
-            owner = engine if owner_name == "engine" else getattr(engine, owner_name, None)
+            owner = {"engine": engine, "sampler_numpy": sampler_numpy}.get(owner_name) or getattr(engine, owner_name, None)
             if owner is None or not hasattr(owner, method) or phase in self.totals:
                 continue
             self.totals[phase] = 0.0
+            self._wrapped.append((owner, method, getattr(owner, method)))
             setattr(owner, method, self._wrap(phase, getattr(owner, method)))
+
+    def close(self) -> None:
+        """Unwrap (the draw is a module function, shared by every engine of the run)."""
+        for owner, method, original in reversed(self._wrapped):
+            setattr(owner, method, original)
 
     def _wrap(self, phase, fn):
         def timed(*args, **kwargs):
@@ -137,6 +149,7 @@ def measure(runner: ModelRunner, num_running: int, sampling: dict, vocab: int, n
         times.append(time.perf_counter() - start)
         assert len(outputs) == num_running and not any(o.finished for o in outputs)
     timer.active = False
+    timer.close()
     engine.abort(list(engine.scheduler.requests))
     median = statistics.median(times)
     return {

@@ -79,6 +79,30 @@ def test_seeded_tokens_do_not_depend_on_batch_composition(mine, vocab):
     assert len(set(alone)) > 1  # it really sampled
 
 
+def test_kept_step_parameters_follow_the_rows_from_step_to_step():
+    """The sampler keeps a step's parameter arrays while the same requests sample in the same rows: a reused
+    sampler draws what a fresh one draws when rows move, a request is replaced by one with other parameters
+    (or by an equal copy), and when the same rows come back with new counters."""
+    rng = random.Random(5)
+    params = [RowSampling(temperature=rng.choice([0.0, 0.7, 1.3]), top_k=rng.choice([0, 1, 5, 50]),
+                          top_p=rng.choice([1.0, 0.8]), seed=i) for i in range(40)]
+    counters = list(range(40))
+    kept = Sampler()
+    steps = [(params, counters), (params, [c + 1 for c in counters]),  # the same rows: a new draw each step
+             (params[::-1], counters[::-1]),  # rows moved
+             (params[:7] + [RowSampling(temperature=2.0, top_k=3, seed=99)] + params[8:], counters),  # one replaced
+             ([RowSampling(**{f: getattr(p, f) for f in ("temperature", "top_k", "top_p", "seed")}) for p in params],
+              counters)]  # equal copies
+    drawn = []
+    for i, (step_params, step_counters) in enumerate(steps):
+        logits = random_logits(40, seed=50)
+        expected = Sampler().sample(logits.clone(), step_params, step_counters)
+        got = kept.sample(logits.clone(), step_params, step_counters)
+        assert got == expected, i
+        drawn.append(got)
+    assert drawn[0] != drawn[1] and drawn[0] == drawn[4]
+
+
 def test_the_same_request_draws_anew_at_every_counter_and_per_seed():
     logits = random_logits(1, seed=3).expand(30, VOCAB)
     a = Sampler().sample(logits, [RowSampling(temperature=2.0, seed=1)] * 30, range(30))
