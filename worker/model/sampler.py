@@ -158,7 +158,7 @@ class _StepParams:
     update. Keyed by the tuple of RowSampling (compared by identity first, then by value: equal parameters give
     equal arrays)."""
 
-    __slots__ = ("key", "plan", "picked", "temperature", "top_k", "top_p", "seed_hashes")
+    __slots__ = ("key", "plan", "picked", "temperature", "top_k", "top_p", "seed_hashes", "_on_device")
 
     def __init__(self, key: tuple[RowSampling, ...]) -> None:
         self.key = key
@@ -170,9 +170,16 @@ class _StepParams:
         self.top_p = np.array([p.top_p for p in picked], dtype=np.float64)  # [R]
         self.seed_hashes = (_seed_hashes([p.seed for p in picked])
                             if all(p.seed is not None for p in picked) else None)  # [R] uint64
+        self._on_device: tuple[tuple[int, torch.device], _DrawParams] | None = None
         for kept in (self.temperature, self.top_k, self.top_p, self.seed_hashes):
             if kept is not None:
                 kept.flags.writeable = False  # shared by every step that reuses them
+
+    def draw_params(self, vocab: int, device: torch.device) -> "_DrawParams":
+        """The torch draw's parameters on `device` (what a GPU runs), made once."""
+        if self._on_device is None or self._on_device[0] != (vocab, device):
+            self._on_device = ((vocab, device), _draw_params(self.picked, vocab, device))
+        return self._on_device[1]
 
     def uniforms(self, counters: list[int]) -> np.ndarray:  # [R] float64, one per picked row
         if self.seed_hashes is not None:
@@ -261,7 +268,8 @@ class Sampler:
         else:
             x = logits if len(sampled_rows) == num_rows else logits.index_select(
                 0, torch.tensor(sampled_rows, device=logits.device))
-            drawn = _draw(x.float(), picked, torch.from_numpy(u).to(logits.device))  # [R]
+            drawn = _draw(x.float(), step.draw_params(logits.shape[1], logits.device),
+                          torch.from_numpy(u).to(logits.device))  # [R]
         if len(sampled_rows) == num_rows:
             return drawn.tolist()
         tokens = _argmax(logits)
@@ -319,24 +327,63 @@ def _logprobs(
 # ---- the draw in torch (any device; what a GPU runs) ------------------------------------------------------
 
 
-def _draw(
-    x: torch.Tensor,  # [R, V] float32 logits of the rows that sample
-    params: list[RowSampling],
-    u: torch.Tensor,  # [R] float64
-) -> torch.Tensor:  # [R] int64 token ids
-    rows, vocab = x.shape
-    device = x.device
+class _CutParams(NamedTuple):
+    """The top-k/top-p rows' parameters as tensors on the logits' device."""
+
+    ks: torch.Tensor  # [Rc] int64, 0: no top-k
+    max_k: int
+    top_p: torch.Tensor  # [Rc] float64, inf: no top-p
+    any_nucleus_only: bool
+    """Some row has top-p without top-k (its nucleus is measured against the whole row's mass)."""
+
+
+class _DrawParams(NamedTuple):
+    """A step's draw parameters on the logits' device, built once per `_StepParams` and device: on a GPU each
+    tensor made from a Python list is a host-to-device copy the host waits for."""
+
+    divisor: torch.Tensor  # [R, 1] float32
+    groups: list[tuple[bool, torch.Tensor | None, _CutParams | None]]
+    """(cut, the group's rows or None for all rows, its top-k/top-p parameters when cut): whole-row draws first."""
+
+
+def _draw_params(params: list[RowSampling], vocab: int, device: torch.device) -> _DrawParams:
     divisor = torch.tensor([max(p.temperature, _MIN_DIVISOR) for p in params], device=device)[:, None]  # [R, 1]
     cut = [0 < p.top_k < vocab or p.top_p < 1.0 for p in params]
-    tokens = torch.empty(rows, dtype=torch.int64, device=device)
-    for want, fn in ((False, _draw_whole_rows), (True, _draw_cut_rows)):
-        group = [i for i in range(rows) if cut[i] == want]
-        if len(group) == rows:
-            return fn(x, divisor, [params[i] for i in group], u)
-        if group:
-            index = torch.tensor(group, device=device)
-            tokens[index] = fn(x.index_select(0, index), divisor.index_select(0, index),
-                               [params[i] for i in group], u.index_select(0, index))
+    groups = []
+    for want in (False, True):
+        rows = [i for i, c in enumerate(cut) if c == want]
+        if not rows:
+            continue
+        index = None if len(rows) == len(params) else torch.tensor(rows, device=device)
+        groups.append((want, index, _cut_params([params[i] for i in rows], vocab, device) if want else None))
+    return _DrawParams(divisor, groups)
+
+
+def _cut_params(params: list[RowSampling], vocab: int, device: torch.device) -> _CutParams:
+    ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    return _CutParams(
+        ks=torch.tensor(ks, device=device),
+        max_k=max(ks),
+        top_p=torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], device=device,
+                           dtype=torch.float64),
+        any_nucleus_only=any(p.top_p < 1.0 and k == 0 for p, k in zip(params, ks)),
+    )
+
+
+def _draw(
+    x: torch.Tensor,  # [R, V] float32 logits of the rows that sample
+    params: _DrawParams,
+    u: torch.Tensor,  # [R] float64
+) -> torch.Tensor:  # [R] int64 token ids
+    tokens = None
+    for cut, index, cut_params in params.groups:
+        if index is None:
+            return _draw_cut_rows(x, params.divisor, cut_params, u) if cut else _draw_whole_rows(x, params.divisor, u)
+        if tokens is None:
+            tokens = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
+        group_x, divisor, group_u = (t.index_select(0, index) for t in (x, params.divisor, u))
+        tokens[index] = (_draw_cut_rows(group_x, divisor, cut_params, group_u) if cut
+                         else _draw_whole_rows(group_x, divisor, group_u))
     return tokens
 
 
@@ -346,7 +393,7 @@ def _scaled(x: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
     return (x - x.amax(dim=-1, keepdim=True)) / divisor
 
 
-def _draw_whole_rows(x, divisor, params, u) -> torch.Tensor:
+def _draw_whole_rows(x, divisor, u) -> torch.Tensor:
     """Vocabulary order: the first token whose cumulative weight exceeds u · total."""
     cdf = _scaled(x, divisor).exp().cumsum(dim=-1)  # [R, V] non-decreasing
     total = cdf[:, -1:]  # [R, 1] >= 1
@@ -354,19 +401,16 @@ def _draw_whole_rows(x, divisor, params, u) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
-def _draw_cut_rows(x, divisor, params, u) -> torch.Tensor:
+def _draw_cut_rows(x, divisor, cut: _CutParams, u) -> torch.Tensor:
     """Rank order (logit descending, then token id): keep the first n, draw a rank, find its token."""
     rows, vocab = x.shape
     device = x.device
-    ks = torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params], device=device)  # [R]
-    max_k = int(max(p.top_k if 0 < p.top_k < vocab else 0 for p in params))
-    top_p = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], device=device,
-                         dtype=torch.float64)
+    ks, max_k, top_p = cut.ks, cut.max_k, cut.top_p  # [R], int, [R]
     nucleus_only = (ks == 0) & ~torch.isinf(top_p)
     row_max = x.amax(dim=-1, keepdim=True)
     row_mass = None
     tiers = [max_k]
-    if any(p.top_p < 1.0 and not 0 < p.top_k < vocab for p in params):
+    if cut.any_nucleus_only:
         tiers = [t for t in NUCLEUS_TIERS if 8 * t <= vocab] + [vocab]
         # Top-p without top-k measures the nucleus against the whole row's mass.
         row_mass = _scaled(x, divisor).exp().to(torch.float64).cumsum(dim=-1)[:, -1]
