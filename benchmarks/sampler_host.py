@@ -41,6 +41,9 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--sampling", choices=list(SAMPLINGS), default="t0.8-k50-p0.9")
     parser.add_argument("--iterations", type=int, default=3000, help="steps without the draw (400 with it)")
+    parser.add_argument("--churn", action="store_true",
+                        help="at every step one request finishes and another starts (the rows shift by one), as "
+                             "in a busy engine: the sampler cannot reuse the last step's parameters")
     args = parser.parse_args()
     torch.set_num_threads(1)
     # Every row sampled and seeded, as the engine seeds every sampled request; a new counter at every step.
@@ -51,6 +54,9 @@ def main() -> None:
 
     def step() -> None:
         step_index[0] += 1
+        if args.churn:
+            params.append(sampler_module.RowSampling(seed=10**6 + step_index[0], **SAMPLINGS[args.sampling]))
+            del params[0]
         counters = [step_index[0] + i for i in range(args.rows)]
         sampler.sample_step(logits, params, counters, None, None, sampler.plan(params))
 
@@ -63,7 +69,8 @@ def main() -> None:
         sampler_numpy.draw = real_draw
     with_draw = median_us(step, max(1, args.iterations // 8))
     print(json.dumps({"tree": str(Path.cwd()), "rows": args.rows, "vocab": args.vocab, "sampling": args.sampling,
-                      "host_us_without_draw": round(without, 1), "us_with_cpu_draw": round(with_draw, 1),
+                      "churn": args.churn, "host_us_without_draw": round(without, 1),
+                      "us_with_cpu_draw": round(with_draw, 1),
                       "loadavg": os.getloadavg()[0]}))
 
 

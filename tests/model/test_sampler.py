@@ -79,6 +79,14 @@ def test_seeded_tokens_do_not_depend_on_batch_composition(mine, vocab):
     assert len(set(alone)) > 1  # it really sampled
 
 
+def test_a_requests_seed_hash_has_the_bits_of_the_batched_one():
+    seeds = [0, 1, 7, 2**63, 2**64 - 1, 2**64, -1, -(2**70) + 3, 123456789123456789]
+    batched = sampler_module._seed_hashes(seeds)
+    assert [sampler_module._seed_hash(seed) for seed in seeds] == [int(h) for h in batched]
+    assert RowSampling(temperature=0.5, top_k=3, seed=7).draw_row == (0.5, 3, 1.0, int(batched[2]))
+    assert RowSampling(temperature=0.5).draw_row[3] is None
+
+
 def test_kept_step_parameters_follow_the_rows_from_step_to_step():
     """The sampler keeps a step's parameter arrays while the same requests sample in the same rows: a reused
     sampler draws what a fresh one draws when rows move, a request is replaced by one with other parameters

@@ -34,6 +34,7 @@ a given seed now gives other tokens than it did then (the same ones in any batch
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -83,12 +84,17 @@ class RowSampling:
     """No penalty, no min_tokens, no logprobs: the sampler's fast path."""
     greedy: bool = field(init=False, default=True)
     """Temperature 0, or top_k 1 (one candidate: the argmax, without spending a draw)."""
+    draw_row: tuple = field(init=False, default=(), compare=False, repr=False)
+    """(temperature, top_k, top_p, the seed's half of hash(seed, counter) or None): the row's entries in a step's
+    draw arrays, worked out once per request rather than at every step that rebuilds them."""
 
     def __post_init__(self) -> None:
         history = self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
         object.__setattr__(self, "uses_history", history)
         object.__setattr__(self, "plain", not (history or self.min_tokens > 0 or self.logprobs))
         object.__setattr__(self, "greedy", self.temperature <= 0.0 or self.top_k == 1)
+        seed_hash = None if self.seed is None else _seed_hash(self.seed)
+        object.__setattr__(self, "draw_row", (self.temperature, self.top_k, self.top_p, seed_hash))
 
 
 class SamplingPlan(NamedTuple):
@@ -120,6 +126,14 @@ def _mix64(z: np.ndarray) -> np.ndarray:
 def counter_uniforms(seeds: Sequence[int], counters: Sequence[int]) -> np.ndarray:  # [n] float64 in [0, 1)
     """u = hash(seed, counter): independent uniforms per (seed, counter), 53 random bits each."""
     return _uniforms_of(_seed_hashes(seeds), counters)
+
+
+def _seed_hash(seed: int) -> int:
+    """_seed_hashes of one seed, in Python ints (the same bits: every step is reduced modulo 2**64)."""
+    z = ((seed & _U64) + 0x9E3779B97F4A7C15) & _U64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    return z ^ (z >> 31)
 
 
 def _seed_hashes(seeds: Sequence[int]) -> np.ndarray:  # [n] uint64: the half of hash(seed, counter) a seed fixes
@@ -155,8 +169,9 @@ class _StepParams:
     """What a step's RowSampling list gives the draw, worked out once and kept while the same requests sample in
     the same rows, as vLLM's persistent input batch keeps its sampling parameters between steps: at 256 rows,
     reading them out of the objects again cost ~0.25 ms a step on the CPU, as much host work as the scheduler's
-    update. Keyed by the tuple of RowSampling (compared by identity first, then by value: equal parameters give
-    equal arrays)."""
+    update. Kept while the step's RowSampling objects are the very ones of the last step, in the same order;
+    otherwise rebuilt from each request's `draw_row` (a request finishing or starting, as most steps of a busy
+    engine have one)."""
 
     __slots__ = ("key", "plan", "picked", "temperature", "top_k", "top_p", "seed_hashes", "_on_device")
 
@@ -165,11 +180,11 @@ class _StepParams:
         self.plan = SamplingPlan([i for i, p in enumerate(key) if not p.plain],
                                  [i for i, p in enumerate(key) if not p.greedy])
         picked = self.picked = [key[i] for i in self.plan.sampled]
-        self.temperature = np.array([p.temperature for p in picked], dtype=np.float32)  # [R]
-        self.top_k = np.array([p.top_k for p in picked], dtype=np.int64)  # [R]
-        self.top_p = np.array([p.top_p for p in picked], dtype=np.float64)  # [R]
-        self.seed_hashes = (_seed_hashes([p.seed for p in picked])
-                            if all(p.seed is not None for p in picked) else None)  # [R] uint64
+        temperature, top_k, top_p, seed_hashes = zip(*[p.draw_row for p in picked]) if picked else ((),) * 4
+        self.temperature = np.array(temperature, dtype=np.float32)  # [R]
+        self.top_k = np.array(top_k, dtype=np.int64)  # [R]
+        self.top_p = np.array(top_p, dtype=np.float64)  # [R]
+        self.seed_hashes = None if None in seed_hashes else np.array(seed_hashes, dtype=np.uint64)  # [R]
         self._on_device: tuple[tuple[int, torch.device], _DrawParams] | None = None
         for kept in (self.temperature, self.top_k, self.top_p, self.seed_hashes):
             if kept is not None:
@@ -193,10 +208,11 @@ class Sampler:
         self._step_params: _StepParams | None = None
 
     def _params_of(self, params: Sequence[RowSampling]) -> _StepParams:
-        key = tuple(params)
-        if self._step_params is None or self._step_params.key != key:
-            self._step_params = _StepParams(key)
-        return self._step_params
+        kept = self._step_params
+        # By identity: a dataclass __eq__ per row costs more than rebuilding when rows have shifted.
+        if kept is None or len(kept.key) != len(params) or not all(map(operator.is_, kept.key, params)):
+            kept = self._step_params = _StepParams(tuple(params))
+        return kept
 
     def sample(
         self,
