@@ -29,6 +29,29 @@ def test_waiting_queue_orders_by_key_then_add_order_and_removes():
     assert ids(queue) == ["d", "b", "c"] and "a" not in queue and len(queue) == 3
 
 
+def test_waiting_queue_keeps_its_counts_as_requests_come_and_go():
+    from worker.engine.request import RequestStatus
+
+    queue = WaitingQueue(lambda request: (request.priority, request.arrival_time))
+    assert queue.num_by_priority() == (0,) and queue.num_prompt_tokens == 0
+    requests = [make_request("a", 5, priority=2), make_request("b", 7, priority=0),
+                make_request("c", 3, priority=-1), make_request("d", 4, priority=1, deadline=9.0)]
+    requests[3].status = RequestStatus.PREEMPTED
+    for order, request in enumerate(requests):
+        queue.push(request, order)
+    assert queue.num_by_priority() == (2, 1, 1)  # below 0 counts as 0
+    assert queue.num_prompt_tokens == 19 and queue.num_preempted_with_deadline == 1
+    assert queue.any_with_deadline_below(2) and not queue.any_with_deadline_below(1)  # "d", priority 1
+    requests[3].status = RequestStatus.RUNNING  # admitted: its status changes before it leaves the queue
+    queue.remove(requests[3])
+    queue.remove(requests[0])
+    assert queue.num_by_priority() == (2,) and queue.num_prompt_tokens == 10 and queue.num_preempted_with_deadline == 0
+    assert not queue.any_with_deadline_below(3)
+    queue.push(make_request("e", 2, priority=-2, deadline=5.0), 9)
+    assert queue.any_with_deadline_below(0) and queue.any_with_deadline_below(1)  # below 0: counted at 0
+    queue.check_counts()
+
+
 def test_continuous_admits_a_new_request_at_the_next_step():
     scheduler = make_scheduler()
     runner = FakeRunner(64, 4)

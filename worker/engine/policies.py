@@ -33,9 +33,12 @@ PolicyName = Literal["continuous", "dynamic", "static"]
 
 
 class WaitingQueue:
-    """Waiting requests sorted by (policy key, add order), with lookup by id and a heap of deadlines."""
+    """Waiting requests sorted by (policy key, add order), with lookup by id and a heap of deadlines, and the
+    counts the scheduler reads at every step kept as requests come and go (a walk over thousands of waiting
+    requests at every step would cost the host milliseconds)."""
 
-    __slots__ = ("_order_key", "_entries", "_entry_by_id", "_deadlines")
+    __slots__ = ("_order_key", "_entries", "_entry_by_id", "_deadlines", "_counted", "_by_priority",
+                 "_with_deadline_by_priority", "num_prompt_tokens", "num_preempted_with_deadline")
 
     def __init__(self, order_key: Callable[[Request], tuple]) -> None:
         self._order_key = order_key
@@ -43,6 +46,15 @@ class WaitingQueue:
         self._entry_by_id: dict[str, tuple[tuple, int, Request]] = {}
         # (deadline, add order, request); entries of requests that left the queue are skipped when popped.
         self._deadlines: list[tuple[float, int, Request]] = []
+        self._counted: dict[str, tuple[int, int, bool, bool]] = {}
+        """What each request adds to the counts below, as it was when pushed (its status changes before it
+        leaves: an admitted request is RUNNING when removed)."""
+        self._by_priority: list[int] = [0]
+        self._with_deadline_by_priority: list[int] = [0]
+        self.num_prompt_tokens = 0
+        """Prompt tokens of the waiting requests (a waiting request has none computed: it holds no KV)."""
+        self.num_preempted_with_deadline = 0
+        """Waiting requests that ran before (preempted) and have a deadline."""
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -59,6 +71,11 @@ class WaitingQueue:
         entry = (self._order_key(request), add_order, request)
         bisect.insort(self._entries, entry)
         self._entry_by_id[request.request_id] = entry
+        has_deadline = request.deadline is not None
+        counted = (max(request.priority, 0), request.num_prompt_tokens,
+                   request.status is RequestStatus.PREEMPTED and has_deadline, has_deadline)
+        self._counted[request.request_id] = counted
+        self._count(counted, 1)
         # Only requests that never ran can be dropped for their deadline (see Scheduler.schedule).
         if request.deadline is not None and request.status is RequestStatus.WAITING:
             heapq.heappush(self._deadlines, (request.deadline, add_order, request))
@@ -68,6 +85,51 @@ class WaitingQueue:
         index = bisect.bisect_left(self._entries, entry[:2])
         assert self._entries[index][2] is request, request.request_id
         del self._entries[index]
+        self._count(self._counted.pop(request.request_id), -1)
+
+    def _count(self, counted: tuple[int, int, bool, bool], sign: int) -> None:
+        priority, num_prompt_tokens, preempted_with_deadline, has_deadline = counted
+        by_priority, with_deadline = self._by_priority, self._with_deadline_by_priority
+        while len(by_priority) <= priority:
+            by_priority.append(0)
+            with_deadline.append(0)
+        by_priority[priority] += sign
+        with_deadline[priority] += sign * has_deadline
+        self.num_prompt_tokens += sign * num_prompt_tokens
+        self.num_preempted_with_deadline += sign * preempted_with_deadline
+
+    def num_by_priority(self) -> tuple[int, ...]:
+        """Waiting requests by priority 0 .. the largest waiting (a priority below 0, which the engine allows and
+        the wire does not, counts as 0); (0,) when none wait."""
+        by_priority = self._by_priority
+        last = len(by_priority) - 1
+        while last > 0 and not by_priority[last]:
+            last -= 1
+        return tuple(by_priority[: last + 1])
+
+    def any_with_deadline_below(self, priority: int) -> bool:
+        """Whether a waiting request of a priority below `priority` may have a deadline: exact for priorities of
+        0 and above; any request below 0 with a deadline (counted at 0) makes it True for every `priority`."""
+        if priority <= 0:
+            return bool(self._with_deadline_by_priority[0])
+        return any(self._with_deadline_by_priority[:priority])
+
+    def check_counts(self) -> None:
+        """The kept counts against a walk over the queue (Scheduler.check_invariants)."""
+        requests = [entry[2] for entry in self._entries]
+        by_priority = [0] * (max((max(r.priority, 0) for r in requests), default=0) + 1)
+        for request in requests:
+            by_priority[max(request.priority, 0)] += 1
+        assert self.num_by_priority() == tuple(by_priority), (self.num_by_priority(), by_priority)
+        assert self.num_prompt_tokens == sum(r.num_prompt_tokens for r in requests)
+        assert self.num_preempted_with_deadline == sum(
+            r.status is RequestStatus.PREEMPTED and r.deadline is not None for r in requests)
+        for priority in range(-1, len(self._with_deadline_by_priority) + 1):
+            below = any(r.priority < priority and r.deadline is not None for r in requests)
+            assert self.any_with_deadline_below(priority) >= below, priority  # never misses one
+            if priority > 0:
+                assert self.any_with_deadline_below(priority) == any(
+                    max(r.priority, 0) < priority and r.deadline is not None for r in requests), priority
 
     def first(self, num: int) -> list[Request]:
         return [entry[2] for entry in self._entries[:num]]

@@ -81,12 +81,7 @@ class Scheduler:
     def num_waiting_by_priority(self) -> tuple[int, ...]:
         """Waiting requests by priority 0 .. the largest waiting; (0,) when none wait (EngineStats reads () as
         "not counted")."""
-        counts: list[int] = [0]
-        for request in self.waiting:
-            while len(counts) <= request.priority:
-                counts.append(0)
-            counts[request.priority] += 1
-        return tuple(counts)
+        return self.waiting.num_by_priority()
 
     @property
     def num_running(self) -> int:
@@ -169,8 +164,9 @@ class Scheduler:
         fastest = self._smallest_step_s(step_cost)
         started = [r for r in self.running
                    if r.deadline is not None and r.deadline <= now + fastest * self._steps_left(r)]
-        started += [r for r in self.waiting if r.status is RequestStatus.PREEMPTED and r.deadline is not None
-                    and r.deadline <= now]
+        if self.waiting.num_preempted_with_deadline:
+            started += [r for r in self.waiting if r.status is RequestStatus.PREEMPTED and r.deadline is not None
+                        and r.deadline <= now]
         for request in started:
             self.num_deadline_drops += 1
             self._finish(request, RequestStatus.FINISHED_DEADLINE, now)
@@ -217,8 +213,8 @@ class Scheduler:
             admitted = []
             hopeless = []
             # The size the next steps will have, for judging whether a waiting request can still finish.
-            next_tokens = min(self.max_num_batched_tokens, len(self.running) + sum(
-                r.num_prompt_tokens - r.num_computed_tokens for r in self.waiting)) if step_cost[1] > 0 else 0
+            next_tokens = min(self.max_num_batched_tokens, len(self.running) + self.waiting.num_prompt_tokens
+                              ) if step_cost[1] > 0 else 0
             for request in self.policy.candidates(self.waiting, now):
                 if budget == 0:
                     break
@@ -282,7 +278,8 @@ class Scheduler:
             return budget
         floor = self.min_budget()
         smallest = self._smallest_step_s(step_cost)
-        for request in itertools.chain(self.running, self._protected_waiting()):
+        waiting = self._protected_waiting() if self.waiting.any_with_deadline_below(self.protected_priorities) else ()
+        for request in itertools.chain(self.running, waiting):
             if request.deadline is None or request.priority >= self.protected_priorities:
                 continue
             # Counting those that wait keeps the step that prefills an urgent request small too, not only the
@@ -414,6 +411,7 @@ class Scheduler:
         for request in self.waiting:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), request.request_id
             assert not request.block_ids and request.num_computed_tokens == 0, request.request_id
+        self.waiting.check_counts()
         self.pool.check_invariants(self.running)
 
     # ---- internals ----------------------------------------------------------------------------------
