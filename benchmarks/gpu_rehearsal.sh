@@ -3,8 +3,9 @@
 # device time: Python 3.12 with torch 2.11, triton 3.6 and transformers 5.17 (../shared/DESIGN.md lists what that
 # machine has), plus only the wheels benchmarks/gpu_wheels.sh carries there. It runs gpu_check.sh itself with
 # GPU_CHECK_SMOKE=1, so the script's interpreter search, its wheel install into /tmp and the engine check's Python
-# side (tiny shapes, every part and token check) meet those versions; what needs CUDA (capture, replay, compiled
-# kernels, real step times) still needs the GPU.
+# side (tiny shapes, every part and token check) meet those versions; then every Triton kernel is compiled to an
+# sm_90 cubin by that Triton (no GPU needed). What needs CUDA to run (capture, replay, the kernels' results, real
+# step times) still needs the GPU.
 #
 #   bash benchmarks/gpu_rehearsal.sh            # venv in .venv-rehearsal (git ignores it; ~6 GB: torch's CUDA build)
 #
@@ -38,3 +39,8 @@ bash benchmarks/gpu_wheels.sh .whl >/dev/null
 export OUT="${OUT:-benchmarks/results/gpu_rehearsal}"
 rm -rf /tmp/gpu-check-site  # installed afresh from .whl, as on the GPU machine
 GPU_CHECK_SMOKE=1 PYTHON="$VENV/bin/python" bash benchmarks/gpu_check.sh
+# Compiled mode without a GPU: every kernel, with its wrapper's arguments, through this Triton to an sm_90 cubin
+# (what the kernel tests will compile there; tests/kernels/compile_check.py).
+TRITON_INTERPRET=0 PYTHONPATH="$PWD" "$VENV/bin/python" -m tests.kernels.compile_check 90 2>&1 \
+    | tee "$OUT/compile_check.log"
+exit "${PIPESTATUS[0]}"
