@@ -1,4 +1,4 @@
-"""The sampler's host work per step without its array math: `Sampler.plan` + `Sampler.sample_step` at [R, V] with
+"""The sampler's host work per step without its array math: `Sampler.sample_step` at [R, V] with
 the CPU draw (worker/model/sampler_numpy.py `draw`) replaced by a constant, i.e. what is left of sampling on the
 host when a GPU does the draw (issue #16). Also times the step with the real CPU draw, for scale.
 
@@ -58,7 +58,7 @@ def main() -> None:
             params.append(sampler_module.RowSampling(seed=10**6 + step_index[0], **SAMPLINGS[args.sampling]))
             del params[0]
         counters = [step_index[0] + i for i in range(args.rows)]
-        sampler.sample_step(logits, params, counters, None, None, sampler.plan(params))
+        sampler.sample_step(logits, params, counters)
 
     real_draw = sampler_numpy.draw
     drawn = np.zeros(args.rows, dtype=np.int64)

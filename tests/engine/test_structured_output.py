@@ -62,9 +62,9 @@ def test_constrained_and_free_requests_share_steps_and_free_ones_are_unchanged(t
     steps = []
     sample_step = engine.sampler.sample_step
 
-    def recording(logits, params, counters=None, history=None, mask=None, plan=None):
+    def recording(logits, params, counters=None, history=None, mask=None):
         steps.append((logits.shape[0], len(mask.rows) if mask is not None else 0))
-        return sample_step(logits, params, counters, history, mask, plan)
+        return sample_step(logits, params, counters, history, mask)
 
     engine.sampler.sample_step = recording
     constrained = constrained_requests()

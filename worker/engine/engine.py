@@ -311,13 +311,12 @@ class LLMEngine:
         mask = self._grammar_mask(sampling_ids, outputs) if self._constrained else None
         # The draw's counter is the index of the token being generated: stable across preemption and replay.
         counters = [len(entry.request.output_token_ids) for entry in sampling]
-        plan = self.sampler.plan(flight.params)
         # The draw goes in behind the forward, as a GPU queues it on its stream (worker/model/input.py, Launched).
         sampled = self.sampler.sample_step(
             flight.launched.logits, flight.params, counters,  # [S, V]
             # Asked only for the rows with penalties.
             lambda row: (sampling[row].request.prompt_token_ids, sampling[row].request.output_token_ids),
-            mask, plan,
+            mask,
         )
         flight.launched.wait()
         if sampled.logprobs:

@@ -98,8 +98,8 @@ class RowSampling:
 
 
 class SamplingPlan(NamedTuple):
-    """Which rows of a step need what, worked out from its RowSampling alone (`Sampler.plan`), so that it can be
-    done before the logits are ready."""
+    """Which rows of a step need what, worked out from its RowSampling alone (kept with the step's parameters,
+    `_StepParams`)."""
 
     special: list[int]
     """Rows that are not `plain` (penalties, min_tokens, logprobs)."""
@@ -234,11 +234,9 @@ class Sampler:
         counters: Sequence[int] | None = None,
         history: penalties.History | None = None,
         mask: token_mask.TokenMask | None = None,
-        plan: SamplingPlan | None = None,
     ) -> SampledStep:
         """`sample`, with the log-probabilities of the rows that ask for them. `mask`: the grammar masks of the
-        constrained rows (structured output), applied first, in place. `plan`: `self.plan(params)`, when the
-        caller worked it out already."""
+        constrained rows (structured output), applied first, in place."""
         num_rows = logits.shape[0]
         if len(params) != num_rows or (counters is not None and len(counters) != num_rows):
             raise ValueError(f"{num_rows} logits rows but {len(params)} params and "
@@ -247,7 +245,7 @@ class Sampler:
             logits = logits.float().contiguous()  # no copy when it already is
             token_mask.apply(logits, mask, _on_numpy(logits))
         step = self._params_of(params)
-        special, sampled_rows = plan or step.plan
+        special, sampled_rows = step.plan
         if not special:
             return SampledStep(self._pick(logits, step, counters, sampled_rows), {})
         logits = logits.float().contiguous()  # no copy when it already is
@@ -260,9 +258,6 @@ class Sampler:
             return SampledStep(token_ids, {})
         return SampledStep(token_ids, _logprobs(logits, wanted, [token_ids[i] for i in wanted],
                                                 [params[i].top_logprobs for i in wanted]))
-
-    def plan(self, params: Sequence[RowSampling]) -> SamplingPlan:
-        return self._params_of(params).plan
 
     def _pick(self, logits: torch.Tensor, step: _StepParams, counters: Sequence[int] | None,
               sampled_rows: list[int]) -> list[int]:
