@@ -44,19 +44,19 @@ broker-status: $(INSTALL_STAMP)
 	$(BIN)/llm-worker broker status
 
 # ---- demo and bench ------------------------------------------------------------------------------------
-# Rate sweep of every system on SmolLM2-135M, 3 repetitions (~110 min on an idle 2-core CPU: the last full run
-# took 111 min); writes benchmarks/results/<date>/. BENCH_ARGS passes options, e.g. make bench BENCH_ARGS=--quick.
+# Rate sweep of every system on SmolLM2-135M, 3 repetitions (~110 min on an idle 2-core CPU); writes
+# benchmarks/results/<date>/. BENCH_ARGS passes options, e.g. make bench BENCH_ARGS=--quick.
 bench: setup
 	$(BIN)/python -m benchmarks.report $(BENCH_ARGS)
 
-# Overload benchmark (issue #14): capacity, then Poisson load at 2x and 5x of it with a priority mix and deadlines,
-# one fresh worker per phase (4-6 min on a 2-core CPU); writes benchmarks/results/<date>-overload-control/ and
-# fails when a floor does. make bench-overload BENCH_ARGS=--quick is a smoke run (3-4 min).
+# Overload benchmark: capacity, then Poisson load at 2x and 5x of it with a priority mix and deadlines, then
+# capacity again, one fresh worker per phase (10-11 min on a 2-core CPU); writes
+# benchmarks/results/<date>-overload-control/ and fails when a floor does. make bench-overload BENCH_ARGS=--quick is a smoke run (3-4 min).
 bench-overload: setup
 	$(BIN)/python -m benchmarks.bench_overload $(BENCH_ARGS)
 
-# The whole worker on the simulated H200 (issue #16): one offline trace per point through the engine alone and
-# through the broker and an `llm-worker serve` subprocess (WORKER_CHUNK_INTERVAL_MS 0, 20, 50); output tok/s
+# The whole worker on the simulated H200: one offline trace per point through the engine alone and through
+# the broker and an `llm-worker serve` subprocess (WORKER_CHUNK_INTERVAL_MS 100, 50, 20, 0); output tok/s
 # against the forward-only ceiling, TTFT / ITL percentiles, records/s. ~2 min (BENCH_ARGS="--reps 2": ~4); writes
 # benchmarks/results/<date>-sim-kafka/ and fails when the floor (Kafka >= 0.85 x engine, 8B at 256) does.
 bench-sim: setup

@@ -203,7 +203,7 @@ class WorkerSettings(BaseSettings):
     """Coalesce stream chunks for this long; 0 sends one chunk per engine step. The first token of a request
     goes out at once. On a simulated H200 running Llama-3.1-8B with 256 requests, the Kafka path reached
     0.83-0.88 of the engine alone at 20 ms (8,200 records/s), 0.84-0.91 at 50 ms (3,800-4,200/s) and
-    0.85-0.93 at 100 ms (2,150-2,350/s) (benchmarks/bench_sim_kafka.py, 2026-12-01); a CPU step is longer
+    0.85-0.93 at 100 ms (2,150-2,350/s) (benchmarks/bench_sim_kafka.py; docs/benchmarks.md); a CPU step is longer
     than 100 ms anyway. Lower it for smoother streams where the publisher has cores to spare."""
     io_gather_max_ms: float = Field(50.0, ge=0)
     """While the engine runs requests, the intake waits 5 % of the engine's last step (at most this long)

@@ -293,9 +293,9 @@ class Scheduler:
                 budget = min(budget, tokens)
             elif request.priority == 0 and left * smallest <= slack:
                 # The most urgent priority is started on the promise of the smallest steps without the margin
-                # (_cannot_finish); it keeps that promise while the margin is gone. (On the EPYC in float32 a
-                # priority-0 request that had waited ~1.5 s of its 10 s was otherwise left to full 2.5 s steps
-                # and stopped as hopeless 4 tokens in.) Other priorities get no such squeeze: below the floor
+                # (_cannot_finish); it keeps that promise while the margin is gone. (Where a full step is a
+                # quarter of the deadline, a priority-0 request that had waited ~1.5 s of its 10 s was otherwise
+                # left to full 2.5 s steps and stopped as hopeless 4 tokens in.) Other priorities get no such squeeze: below the floor
                 # they do not count, as smaller steps for each would cost every other request throughput.
                 budget = min(budget, floor)
         return budget

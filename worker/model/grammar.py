@@ -1,4 +1,4 @@
-"""Structured output (issue #17): grammars compiled by llguidance, a matcher per constrained request, and each
+"""Structured output: grammars compiled by llguidance, a matcher per constrained request, and each
 step's token bitmask for the rows that are constrained.
 
 Why llguidance (benchmarks/bench_structured.py, figures in the README): on SmolLM2's 49152-token vocabulary it

@@ -52,9 +52,9 @@ def pick_device(setting: str) -> torch.device:
 
 def pick_dtype(setting: str, device: torch.device) -> torch.dtype:
     """auto: bfloat16 on CUDA, and on a CPU with bf16 matrix units (AMX or AVX512-BF16), where oneDNN runs bf16
-    matmuls natively; float32 on other CPUs, which would emulate bf16 and run slower than float32. On this
-    project's 2-core Xeon (AMX), SmolLM2-135M steps of ~380 tokens take 0.31 s in bf16 against 0.98 s in
-    float32, and decode-only steps of 50 requests 0.13 s against 0.28 s (one thread)."""
+    matmuls natively; float32 on other CPUs, which would emulate bf16 and run slower than float32. With AMX,
+    SmolLM2-135M steps of ~380 tokens take about a third of their float32 time in bf16, and decode-only steps of
+    50 requests about half (one thread; docs/benchmarks.md)."""
     if setting == "auto":
         if device.type == "cuda":
             return torch.bfloat16

@@ -28,8 +28,8 @@ float), so a temperature just above 0 sharpens to the argmax instead of overflow
 
 On the CPU the draw runs in numpy (worker/model/sampler_numpy.py, same definition, several times faster).
 
-Changed in issue #16: the draw used to be an exponential race with a per-request torch.Generator, row by row;
-a given seed now gives other tokens than it did then (the same ones in any batch, as before).
+The draw used to be an exponential race with a per-request torch.Generator, row by row; a given seed now gives
+other tokens than it did then (the same ones in any batch, as before).
 """
 
 from __future__ import annotations

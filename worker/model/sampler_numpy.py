@@ -4,7 +4,7 @@ tokens as the torch draw in worker/model/sampler.py (whose docstring defines it)
 Why numpy: torch's CPU top-k and sort are 10-20x slower than numpy's vectorized ones at [256, 2048]. Every
 operation here stays within a row, and gives a row the same result wherever it sits in the batch. The one
 exception to numpy is `_exp`: numpy's float32 exp is 2.5-5x slower than torch's here (1-2 ms against 0.4 ms at
-[256, 2048] on an AVX2 EPYC), and torch's rounds each element the same wherever it sits (tests/model/
+[256, 2048] on an AVX2 CPU), and torch's rounds each element the same wherever it sits (tests/model/
 test_sampler.py checks that a row's exp is bit-identical alone, at any offset, in batches of any size, under
 1, 2 and 7 threads, for widths that are and are not multiples of the vector width).
 """
@@ -164,7 +164,7 @@ def _top_sorted(a: np.ndarray, width: int, scratch: Scratch) -> np.ndarray:  # [
     if width * 8 > vocab:
         return np.sort(a, axis=1)[:, : -width - 1 : -1]
     # Selected as int32 keys that order as the floats do: numpy partitions [256, 2048] int32 in ~0.67 ms against
-    # ~0.92 ms for a copy of the float32 logits (p10 of 500 on the AVX2 EPYC), the keys' three passes included.
+    # ~0.92 ms for a copy of the float32 logits (p10 of 500 on an AVX2 CPU), the keys' three passes included.
     keys = _order_keys(np.ascontiguousarray(a, dtype=np.float32).view(np.int32), scratch.get("keys", a.shape, np.int32))
     keys.partition(vocab - width, axis=1)
     top = np.sort(keys[:, vocab - width :], axis=1)[:, ::-1]

@@ -214,7 +214,7 @@ class ServiceModel:
         """Per priority, how many of its requests in the engine wait to start: the engine's own count where
         it gives one (EngineStats.num_waiting_by_priority; priorities past the last counted at it). Requests
         wait there with seats free whenever the steps' token budget, not max_num_seqs, is what runs out: at 5×
-        overload on the EPYC, ~21 of 64 seats were taken while priority 1 waited inside the engine, and a
+        overload on a 2-core CPU, ~21 of 64 seats were taken while priority 1 waited inside the engine, and a
         count inferred from seats saw none of it (its queue waits came out 2-15× the prediction).
 
         Otherwise inferred from seats: the engine seats the most urgent first and preempts less urgent ones
