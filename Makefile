@@ -51,7 +51,8 @@ bench: setup
 
 # Overload benchmark: capacity, then Poisson load at 2x and 5x of it with a priority mix and deadlines, then
 # capacity again, one fresh worker per phase (10-11 min on a 2-core CPU); writes
-# benchmarks/results/<date>-overload-control/ and fails when a floor does. make bench-overload BENCH_ARGS=--quick is a smoke run (3-4 min).
+# benchmarks/results/<date>-overload-control/ and fails when a floor does.
+# make bench-overload BENCH_ARGS=--quick is a smoke run (3-4 min).
 bench-overload: setup
 	$(BIN)/python -m benchmarks.bench_overload $(BENCH_ARGS)
 

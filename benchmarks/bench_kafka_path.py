@@ -16,6 +16,10 @@ Repetitions alternate in-process and Kafka runs in ABBA order so drift in machin
 Shedding is switched off in the worker (WORKER_MAX_QUEUE_TIME_S very large): the in-process engine never
 sheds, and a saturating offline trace would otherwise trip it.
 
+Writes summary.json (every repetition's metrics) and report.md to benchmarks/results/<date>-kafka-path/, the
+trace and the full results.json (each request's record too) to the git-ignored
+benchmarks/results/raw/<date>-kafka-path/ (benchmarks/results_store.py).
+
     .venv/bin/python -m benchmarks.bench_kafka_path --num-requests 24 --reps 2
 """
 
@@ -44,6 +48,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from benchmarks.bench_engine import run_engine_policy
 from benchmarks.floors import KAFKA_FLOOR
 from benchmarks.run_result import RequestRecord, RunResult, compute_metrics, records_to_json
+from benchmarks.results_store import raw_dir, write_results
 from benchmarks.settings import DEFAULT_MODEL, engine_settings, load_runner, min_token_id, set_threads
 from benchmarks.trace import Trace, TraceConfig, TraceRequest, generate_trace, is_offline
 from schemas.decode import decode_result, decode_status, encode
@@ -399,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
                                        num_requests=args.num_requests, profile=args.profile, seed=args.seed,
                                        min_token_id=low, vocab_size=runner.vocab_size))
     warmup = warmup_trace(low, runner.vocab_size)
-    trace.save(out_dir / "trace.json")
+    trace.save(raw_dir(out_dir) / "trace.json")
     inproc, kafka = run_abba(args, runner, trace, warmup, threads)
     comparison = compare(inproc, kafka)
     result = {
@@ -410,7 +415,9 @@ def main(argv: list[str] | None = None) -> int:
                    "engine": json.loads(engine_settings("continuous", runner.max_model_len).model_dump_json())},
         "comparison": comparison, "inproc": inproc, "kafka": kafka,
     }
-    (out_dir / "results.json").write_text(json.dumps(result, indent=1, default=str))
+    summary = {**result, **{system: [{k: v for k, v in m.items() if k != "records"} for m in result[system]]
+                            for system in ("inproc", "kafka")}}  # each request's record: raw results only
+    write_results(out_dir, result, summary, indent=1, default=str)
     write_report(out_dir, args, argv, trace, threads, load_before, inproc, kafka, comparison)
     print(f"written to {out_dir}")
     return 0

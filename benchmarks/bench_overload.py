@@ -19,8 +19,10 @@ and status record, so a duplicate final cannot hide behind the client.
    and beside the tokens per busy second its engine computed, so a machine that sped up or slowed down
    between the phases shows as such instead of as a change of goodput.
 
-Text prompts of 16-64 words, max_new_tokens 8 with ignore_eos, stream false, seeded. Writes results.json,
-report.md and timeline-<factor>x.png to benchmarks/results/<date>-overload-control/ and exits 1 if a floor
+Text prompts of 16-64 words, max_new_tokens 8 with ignore_eos, stream false, seeded. Writes summary.json
+(every phase less its per-request records and status samples), report.md and timeline-<factor>x.png to
+benchmarks/results/<date>-overload-control/, the full results.json and the worker logs to the git-ignored
+benchmarks/results/raw/<date>-overload-control/ (benchmarks/results_store.py), and exits 1 if a floor
 fails (benchmarks/overload_stats.py). About 5-7 minutes with the defaults on a fast CPU, 9-10 on a slow one;
 `--quick` (30 s capacity loops, 15 s per factor) 3-4.
 
@@ -31,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import shutil
@@ -49,6 +50,7 @@ from benchmarks.overload_stats import (
     IN_TIME, LATE, FinalSeen, RequestLog, StatusSample, capacity_from_completions, check_floors, engine_summary,
     outcome, phase_summary, steady_span, time_series,
 )
+from benchmarks.results_store import raw_dir, write_results
 from benchmarks.settings import cpu_model, set_threads
 from producer_examples.client import BackoffPolicy, LLMClient
 from producer_examples.loadgen import make_prompt
@@ -71,6 +73,8 @@ CAPACITY_CONCURRENCY = 160
 max_num_seqs 64 = 128), so the engine never waits for a replacement to arrive."""
 OFFSETS_WAIT_S = 15.0
 """How long the worker gets (commit interval, acknowledgements) to commit up to the log end."""
+PER_REQUEST_KEYS = ("requests", "statuses")
+"""A phase's per-request records and status samples: in the raw results only (summary.json stays small)."""
 
 
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
@@ -290,7 +294,7 @@ async def run_phase(bootstrap: str, log_dir: Path, out_dir: Path, args: argparse
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)
         exit_code = await run.stop()
-        shutil.copyfile(run.log_path, out_dir / f"worker-{name}.log")
+        shutil.copyfile(run.log_path, raw_dir(out_dir) / f"worker-{name}.log")
     requests = list(run.logs.values())
     statuses = [run.sample(s, cpu) for s, cpu in zip(run.raw_statuses, run.raw_cpu)]
     finals_at = [r.final.at_s for r in requests if outcome(r) in (IN_TIME, LATE)]
@@ -306,7 +310,7 @@ async def run_phase(bootstrap: str, log_dir: Path, out_dir: Path, args: argparse
     summary["engine"] = engine_summary(statuses, *span)
     offsets_at_end = all(c == e for c, e in offsets.values())
     if exit_code != 0:
-        notes.append(f"worker exited with {exit_code} on SIGTERM (log worker-{name}.log)")
+        notes.append(f"worker exited with {exit_code} on SIGTERM (log worker-{name}.log in the raw results)")
     return {"name": name, "factor": factor, "rate_per_s": rate, "capacity_per_s": capacity,
             "concurrency": args.capacity_concurrency if factor is None else None,
             "window_s": window_s, "worker_ready_s": ready_s, "worker_exit_code": exit_code, "notes": notes,
@@ -626,7 +630,9 @@ def main(argv: list[str] | None = None) -> int:
         "capacity_per_s": capacity, "phases": phases, "floors": floors,
         "all_pass": all(f["pass"] for f in floors),
     }
-    (out_dir / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    summary = {**results, "phases": [{k: v for k, v in phase.items() if k not in PER_REQUEST_KEYS}
+                                     for phase in phases]}
+    write_results(out_dir, results, summary, indent=1, default=str)
     (out_dir / "report.md").write_text(render_report(results))
     for f in floors:
         value = f"{f['value']:.3f}" if isinstance(f["value"], float) else f["value"]

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import random
@@ -39,6 +38,7 @@ from pathlib import Path
 from benchmarks.bench_engine import run_engine
 from benchmarks.bench_kafka_path import NO_SHEDDING, KafkaRun, kafka_env, kafka_session, warmup_trace
 from benchmarks.run_result import compute_metrics
+from benchmarks.results_store import raw_dir, write_results
 from benchmarks.settings import DEFAULT_MODEL, min_token_id, set_threads
 from benchmarks.token_times import TokenTimes
 from benchmarks.trace import Trace, TraceConfig, TraceRequest
@@ -293,7 +293,7 @@ def run_point(point: str, args: argparse.Namespace, session, low: int, vocab_siz
             if what == "engine":
                 row = run_engine_alone(settings, trace, warmup)
             else:
-                spy = out_dir / f"pyspy-{args.py_spy}-{point}-{what:g}ms-rep{rep}.txt" if args.py_spy else None
+                spy = raw_dir(out_dir) / f"pyspy-{args.py_spy}-{point}-{what:g}ms-rep{rep}.txt" if args.py_spy else None
                 row = asyncio.run(run_kafka_sim(session.bootstrap, settings, trace, warmup, what, session.tmp,
                                                 spy, args.timeout_s, args.switch_interval_ms))
             row.update(point=point, rep=rep, load_at_end=os.getloadavg()[0], num_requests=len(trace.requests))
@@ -355,7 +355,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="ENGINE_ASYNC_SCHEDULING of the engine and the worker (auto: on, as on a GPU)")
     parser.add_argument("--py-spy", choices=["active", "gil"],
                         help="record each Kafka run's worker with py-spy (raw stacks per thread, 200 Hz) into the "
-                             "output folder: active threads, or only the thread holding the GIL")
+                             "run's raw folder: active threads, or only the thread holding the GIL")
     parser.add_argument("--switch-interval-ms", type=float,
                         help="start the worker with sys.setswitchinterval(this); default: Python's (5 ms)")
     parser.add_argument("--bootstrap", help="use this broker instead of starting a local one")
@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
               "config": {**{k: v for k, v in vars(args).items() if k != "out_dir"},
                          "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN},
               "floor": verdict, "runs": rows}
-    (out_dir / "results.json").write_text(json.dumps(result, indent=1, default=str))
+    write_results(out_dir, result, result, indent=1, default=str)  # per-run aggregates: all of it is summary
     write_report(out_dir, argv, rows, verdict, load_before, args.requests_per_seat)
     print(f"written to {out_dir}")
     return 0 if verdict["meets_floor"] else 1

@@ -19,7 +19,8 @@ Without --rates the sweep is calibrated on this machine: the continuous engine's
 and beyond saturation), then the saturation point itself: offline, every request at t=0; --quick uses 0.7·C and
 offline; --factors chooses others (0 = offline). Every system sees the same trace at a rate; repetitions replay
 it again (systems interleaved, so drift in machine load spreads over all of them). Writes
-benchmarks/results/<date>[-quick]/{results.json, report.md, *.png, traces/}.
+benchmarks/results/<date>[-quick]/{summary.json, report.md, *.png} and, git-ignored,
+benchmarks/results/raw/<date>[-quick]/{results.json, traces/} (benchmarks/results_store.py).
 
 The offline point's trace holds --offline-requests requests (default 48), more than the rated traces: with
 20 requests at t=0 the run's length is mostly the drain of its three or four long requests running nearly
@@ -31,7 +32,7 @@ p99) and, in issue #7's form, continuous's sustained output tok/s (its own p99 u
 highest rate where static's p99 e2e stays under 10 s (all requests, and short requests alone); continuous vs
 hf-cb 1.5x output tok/s at saturation (the highest rate both ran: the offline point); kafka vs continuous 0.90x
 output tok/s at every rate (issue #5); paged KV >= 3x the requests of max-length contiguous reservation in the
-same budget; engine overhead at most 10%. `--rerender DIR` recomputes floors, report.md and plots from DIR/results.json.
+same budget; engine overhead at most 10%. `--rerender DIR` recomputes floors, report.md and plots from DIR's results.
 
 The time estimate (20 requests of the cpu profile, 3 rates, 6 systems, 3 repetitions: 76 min measured; the
 48-request offline point, 5 systems, 3 repetitions: ~20-25 min) comes from per-run wall times measured on a
@@ -47,7 +48,6 @@ import argparse
 import asyncio
 import contextlib
 import datetime
-import json
 import math
 import os
 import platform
@@ -61,6 +61,7 @@ from benchmarks.bench_kafka_path import kafka_session, run_kafka, warmup_trace
 from benchmarks.floors import check_floors
 from benchmarks.hf_systems import HFBaselines
 from benchmarks.render import rate_label, render_markdown, render_plots
+from benchmarks.results_store import raw_dir, read_results, write_results
 from benchmarks.run_result import compute_metrics
 from benchmarks.settings import (ALL_SYSTEMS, BLOCK_SIZE, DEFAULT_MODEL, ENGINE_POLICIES, HF_SYSTEMS, KV_CACHE_BYTES,
                                  MAX_BATCH_SIZE, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, load_runner, min_token_id,
@@ -162,7 +163,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, help="torch threads (default: see settings.set_threads)")
     parser.add_argument("--out-dir", type=Path)
     parser.add_argument("--rerender", type=Path, metavar="RESULTS_DIR",
-                        help="measure nothing: recompute the floors, report.md and plots from RESULTS_DIR/results.json")
+                        help="measure nothing: recompute the floors, report.md and plots from RESULTS_DIR's results")
     args = parser.parse_args(argv)
     if args.rerender:
         return args
@@ -183,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.rerender:
         return rerender(args.rerender)
     out_dir = args.out_dir or RESULTS_DIR / (datetime.date.today().isoformat() + ("-quick" if args.quick else ""))
-    (out_dir / "traces").mkdir(parents=True, exist_ok=True)
+    traces_dir = raw_dir(out_dir) / "traces"
+    traces_dir.mkdir(parents=True, exist_ok=True)
     threads = set_threads(args.threads)
     env = environment(threads)
     say(f"torch threads {threads}; load {env['load_before'][0]:.2f}; writing to {out_dir}")
@@ -198,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         rates, calibration = sweep.choose_rates()
         traces = {rate: sweep.trace_at(rate) for rate in rates}
         for rate, trace in traces.items():
-            trace.save(out_dir / "traces" / f"rate_{rate:g}.json")
+            trace.save(traces_dir / f"rate_{rate:g}.json")
         sweep.run_repetitions(rates, traces)
     if not sweep.kafka_failed:  # the logs went with the temporary folder
         for ms in sweep.runs.values():
@@ -367,22 +369,24 @@ def noise_note(env: dict, runs: dict[tuple[str, float], list[dict]], reps: int) 
 
 
 def write_report(results: dict, out_dir: Path) -> None:
-    """Floors from the measured points, then results.json, report.md and the plots."""
+    """Floors from the measured points, then summary.json (each point's summary, without its repetitions'
+    metrics), report.md and the plots in out_dir, and the full results.json in the run's raw folder."""
     config = results["config"]
     results["floors"] = check_floors(results["points"], results["overhead"], config["systems"],
                                      results.get("kv_capacity"), config.get("offline_systems"))
     results = finite_or_none(results)
-    (out_dir / "results.json").write_text(json.dumps(results, indent=1, allow_nan=False))
+    summary = {**results, "points": [{k: v for k, v in p.items() if k != "runs"} for p in results["points"]]}
+    write_results(out_dir, results, summary, indent=1, allow_nan=False)
     (out_dir / "report.md").write_text(render_markdown(results))
     plots = render_plots(results, out_dir)
-    say(f"wrote {out_dir / 'report.md'}, results.json and {len(plots)} plots")
+    say(f"wrote {out_dir / 'report.md'}, summary.json and {len(plots)} plots; raw results in {raw_dir(out_dir)}")
     print(render_markdown(results))
 
 
 def rerender(out_dir: Path) -> int:
-    """Floors, report.md and plots again from a results folder's results.json (measurements untouched), for
-    a report written before a floor or a table was added."""
-    results = json.loads((out_dir / "results.json").read_text())
+    """Floors, report.md and plots again from a run's results (measurements untouched), for a report written
+    before a floor or a table was added: the raw results.json where this machine has it, else summary.json."""
+    results = read_results(out_dir)
     write_report(results, out_dir)
     return 0
 
