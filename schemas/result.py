@@ -33,10 +33,15 @@ ERROR_REASONS: tuple[str, ...] = (
     "too_large",
     "prompt_too_long",
     "reply_topic_not_allowed",
+    "reply_topic_unavailable",
+    "result_too_large",
     "decode_error",
     "internal",
 )
-"""error: the request cannot be served as sent (all but internal) or the worker failed (internal)."""
+"""error: the request cannot be served as sent (all but internal) or the worker failed (internal).
+reply_topic_unavailable: its reply topic is allowed but missing or not writable (the final then comes on the
+result topic); result_too_large: its final record does not fit the topic's record limit even without the parts
+that may be omitted (see FinalRecord.omitted)."""
 
 CANCEL_REASONS: tuple[str, ...] = ("cancelled",)
 """cancelled: its producer cancelled it (a cancel record on the control topic, schemas/control.py); the final
@@ -118,8 +123,8 @@ class FinalRecord(WireRecord, kw_only=True, tag_field="kind", tag="final"):
         Meta(
             min_length=1,
             description="completed: the finish reason. rejected: deadline, shed, overloaded, queue_full. "
-            "error: invalid_request, too_large, prompt_too_long, reply_topic_not_allowed, decode_error, "
-            "poison_request, internal. cancelled: cancelled (text and token_ids hold the output so far). "
+            "error: invalid_request, too_large, prompt_too_long, reply_topic_not_allowed, "
+            "reply_topic_unavailable, result_too_large, decode_error, poison_request, internal. cancelled: cancelled (text and token_ids hold the output so far). "
             "Treat an unknown code like internal.",
         ),
     ]
@@ -137,6 +142,9 @@ class FinalRecord(WireRecord, kw_only=True, tag_field="kind", tag="final"):
     ] = 0
     metadata: dict[str, str] | None = None
     worker_id: str = ""
+    omitted: Annotated[list[Literal["logprobs", "token_ids"]], Meta(description=(
+        "Parts of the output left out of this record because with them it would exceed the topic's record "
+        "limit (max.message.bytes); the stream's chunks carried them. Text and usage are never omitted."))] | None = None
     index: Annotated[int, Meta(ge=0, le=MAX_COMPLETIONS - 1, description=(
         "Set on the final of one completion of a request with n > 1 or best_of > 1; that request ends with "
         "one more final without index (its usage and num_chunks count every completion). A final without "

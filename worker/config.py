@@ -205,6 +205,14 @@ class WorkerSettings(BaseSettings):
     0.83-0.88 of the engine alone at 20 ms (8,200 records/s), 0.84-0.91 at 50 ms (3,800-4,200/s) and
     0.85-0.93 at 100 ms (2,150-2,350/s) (benchmarks/bench_sim_kafka.py; docs/benchmarks.md); a CPU step is longer
     than 100 ms anyway. Lower it for smoother streams where the publisher has cores to spare."""
+    destination_wait_s: float = Field(5.0, gt=0)
+    """How long a topic that records are addressed to (a reply topic above all) may be absent from the broker's
+    metadata, or hold a batch without an answer, before its records are answered elsewhere: a final as an
+    `error`/`reply_topic_unavailable` final on the result topic, a chunk dropped. Records for other topics never
+    wait on it. Allowed reply topics are checked at start-up and every `destination_check_interval_s`."""
+    destination_check_interval_s: float = Field(30.0, gt=0)
+    """How often the allowed reply topics are looked up again (a missing one: a WARNING line when it goes
+    missing, the `reply_topic_available` gauge, and requests naming it answered at once while it stays so)."""
     io_gather_max_ms: float = Field(50.0, ge=0)
     """While the engine runs requests, the intake waits 5 % of the engine's last step (at most this long)
     between reads, and the publisher lets records gather as long before a send: fewer wake-ups of the worker's

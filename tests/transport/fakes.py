@@ -87,16 +87,21 @@ class FakePublisher:
 
     def __init__(self) -> None:
         self.records: list[tuple[str, bytes | None, bytes]] = []
+        self.on_failed: list = []
+        """Each record's on_failed (None for most), parallel to `records`: a test calls one to play a record
+        that cannot be delivered."""
         self._unacked: list = []
 
-    def publish_nowait(self, topic, key, value, on_acked=None) -> None:
+    def publish_nowait(self, topic, key, value, on_acked=None, on_failed=None) -> None:
         self.records.append((topic, key, value))
+        self.on_failed.append(on_failed)
         if on_acked is not None:
             self._unacked.append(on_acked)
 
     def publish_group_nowait(self, records, on_acked=None) -> None:
-        for topic, key, value in records:
+        for topic, key, value, on_failed in records:
             self.records.append((topic, key, value))
+            self.on_failed.append(on_failed)
         if on_acked is not None:
             self._unacked.append(on_acked)
 

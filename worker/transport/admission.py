@@ -3,7 +3,8 @@
 Order of checks for a decoded request (decode errors are handled by schemas.decode before this):
 
 1. reply topic: must be the result topic or in `KafkaSettings.allowed_reply_topics`, else `error` /
-   `reply_topic_not_allowed` (answered on the result topic, never on the topic the sender named).
+   `reply_topic_not_allowed`; an allowed one known to be missing or not writable gives `error` /
+   `reply_topic_unavailable` (both answered on the result topic, never on the topic the sender named).
 2. deadline: already past, or unreachable by estimate, gives `rejected` / `deadline`. The estimate
    (service_model.py) is the queue wait (tokens ahead of it in the local queue and the engine's waiting
    queue / the saturated capacity in tokens per second) + its prefill + max_new_tokens - 1 decode steps at the
@@ -25,7 +26,7 @@ Pure: no aiokafka, no torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from worker.engine.api import EngineStats
 
@@ -72,11 +73,18 @@ class Admission:
     itl_target_ms: list[float]
     """Per priority (last value covers the rest); 0 disables the target."""
     max_num_batched_tokens: int = 512
+    unavailable_reply_topics: dict[str, str] = field(default_factory=dict)
+    """Allowed reply topics known to be missing or not writable now, with why (publisher's destinations)."""
 
     def check_reply_topic(self, reply_topic: str | None) -> Verdict | None:
-        if reply_topic is None or reply_topic == self.result_topic or reply_topic in self.allowed_reply_topics:
+        if reply_topic is None or reply_topic == self.result_topic:
             return None
-        return Verdict("error", "reply_topic_not_allowed", f"reply topic {reply_topic!r} is not in the allow-list")
+        if reply_topic not in self.allowed_reply_topics:
+            return Verdict("error", "reply_topic_not_allowed", f"reply topic {reply_topic!r} is not in the allow-list")
+        why = self.unavailable_reply_topics.get(reply_topic)
+        if why is not None:
+            return Verdict("error", "reply_topic_unavailable", f"reply topic {reply_topic!r} unavailable: {why}")
+        return None
 
     def check_deadline(
         self, deadline_ms: int | None, now_ms: float, est_queue_s: float | None, est_service_s: float, priority: int

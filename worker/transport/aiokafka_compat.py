@@ -5,6 +5,8 @@ new aiokafka release moves what these functions rely on (checked against aiokafk
   aiokafka keeps it on its group coordinator and has no public accessor.
 - Failing a stopped producer's unresolved batches (publisher.py replaces a producer whose idempotent
   sequence broke): a dead sender leaves them pending forever, and aiokafka has no public call for this.
+- A topic's record limit from DescribeConfigs (raw protocol tuples), and dropping a topic from the producer's
+  tracked metadata topics once it is known to be missing (destinations.py).
 """
 
 from __future__ import annotations
@@ -24,3 +26,29 @@ def group_generation(consumer: AIOKafkaConsumer) -> int:
 def fail_unsent_batches(producer: AIOKafkaProducer, error: KafkaError) -> None:
     """Resolve every batch the (stopped) producer still holds with `error`, so their callbacks run."""
     producer._message_accumulator.fail_all(error)
+
+
+async def describe_topic_max_message_bytes(admin, topic: str) -> int | None:
+    """The topic's `max.message.bytes` as the broker reports it, or None when it reports none. aiokafka's
+    admin client returns the raw DescribeConfigs responses (tuples in protocol order), with no accessor."""
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+    responses = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic,
+                                                             {"max.message.bytes": None})])
+    for response in responses:
+        for resource in response.resources:
+            error_code, _message, _type, name, entries = resource[:5]
+            if error_code != 0 or name != topic:
+                continue
+            for entry in entries:
+                if entry[0] == "max.message.bytes" and entry[1] is not None:
+                    return int(entry[1])
+    return None
+
+
+def stop_tracking_topic(producer: AIOKafkaProducer, topic: str) -> None:
+    """Drop a topic from the producer's metadata topics. aiokafka adds a topic for good once anything waits on
+    its metadata, and from then on logs an ERROR for it at every metadata update while it is missing."""
+    client = producer.client
+    if topic in client._topics:
+        client._topics.discard(topic)

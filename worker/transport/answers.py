@@ -8,19 +8,23 @@ written for it (`OffsetTracker.on_acked`).
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import msgspec
 
 from schemas.dead_letter import DeadLetterRecord
 from schemas.decode import RequestError, encode
+from schemas.result import FinalRecord
 from worker.transport.admission import Verdict
 from worker.transport.local_queue import QueuedRequest
 from worker.transport.metrics import WorkerMetrics
 from worker.transport.offsets import OffsetTracker
-from worker.transport.publisher import Publisher
-from worker.transport.records import answer_record, cancel_message
+from worker.transport.publisher import OnFailed, Publisher
+from worker.transport.records import answer_record, cancel_message, slimmed
+
+log = logging.getLogger(__name__)
 
 MAX_DEAD_LETTER_VALUE = 512 * 1024
 """Bytes of an original record's value kept in its dead-letter record (base64 grows it by a third)."""
@@ -52,8 +56,7 @@ class Answers:
                                self.worker_id, metadata)
         if verdict.reason != "shed":
             self.metrics.rejected_for(verdict.reason).inc()
-        self.publisher.publish_nowait(topic, request_id.encode(), encode(record),
-                                      self.tracker.on_acked(partition, offset))
+        self.publish_final(topic, record, self.tracker.on_acked(partition, offset))
 
     def reject_queued(self, queued: QueuedRequest, verdict: Verdict) -> None:
         self.reject(queued.partition, queued.offset, queued.request.id, queued.attempt, verdict, queued.reply_topic,
@@ -66,8 +69,44 @@ class Answers:
                                queued.request.metadata)
         record = msgspec.structs.replace(record, text="", token_ids=[])
         self.metrics.requests_cancelled.inc()
-        self.publisher.publish_nowait(queued.reply_topic, queued.request.id.encode(), encode(record),
-                                      self.tracker.on_acked(queued.partition, queued.offset))
+        self.publish_final(queued.reply_topic, record, self.tracker.on_acked(queued.partition, queued.offset))
+
+    def publish_final(self, topic: str, final: FinalRecord, on_acked: Callable[[], None] | None = None) -> None:
+        """Send a final record that is answered elsewhere if it cannot be delivered to `topic` (final_fallback)."""
+        self.publisher.publish_nowait(topic, final.id.encode(), encode(final), on_acked,
+                                      self.final_fallback(topic, final))
+
+    def final_fallback(self, topic: str, final: FinalRecord) -> OnFailed:
+        """What becomes of a final record that `topic` does not take. Too large: it goes again without the
+        parts that may be left out (`omitted` says which: records.slimmed), and as a `result_too_large` error
+        when even that does not fit. Topic unavailable: an `error` final naming the cause goes to the result
+        topic instead. Either way the request's offset waits for the replacement's acknowledgement."""
+
+        def on_failed(code: str, message: str, on_acked: Callable[[], None]) -> None:
+            if code == "result_too_large":
+                slim = slimmed(final)
+                if slim is not None:
+                    self.publisher.publish_nowait(topic, final.id.encode(), encode(slim), on_acked,
+                                                  self.final_fallback(topic, slim))
+                    return
+                target = topic
+            elif final.index is not None:
+                on_acked()  # one completion's final: the request's own final carries the error
+                return
+            elif topic == self.result_topic:
+                log.error("a final record for request %r cannot be delivered to the result topic: %s",
+                          final.id, message)
+                on_acked()
+                return
+            else:
+                target, message = self.result_topic, f"reply topic {topic!r} unavailable: {message}"
+            error = msgspec.structs.replace(
+                answer_record(final.id, final.attempt, "error", code, message, None, self.worker_id, final.metadata),
+                timings=final.timings, usage=final.usage, index=final.index, num_chunks=final.num_chunks)
+            self.metrics.rejected_for(code).inc()
+            self.publisher.publish_nowait(target, final.id.encode(), encode(error), on_acked)
+
+        return on_failed
 
     def shed(self, queued: QueuedRequest, message: str) -> None:
         self.metrics.shed_for(queued.priority).inc()
@@ -107,10 +146,11 @@ class Answers:
             topic=partition.topic, partition=partition.partition, offset=offset, timestamp_ms=timestamp_ms,
             dead_lettered_ms=int(time.time() * 1000), worker_id=self.worker_id,
         )
-        records = [(self.dead_letter_topic, key, encode(dead))]
+        records = [(self.dead_letter_topic, key, encode(dead), None)]
         if request_id is not None:
             final = answer_record(request_id, attempt, "error", code, message, timestamp_ms, self.worker_id)
-            records.append((reply_topic or self.result_topic, request_id.encode(), encode(final)))
+            topic = reply_topic or self.result_topic
+            records.append((topic, request_id.encode(), encode(final), self.final_fallback(topic, final)))
         self.num_dead_letters += 1
         self.metrics.dead_letters.inc()
         self.metrics.rejected_for(code).inc()

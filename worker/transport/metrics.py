@@ -75,6 +75,7 @@ class WorkerMetrics:
     dropped_records: Counter
     unreadable_records: Counter
     requests_cancelled: Counter
+    reply_topic_available: Gauge
     _children: dict = field(default_factory=dict)
 
     @classmethod
@@ -102,12 +103,15 @@ class WorkerMetrics:
             requests_shed=Counter(f"{NS}requests_shed", "Requests shed under load.", ["priority"], registry=r),
             requests_completed=Counter(f"{NS}requests_completed", "Completed finals.", ["priority"], registry=r),
             dead_letters=Counter(f"{NS}dead_letters", "Records moved to the dead-letter topic.", registry=r),
-            dropped_records=Counter(f"{NS}dropped_records", "Records never delivered (too large for the broker).",
+            dropped_records=Counter(f"{NS}dropped_records", "Records not delivered where addressed (topic missing "
+                                    "or denied, or over its record limit); finals among them answered elsewhere.",
                                     ["topic"], registry=r),
             unreadable_records=Counter(f"{NS}unreadable_records", "Request offsets skipped: the batch holding "
                                        "them could not be read (e.g. a compression codec missing).", registry=r),
             requests_cancelled=Counter(f"{NS}requests_cancelled", "Cancelled finals (cancelled by their producer).",
                                        registry=r),
+            reply_topic_available=Gauge(f"{NS}reply_topic_available", "1 while an allowed reply topic exists and "
+                                        "takes writes, 0 while it is missing or denied.", ["topic"], registry=r),
         )
 
     def dropped_for(self, topic: str):

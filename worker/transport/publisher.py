@@ -16,6 +16,11 @@ is lost; a record may then be duplicated (at-least-once), never reordered within
 A group of records that together answer one request record (say a dead-letter record and an error final)
 calls `on_acked` once, after the last one is acknowledged: only then may the request-topic offset count as
 done (offsets.py).
+
+A record that can never be delivered where it is addressed (its topic is missing or denied, or it exceeds the
+topic's record limit: destinations.py) never enters the producer and never delays other records: it is
+handed to its `on_failed` (a final record's sender publishes a replacement there, say an `error` final on the
+result topic) or, without one, dropped and counted. Either way its offset moves on.
 """
 
 from __future__ import annotations
@@ -27,17 +32,21 @@ from collections import defaultdict
 from collections.abc import Callable
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError, MessageSizeTooLargeError
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError, RecordTooLargeError, TopicAuthorizationFailedError
 from aiokafka.partitioner import DefaultPartitioner
 
-from worker.transport.aiokafka_compat import fail_unsent_batches
+from worker.transport.aiokafka_compat import fail_unsent_batches, stop_tracking_topic
+from worker.transport.destinations import RECORD_OVERHEAD_BYTES, BrokerProbe, Destinations, TopicState
 
 log = logging.getLogger(__name__)
 
 Record = tuple[str, bytes | None, bytes]
 """(topic, key, value)"""
-_BufferedRecord = tuple[str, bytes | None, bytes, Callable[[], None], int]
-"""(topic, key, value, on_acked, sequence number that restores publish order after a failure)"""
+OnFailed = Callable[[str, str, Callable[[], None]], None]
+"""Called with (reason code, message, the record's on_acked) when a record cannot be delivered where it is
+addressed: it may publish a replacement, which must call that on_acked once acknowledged."""
+_BufferedRecord = tuple[str, bytes | None, bytes, Callable[[], None], int, OnFailed | None]
+"""(topic, key, value, on_acked, sequence number that restores publish order after a failure, on_failed)"""
 
 MAX_BUFFERED = 50_000
 """Records waiting for the flusher above which `publish` waits: bounds memory while the broker is away."""
@@ -53,12 +62,27 @@ def _nothing() -> None:
 class Publisher:
     def __init__(self, client_kwargs: dict, max_request_size: int = 4 * 1024 * 1024, linger_ms: int = 2,
                  on_dropped: Callable[[str], None] = lambda topic: None,
-                 gather_s: Callable[[], float] = lambda: 0.0) -> None:
+                 gather_s: Callable[[], float] = lambda: 0.0, topic_wait_s: float = 5.0,
+                 on_topic_change: Callable[[str, TopicState], None] = lambda topic, state: None) -> None:
         self._producer_kwargs = dict(
             **client_kwargs, enable_idempotence=True, acks="all", linger_ms=linger_ms,
             max_request_size=max_request_size, max_batch_size=256 * 1024,
         )
         self._producer = AIOKafkaProducer(**self._producer_kwargs)
+        self._max_request_size = max_request_size
+        self.on_topic_change = on_topic_change
+        self.destinations = Destinations(BrokerProbe(lambda: self._producer.client, client_kwargs),
+                                         wait_s=topic_wait_s, on_change=self._topic_changed)
+        self.send_wait_s = max(1.0, topic_wait_s)
+        """How long handing one batch to the producer may wait (its partition's previous batch stuck, or the
+        topic gone from the producer's metadata) before the topic is looked up again and its records wait aside."""
+        self._parked: dict[str, list[_BufferedRecord]] = defaultdict(list)
+        self._inflight: dict[int, tuple[str, float]] = {}
+        """Batches handed to the producer and not yet resolved: (topic, when handed), by batch id."""
+        self._batch_id = 0
+        self._watchdog: asyncio.Task | None = None
+        """Records whose topic is being looked up, in publish order."""
+        self.num_undeliverable = 0
         self._needs_new_producer = False
         self._seq = 0
         self.num_producer_resets = 0
@@ -83,11 +107,14 @@ class Publisher:
     async def start(self) -> None:
         await self._producer.start()
         self._flusher = asyncio.create_task(self._flush_loop())
+        self._watchdog = asyncio.create_task(self._watch_stuck_batches())
 
     async def stop(self) -> None:
-        if self._flusher is not None:
-            self._flusher.cancel()
-            await asyncio.gather(self._flusher, return_exceptions=True)
+        for task in (self._flusher, self._watchdog):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        await self.destinations.stop()
         await self._producer.stop()
 
     @property
@@ -98,8 +125,10 @@ class Publisher:
         self.publish_nowait(topic, key, value, on_acked)
         await self.wait_room()
 
-    def publish_group_nowait(self, records: list[Record], on_acked: Callable[[], None] | None = None) -> None:
-        """Buffer records that answer one thing together: `on_acked` runs once, after the last is acknowledged."""
+    def publish_group_nowait(self, records: list[tuple[str, bytes | None, bytes, OnFailed | None]],
+                             on_acked: Callable[[], None] | None = None) -> None:
+        """Buffer records that answer one thing together: `on_acked` runs once, after the last is acknowledged
+        (or answered elsewhere by its `on_failed`, the fourth element)."""
         remaining = [len(records)]
 
         def one_acked() -> None:
@@ -107,14 +136,17 @@ class Publisher:
             if remaining[0] == 0 and on_acked is not None:
                 on_acked()
 
-        for topic, key, value in records:
-            self.publish_nowait(topic, key, value, one_acked)
+        for topic, key, value, on_failed in records:
+            self.publish_nowait(topic, key, value, one_acked, on_failed)
 
-    def publish_nowait(self, topic: str, key: bytes | None, value: bytes, on_acked: Callable[[], None] | None = None) -> None:
-        """Buffer one record; the hot path (no coroutine). Call `wait_room` now and then to bound the buffer."""
+    def publish_nowait(self, topic: str, key: bytes | None, value: bytes, on_acked: Callable[[], None] | None = None,
+                       on_failed: OnFailed | None = None) -> None:
+        """Buffer one record; the hot path (no coroutine). Call `wait_room` now and then to bound the buffer.
+        `on_failed`: what to do instead when the record cannot be delivered (see OnFailed); without it such a
+        record is dropped, counted, and `on_acked` still runs."""
         self._num_unacked += 1
         self._seq += 1
-        self._buffer.append((topic, key, value, on_acked or _nothing, self._seq))
+        self._buffer.append((topic, key, value, on_acked or _nothing, self._seq, on_failed))
         self._idle.clear()
         self._wake.set()
 
@@ -149,6 +181,17 @@ class Publisher:
             found = self._key_partitions[(topic, key)] = self._partitioner(key, partitions, partitions)
         return found
 
+    async def _watch_stuck_batches(self) -> None:
+        """A batch unresolved for long may be for a topic deleted since it was sent: look its topic up again
+        (_topic_changed replaces the producer when the topic is gone)."""
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for topic in {t for t, handed_at in self._inflight.values() if now - handed_at > self.send_wait_s}:
+                if topic not in self._parked:
+                    self.destinations.forget(topic)
+                    self.destinations.resolve(topic)
+
     async def _flush_loop(self) -> None:
         while True:
             await self._wake.wait()
@@ -156,6 +199,8 @@ class Publisher:
             if gather > 0 and len(self._buffer) < MAX_BUFFERED // 2:
                 await asyncio.sleep(gather)
             self._wake.clear()
+            if self._needs_new_producer and not self._buffer:
+                await self._replace_producer()
             while self._buffer:
                 if self._needs_new_producer:
                     await self._replace_producer()
@@ -171,61 +216,150 @@ class Publisher:
 
     async def _send(self, records: list[_BufferedRecord]) -> None:
         groups: dict[tuple[str, int], list[_BufferedRecord]] = defaultdict(list)
-        for record in records:
-            groups[(record[0], await self._partition_of(record[0], record[1]))].append(record)
+        limits: dict[str, int] = {}
         handed: set[int] = set()
+        for record in records:
+            topic = record[0]
+            state = self.destinations.state(topic)
+            if state is None or topic in self._parked:
+                handed.add(record[4])
+                self._park(record)
+            elif not state.available:
+                handed.add(record[4])
+                self._undeliverable(record, "reply_topic_unavailable", state.message)
+            elif len(record[2]) + len(record[1] or b"") + RECORD_OVERHEAD_BYTES > (
+                    limit := min(state.max_message_bytes, self._max_request_size)):
+                handed.add(record[4])
+                self._undeliverable(record, "result_too_large", (
+                    f"a {len(record[2])}-byte record exceeds the {limit}-byte record limit of topic {topic!r} "
+                    "(max.message.bytes)"))
+            else:
+                limits[topic] = min(state.max_message_bytes, self._max_request_size)
+                groups[(topic, await self._partition_of(topic, record[1]))].append(record)
         try:
             for (topic, partition), group in groups.items():
+                if topic in self._parked:  # an earlier group of this topic found it stuck: keep the order
+                    for record in group:
+                        handed.add(record[4])
+                        self._park(record)
+                    continue
                 start = 0
                 while start < len(group):
                     batch = self._producer.create_batch()
-                    end = start
-                    while end < len(group) and batch.append(key=group[end][1], value=group[end][2], timestamp=None):
+                    end, size = start, 0
+                    # A batch is refused whole when it exceeds the topic's limit: fill it to the limit at most.
+                    while end < len(group):
+                        size += len(group[end][2]) + len(group[end][1] or b"") + RECORD_OVERHEAD_BYTES
+                        if end > start and size > limits[topic]:
+                            break
+                        if batch.append(key=group[end][1], value=group[end][2], timestamp=None) is None:
+                            break
                         end += 1
                     if end == start:
                         handed.add(group[start][4])
-                        self._drop([group[start]], "does not fit a producer batch")
+                        self._undeliverable(group[start], "result_too_large", "does not fit a producer batch")
                         start += 1
                         continue
                     chunk = group[start:end]
-                    future = await self._producer.send_batch(batch, topic, partition=partition)
+                    try:
+                        future = await asyncio.wait_for(self._producer.send_batch(batch, topic, partition=partition),
+                                                        self.send_wait_s)
+                    except asyncio.TimeoutError:
+                        # The partition's last batch is stuck, or the topic left the producer's metadata (deleted
+                        # while we write to it?): set the topic's records aside and look it up again.
+                        log.warning("handing records for %s[%d] to the producer took over %.1f s; checking the topic",
+                                    topic, partition, self.send_wait_s)
+                        self.destinations.forget(topic)
+                        for record in group[start:]:
+                            handed.add(record[4])
+                            self._park(record)
+                        break
                     self.num_batches_sent += 1
                     handed.update(r[4] for r in chunk)
                     producer_epoch = self.num_producer_resets
-                    future.add_done_callback(lambda f, c=chunk, e=producer_epoch: self._on_done(f, c, e))
+                    self._batch_id += 1
+                    self._inflight[self._batch_id] = (topic, time.monotonic())
+                    future.add_done_callback(lambda f, c=chunk, e=producer_epoch, b=self._batch_id:
+                                             self._on_done(f, c, e, b))
                     start = end
         except BaseException:
             # Whatever was not handed to the producer goes back, in order; what was handed has its callback.
             self._buffer = sorted([r for r in records if r[4] not in handed] + self._buffer, key=lambda r: r[4])
             raise
 
-    def _on_done(self, future: asyncio.Future, chunk: list[_BufferedRecord], producer_epoch: int) -> None:
+    def _park(self, record: _BufferedRecord) -> None:
+        """Set a record aside while its topic is looked up; the lookup brings it back or answers it."""
+        topic = record[0]
+        first = topic not in self._parked
+        self._parked[topic].append(record)
+        if first:
+            self.destinations.resolve(topic, on_done=lambda: self._unpark(topic))
+
+    def _unpark(self, topic: str) -> None:
+        records = self._parked.pop(topic, [])
+        if not records:
+            return
+        state = self.destinations.state(topic)
+        if state is not None and not state.available:
+            for record in records:
+                self._undeliverable(record, "reply_topic_unavailable", state.message)
+            return
+        self._buffer = sorted(records + self._buffer, key=lambda r: r[4])
+        self._wake.set()
+
+    def _topic_changed(self, topic: str, state: TopicState) -> None:
+        if state.available:
+            log.info("topic %s is available (max.message.bytes %d)", topic, state.max_message_bytes)
+        else:
+            log.warning("%s; records for it are answered on the result topic or dropped", state.message)
+            stop_tracking_topic(self._producer, topic)
+            if any(t == topic for t, _ in self._inflight.values()):
+                # An idempotent producer retries a batch for a deleted topic forever: only a new producer
+                # (which fails the old one's batches, see _replace_producer) lets those records be answered.
+                self._needs_new_producer = True
+                self._wake.set()
+        self.on_topic_change(topic, state)
+
+    def _on_done(self, future: asyncio.Future, chunk: list[_BufferedRecord], producer_epoch: int,
+                 batch_id: int) -> None:
         """`producer_epoch`: num_producer_resets when the batch was sent; failures of a producer that was
         already replaced must not replace the new one."""
+        self._inflight.pop(batch_id, None)
         exc = None if future.cancelled() else future.exception()
-        if isinstance(exc, MessageSizeTooLargeError):
-            # The broker's message.max.bytes is below the batch: resending the same bytes fails forever. The
-            # idempotent producer's sequence now has a gap the broker will not accept: replace it too.
+        topic = chunk[0][0]
+        if isinstance(exc, (MessageSizeTooLargeError, RecordTooLargeError)):
+            # The topic's limit is below the batch (lowered since it was read): resending the same bytes fails
+            # forever. The idempotent producer's sequence now has a gap the broker will not accept: replace it too.
             if producer_epoch == self.num_producer_resets:
                 self._needs_new_producer = True
                 self._wake.set()
-            self._drop(chunk, "refused by the broker as too large")
+            self.destinations.forget(topic)
+            for record in chunk:
+                self._undeliverable(record, "result_too_large", f"refused by the broker as too large ({exc!r})")
             return
-        elif future.cancelled() or exc is not None:
+        if isinstance(exc, TopicAuthorizationFailedError):
+            self.destinations.mark_unavailable(topic, f"not authorized to WRITE topic {topic!r}")
+        if exc is not None or future.cancelled():
+            state = self.destinations.state(topic)
+            if state is not None and not state.available:
+                for record in chunk:
+                    self._undeliverable(record, "reply_topic_unavailable", state.message)
+                return
             if producer_epoch == self.num_producer_resets:
                 log.warning("delivery of %d records to %s failed (%r); retrying with a new producer",
-                            len(chunk), chunk[0][0], exc)
+                            len(chunk), topic, exc)
                 self._needs_new_producer = True
+            # Whether the topic is still there is looked up again before its records are sent again.
+            self.destinations.forget(topic)
             # Failed batches come back in any order; sorting by publish sequence keeps each partition's order.
             self._buffer = sorted(chunk + self._buffer, key=lambda record: record[4])
             self._wake.set()
             return
-        else:
-            for record in chunk:
-                try:
-                    record[3]()
-                except Exception:  # noqa: BLE001 - a bookkeeping bug must not break the producer's callbacks
-                    log.exception("ack callback failed")
+        for record in chunk:
+            try:
+                record[3]()
+            except Exception:  # noqa: BLE001 - a bookkeeping bug must not break the producer's callbacks
+                log.exception("ack callback failed")
         self._settle(len(chunk))
 
     async def _replace_producer(self) -> None:
@@ -234,7 +368,7 @@ class Publisher:
         old = self._producer
         self.num_producer_resets += 1
         try:
-            await asyncio.wait_for(old.stop(), 10.0)
+            await asyncio.wait_for(old.stop(), 5.0)
         except Exception:  # noqa: BLE001 - nothing of the old producer is needed any more
             log.debug("stopping the old producer failed", exc_info=True)
         # A dead sender leaves its batches unresolved; failing them sends their records back to the buffer.
@@ -251,21 +385,23 @@ class Publisher:
                 await asyncio.sleep(self.retry_backoff_s)
         log.warning("replaced the producer (%d so far)", self.num_producer_resets)
 
-    def _drop(self, records: list[_BufferedRecord], why: str) -> None:
-        """Records that can never be delivered (resending the same bytes fails the same way). Their
-        acknowledgement callbacks still run: an offset waiting on a record that will never land would hold its
-        partition's commits back for good. Whoever builds records keeps them under the broker's limits
-        (answers.py truncates dead letters), so this is the last resort, counted and logged."""
-        self.num_dropped_records += len(records)
-        for topic, key, value, on_acked, _ in records:
-            log.error("a %d-byte record (key %d bytes) for %s %s; dropped, its request counted as answered",
-                      len(value), len(key or b""), topic, why)
-            self.on_dropped(topic)
-            try:
+    def _undeliverable(self, record: _BufferedRecord, code: str, message: str) -> None:
+        """A record that can never be delivered where it is addressed (resending it fails the same way). Its
+        `on_failed` answers elsewhere; without one it is dropped, and its acknowledgement callback still runs:
+        an offset waiting on a record that will never land would hold its partition's commits back for good."""
+        topic, key, value, on_acked, _, on_failed = record
+        self.num_undeliverable += 1
+        self.on_dropped(topic)
+        try:
+            if on_failed is not None:
+                on_failed(code, message, on_acked)
+            else:
+                self.num_dropped_records += 1
+                log.debug("a %d-byte record for %s dropped: %s", len(value), topic, message)
                 on_acked()
-            except Exception:  # noqa: BLE001 - a bookkeeping bug must not break the producer's callbacks
-                log.exception("ack callback failed")
-        self._settle(len(records))
+        except Exception:  # noqa: BLE001 - a bookkeeping bug must not break the producer's callbacks
+            log.exception("undeliverable-record callback failed")
+        self._settle(1)
 
     def _settle(self, num_records: int) -> None:
         self._num_unacked -= num_records

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import time
 
+import msgspec
+
 from schemas.result import FinalRecord, Timings, TokenLogprob, Usage
 from worker.engine.api import RequestOutput
 
@@ -98,6 +100,17 @@ def answer_record(
     e2e = _since(time.time() * 1000.0, timestamp_ms) if timestamp_ms is not None else None
     return FinalRecord(id=request_id, attempt=attempt, status=status, reason=reason, message=message,
                        timings=Timings(e2e_ms=e2e), metadata=metadata, worker_id=worker_id)
+
+
+def slimmed(final: FinalRecord) -> FinalRecord | None:
+    """The final without the next part that may be left out when it is too large for its topic (logprobs,
+    then token ids), saying so in `omitted`; None when nothing is left to leave out."""
+    omitted = list(final.omitted or [])
+    if final.logprobs is not None:
+        return msgspec.structs.replace(final, logprobs=None, omitted=[*omitted, "logprobs"])
+    if final.token_ids is not None:
+        return msgspec.structs.replace(final, token_ids=None, omitted=[*omitted, "token_ids"])
+    return None
 
 
 def group_final(finals: list[FinalRecord], num_chunks: int, predicted: tuple[float | None, float | None],

@@ -301,8 +301,7 @@ class Streamer:
             return
         self.num_completed += 1
         self._observe(final, queued.priority)
-        self.publisher.publish_nowait(queued.reply_topic, final.id.encode(), encode(final),
-                                      self.tracker.on_acked(queued.partition, queued.offset))
+        self.answers.publish_final(queued.reply_topic, final, self.tracker.on_acked(queued.partition, queued.offset))
 
     def _finish_completion(self, stream: RequestStream, group: CompletionGroup, final: FinalRecord) -> None:
         """One completion of a request with several ended: its final goes out (at once, or ranked when all are
@@ -325,11 +324,11 @@ class Streamer:
                                     queued.timestamp_ms)
         self.num_completed += 1
         self._observe(request_final, queued.priority)
-        self.publisher.publish_nowait(queued.reply_topic, request_final.id.encode(), encode(request_final),
-                                      self.tracker.on_acked(queued.partition, queued.offset))
+        self.answers.publish_final(queued.reply_topic, request_final,
+                                   self.tracker.on_acked(queued.partition, queued.offset))
 
     def _publish(self, queued: QueuedRequest, record: FinalRecord) -> None:
-        self.publisher.publish_nowait(queued.reply_topic, record.id.encode(), encode(record))
+        self.answers.publish_final(queued.reply_topic, record)
 
     def _observe(self, final, priority: int) -> None:
         m = self.metrics

@@ -55,6 +55,7 @@ from worker.transport.local_queue import LocalQueue
 from worker.transport.loop_watchdog import LoopWatchdog
 from worker.transport.metrics import WorkerMetrics
 from worker.transport.offsets import OffsetTracker
+from worker.transport.destinations import TopicState
 from worker.transport.publisher import Publisher
 from worker.transport.service_model import ServiceModel
 from worker.transport.shedding import Shedder
@@ -116,8 +117,8 @@ class Worker:
                                     lambda: self.streamer.num_open_by_priority)
         self.answers = Answers(publisher, self.tracker, self.metrics, settings.worker_id, kafka.result_topic,
                                kafka.dead_letter_topic)
-        admission = Admission(kafka.result_topic, frozenset(kafka.allowed_reply_topics), list(settings.itl_target_ms),
-                              self.max_num_batched_tokens)
+        self.admission = admission = Admission(kafka.result_topic, frozenset(kafka.allowed_reply_topics),
+                                               list(settings.itl_target_ms), self.max_num_batched_tokens)
         self.streamer = Streamer(publisher, self.tracker, self.answers, self.metrics, self.service, settings.worker_id,
                                  kafka.num_priorities, settings.chunk_interval_ms)
         self.dispatcher = Dispatcher(self.queue, self.streamer, self.engine_thread, admission, self.answers,
@@ -131,6 +132,30 @@ class Worker:
         self.load_control = LoadControl(Shedder(list(settings.max_queue_time_s), kafka.num_priorities),
                                         Backpressure.from_settings(settings, kafka.num_priorities), self.service)
         self.reporter = StatusReporter(publisher, self.metrics, settings.worker_id, kafka.status_topic)
+
+    def _on_topic_change(self, topic: str, state: TopicState) -> None:
+        """A destination topic went missing or came back: requests naming it as their reply topic are answered
+        at once meanwhile (admission), and the gauge shows it."""
+        if topic not in self.kafka.allowed_reply_topics:
+            return
+        if state.available:
+            self.admission.unavailable_reply_topics.pop(topic, None)
+        else:
+            self.admission.unavailable_reply_topics[topic] = state.message
+        self.metrics.reply_topic_available.labels(topic=topic).set(1 if state.available else 0)
+
+    async def _destination_loop(self) -> None:
+        """Look the topics records go to up at start-up, and the allowed reply topics again now and then (their
+        state ages out in `Destinations`), so a missing one is known before a request names it."""
+        destinations = self.publisher.destinations
+        kafka = self.kafka
+        for topic in (kafka.result_topic, kafka.dead_letter_topic, kafka.status_topic):
+            destinations.resolve(topic)
+        while not self.closing:
+            for topic in kafka.allowed_reply_topics:
+                if destinations.state(topic) is None:
+                    destinations.resolve(topic)
+            await asyncio.sleep(self.settings.destination_check_interval_s)
 
     def io_gather_s(self) -> float:
         engine_thread = getattr(self, "engine_thread", None)  # the publisher exists before the engine thread
@@ -204,7 +229,8 @@ class Worker:
         while not self.stopping.is_set():
             publisher = Publisher(self.kafka.client_kwargs(),
                                   on_dropped=lambda topic: self.metrics.dropped_for(topic).inc(),
-                                  gather_s=self.io_gather_s)
+                                  gather_s=self.io_gather_s, topic_wait_s=self.settings.destination_wait_s,
+                                  on_topic_change=self._on_topic_change)
             consumer = make_consumer(self.kafka, self.settings)
             # Built before start: the first assignment may arrive inside start(), and its listener needs them.
             self._build(consumer, publisher)
@@ -273,7 +299,7 @@ class Worker:
         self.engine_thread.start()
         self.watchdog = LoopWatchdog()
         tasks = [asyncio.create_task(coro) for coro in (self._output_loop(), self._commit_loop(), self._control_loop(),
-                                                        self.watchdog.run())]
+                                                        self._destination_loop(), self.watchdog.run())]
         await self._wait_for_cancels()
         intake_task = asyncio.create_task(self._intake_loop())
         self.started.set()
