@@ -155,7 +155,7 @@ def subprocess_env(kafka: KafkaSettings, **worker_env) -> dict[str, str]:
     # thread per core, two workers' threads spin against each other: in one fresh-clone run both calibrated
     # the tiny model at ~480 ms a step (15 ms when alone), and the survivor of the SIGKILL test shed 30
     # requests it could serve on that estimate. One thread each, as a deployment of several workers per host
-    # would be configured (README, "Scaling out and in").
+    # would be configured (docs/scaling.md, "Several workers on one host").
     env.setdefault("OMP_NUM_THREADS", "1")
     env.update({
         "KAFKA_BOOTSTRAP_SERVERS": kafka.bootstrap_servers, "KAFKA_REQUEST_TOPIC": kafka.request_topic,

@@ -1,6 +1,6 @@
 """The worker: connects to Kafka, builds its parts around the clients, runs their loops, shuts down cleanly.
 
-The path of one request (README "Architecture"): Intake.fetch_once → decode → admission → LocalQueue →
+The path of one request (docs/architecture.md): Intake.fetch_once → decode → admission → LocalQueue →
 Dispatcher.admit → EngineThread → Streamer.handle → Publisher → OffsetTracker → Intake.commit. Answers that
 bypass the engine go Intake → Answers → Publisher → OffsetTracker.
 
@@ -22,7 +22,7 @@ streams held: the engine keeps running them, but nothing of theirs is published.
 the rebalance decides: a partition that stays with this worker (the sticky assignor keeps as many as the
 balance allows) resumes where it was, its requests streaming on under the same attempt with no gap; one that
 moved has its requests aborted and nothing more published, and the new owner serves them again under a
-higher attempt. README "Delivery semantics" argues why no two workers publish under the same attempt.
+higher attempt. docs/delivery.md argues why no two workers publish under the same attempt.
 """
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ class Worker:
         stats = self.engine_thread.stats
         return stats.num_waiting > 0 or stats.num_running >= self.max_num_seqs
 
-    # -- cancellation (README "Cancelling a request") --------------------------------------------------------
+    # -- cancellation (docs/delivery.md, "Cancellation") ---------------------------------------------------
     def _cancel_of(self, request_id: str) -> Cancel | None:
         return self.cancels.get(request_id, time.time() * 1000.0)
 
