@@ -1,7 +1,7 @@
 """Structured output: grammars compiled by llguidance, a matcher per constrained request, and each
 step's token bitmask for the rows that are constrained.
 
-Why llguidance (benchmarks/bench_structured.py, figures in the README): on SmolLM2's 49152-token vocabulary it
+Why llguidance (benchmarks/bench_structured.py, figures in docs/benchmarks.md): on SmolLM2's 49152-token vocabulary it
 compiled each of the five test schemas in under 1 ms (xgrammar 0.7-12 ms); every one of its 128 outputs on
 random logits parsed and validated, where 8 of xgrammar's 86 did not (it ignored multipleOf on a number, and once
 let a raw control byte into a string); and it installs 8 MB with no dependencies (xgrammar 16 MB, and requires
