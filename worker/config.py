@@ -1,8 +1,8 @@
 """Settings for every layer, from environment variables and CLI flags (pydantic-settings).
 
 Each class has its own environment prefix so a deployment can set `KAFKA_BOOTSTRAP_SERVERS`,
-`ENGINE_POLICY`, `WORKER_MAX_WAITING` and so on. Every field carries a docstring: the README's
-configuration table is generated from them (`llm-worker config --markdown`).
+`ENGINE_POLICY`, `WORKER_MAX_WAITING` and so on. Every field carries a docstring: the settings
+table in docs/configuration.md is generated from them (`llm-worker config --markdown`).
 """
 
 from __future__ import annotations
