@@ -119,6 +119,7 @@ class LocalBroker:
         heap_opts: str = DEFAULT_HEAP,
         start_timeout_s: float = 120.0,
         detach: bool = True,
+        extra_properties: dict[str, str] | None = None,
     ) -> None:
         kafka_dir = kafka_dir or PathSettings().kafka_dir
         self.kafka_dir = kafka_dir
@@ -127,6 +128,8 @@ class LocalBroker:
         self.port = port
         self.controller_port = controller_port or port + 1
         self.heap_opts = heap_opts
+        self.extra_properties = dict(extra_properties or {})
+        """server.properties entries added to (or overriding) the rendered ones, e.g. an authorizer."""
         self.start_timeout_s = start_timeout_s
         # detach=False ties the broker to this process (killed with it): what a test session wants.
         self.detach = detach
@@ -162,9 +165,9 @@ class LocalBroker:
         kraft_dir = self.data_dir / "kraft"
         self.data_dir.mkdir(parents=True, exist_ok=True)
         properties_path = self.data_dir / "server.properties"
-        properties_path.write_text(render_server_properties(
-            log_dir=kraft_dir, port=self.port, controller_port=self.controller_port, host=self.host,
-        ))  # fmt: skip
+        properties = render_server_properties(log_dir=kraft_dir, port=self.port, controller_port=self.controller_port,
+                                              host=self.host)
+        properties_path.write_text(properties + "".join(f"{k}={v}\n" for k, v in self.extra_properties.items()))
         jvm_base = [java, f"-Dlog4j2.configurationFile={LOG4J_CONFIG}", "-cp", f"{libs_dir}/*"]
         if not (kraft_dir / "meta.properties").exists():
             self._format_storage(jvm_base, properties_path)

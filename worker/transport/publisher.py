@@ -368,7 +368,10 @@ class Publisher:
         old = self._producer
         self.num_producer_resets += 1
         try:
-            await asyncio.wait_for(old.stop(), 5.0)
+            # A second to deliver what the old producer holds: whatever it still holds then is failed below and
+            # sent again, in order, by the new one (a batch for a deleted topic would hold a longer wait to its
+            # full length, and every other record with it).
+            await asyncio.wait_for(old.stop(), 1.0)
         except Exception:  # noqa: BLE001 - nothing of the old producer is needed any more
             log.debug("stopping the old producer failed", exc_info=True)
         # A dead sender leaves its batches unresolved; failing them sends their records back to the buffer.
