@@ -106,6 +106,13 @@ def check_limits(request: GenerationRequest, limits: Limits = DEFAULT_LIMITS) ->
             "too_large",
             f"{len(request.prompt_token_ids)} prompt token ids, the limit is {limits.max_prompt_token_ids}",
         )
+    num_format_chars = request.num_response_format_chars
+    if num_format_chars > limits.max_response_format_chars:
+        return refuse(
+            "too_large",
+            f"response_format has {num_format_chars} chars, the limit is {limits.max_response_format_chars} "
+            "(max_response_format_chars)",
+        )
     if request.max_new_tokens > limits.max_new_tokens:
         return refuse("invalid_request", f"max_new_tokens {request.max_new_tokens} exceeds {limits.max_new_tokens}")
     sampling = request.sampling

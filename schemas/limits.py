@@ -51,6 +51,10 @@ class Limits:
     """Characters of each metadata key and of each value; metadata is echoed in the final record."""
     max_id_chars: int = MAX_ID_CHARS
     """May only tighten the protocol bound MAX_ID_CHARS."""
+    max_response_format_chars: int = 1_000_000
+    """Characters of `response_format`'s regex or grammar, or of its JSON schema as compact JSON: a bound on the
+    text the grammar compiler is given (its own limits bound the work; the worker's ENGINE_GRAMMAR_* settings).
+    A 50,000-value enum schema is about 740,000."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -316,6 +316,18 @@ class GenerationRequest(WireRecord, kw_only=True):
         return min(candidates) if candidates else None
 
     @property
+    def num_response_format_chars(self) -> int:
+        """Characters of the response_format's regex, grammar, or JSON schema as compact JSON; 0 for none."""
+        fmt = self.response_format
+        if isinstance(fmt, RegexFormat):
+            return len(fmt.regex)
+        if isinstance(fmt, GrammarFormat):
+            return len(fmt.grammar)
+        if isinstance(fmt, JsonSchemaFormat):
+            return len(msgspec.json.encode(fmt.json_schema.schema))
+        return 0
+
+    @property
     def num_prompt_chars(self) -> int:
         """Characters of text prompt or of all message contents; 0 for a token-id prompt."""
         if self.prompt is not None:

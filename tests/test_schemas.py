@@ -375,6 +375,20 @@ def test_id_limit_tightened_by_deployment():
     assert error == RequestError("invalid_request", error.message, None)
 
 
+@pytest.mark.parametrize("build", [
+    lambda n: {"type": "regex", "regex": "a" * n},
+    lambda n: {"type": "grammar", "grammar": "start: " + '"' + "a" * (n - 9) + '"'},
+    lambda n: {"type": "json_schema", "json_schema": {"schema": {"enum": ["a" * (n - 13)]}}},  # compact JSON
+])
+def test_response_format_size_limit_on_both_sides(build):
+    limits = Limits(max_response_format_chars=100)
+    assert isinstance(decode_request(request_bytes(prompt="x", response_format=build(100)), limits),
+                      GenerationRequest)
+    error = decode_request(request_bytes(prompt="x", response_format=build(101)), limits)
+    assert error == RequestError("too_large", error.message, "r-1")
+    assert "101 chars" in error.message and "max_response_format_chars" in error.message
+
+
 def test_default_limits_are_the_documented_ones():
     assert DEFAULT_LIMITS == Limits(
         max_record_bytes=1024 * 1024, max_prompt_chars=200_000, max_messages=256, max_prompt_token_ids=32_768,

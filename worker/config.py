@@ -140,6 +140,27 @@ class EngineSettings(BaseSettings):
     config.json path; empty: ENGINE_MODEL's own config.json. ENGINE_MODEL's tokenizer serves the text."""
     sim_logits_width: int = Field(2048, ge=0)
     """Simulated devices: columns of the logits the sampler sees (0: the model's vocabulary)."""
+    grammar_compile_timeout_s: float = Field(2.0, gt=0)
+    """Structured output: the longest a response_format's grammar may take to compile (on the grammar threads,
+    never inside a step), the first-mask probe included; past it the request ends with invalid_request naming
+    this limit, and the same format is refused at once from then on."""
+    grammar_compile_threads: int = Field(1, ge=1, le=16)
+    """Structured output: grammars compiled at once, each on a thread of its own. A compile past the time budget
+    gives its slot to the next one in the queue; its thread runs on, unused, until the library's own limits
+    end it (at most 8 such threads at a time)."""
+    grammar_max_size: int = Field(500_000, ge=1)
+    """Structured output: the most symbols a compiled grammar may have (llguidance's max_grammar_size)."""
+    grammar_lexer_fuel: int = Field(1_000_000, ge=1)
+    """Structured output: work allowed to build a grammar's lexer (llguidance's initial_lexer_fuel, about 50 per
+    microsecond); `a{1000000}` reaches it. A 50,000-value enum needs about 700,000."""
+    grammar_step_lexer_fuel: int = Field(200_000, ge=1)
+    """Structured output: lexer work allowed per request per step when computing its mask (llguidance's
+    step_lexer_fuel, about 14 per microsecond: the default bounds a row at about 15 ms)."""
+    grammar_step_max_items: int = Field(50_000, ge=1)
+    """Structured output: parser items allowed per request per step (llguidance's step_max_items, about 20 per
+    microsecond); a required recursive $ref reaches it."""
+    grammar_max_lexer_states: int = Field(250_000, ge=1)
+    """Structured output: lexer states one grammar may build (llguidance's max_lexer_states, 1-2 kB each)."""
 
     @model_validator(mode="after")
     def _check(self) -> "EngineSettings":

@@ -18,13 +18,17 @@ import pytest
 from benchmarks.structured_schemas import PROMPTS, SCHEMAS
 from worker.config import EngineSettings
 from worker.engine.api import EngineRequest, SamplingParams, StructuredOutput
-from worker.engine.engine import GRAMMAR_POLL_S, LLMEngine
+from worker.engine.engine import LLMEngine
+from worker.model.structured_output import GRAMMAR_POLL_S
 
 
-def tiny_engine(model: Path, num_kv_blocks: int = 160) -> LLMEngine:
+def tiny_engine(model: Path, num_kv_blocks: int = 160, grammar_compile_timeout_s: float = 60.0) -> LLMEngine:
+    """The compile budget is wall-clock time: generous here, so that on a busy shared machine the library's own
+    limits, not the clock, decide which formats are refused."""
     return LLMEngine(EngineSettings(model=str(model), device="cpu", dtype="float32", attention_backend="torch",
                                     block_size=16, num_kv_blocks=num_kv_blocks, max_num_batched_tokens=128,
-                                    max_num_seqs=16, max_model_len=192))
+                                    max_num_seqs=16, max_model_len=192,
+                                    grammar_compile_timeout_s=grammar_compile_timeout_s))
 
 
 def schema_request(request_id: str, name: str, temperature: float = 0.0, max_new_tokens: int = 150) -> EngineRequest:
@@ -109,8 +113,8 @@ def test_a_request_waits_outside_the_scheduler_while_its_grammar_compiles(tiny_m
     engine = tiny_engine(tiny_model_path)
     engine.generate([schema_request("enums-0.0", "enums")])  # the compiler exists, its tokenizer built
     release = threading.Event()
-    compile_grammar = engine._grammars._compile
-    engine._grammars._compile = lambda kind, spec: (release.wait(30), compile_grammar(kind, spec))[1]
+    compile_grammar = engine.structured.compiler._compile
+    engine.structured.compiler._compile = lambda kind, spec: (release.wait(30), compile_grammar(kind, spec))[1]
     held, aborted = schema_request("numbers-0.0", "numbers"), schema_request("nested-0.0", "nested")
     assert engine.add_request(held) == [] and engine.add_request(aborted) == []
     assert engine.has_unfinished() and engine.scheduler.num_waiting == 0 and engine.stats().num_waiting == 2

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from worker.model.grammar import GrammarCompiler
+from worker.model.grammar import GrammarCompiler, GrammarError, GrammarLimits
 
 VOCAB = 49152
 EOS = 2
@@ -96,7 +96,7 @@ def test_matchers_advance_independently_and_end_when_the_grammar_is_complete(com
     assert allowed_ids(bitmask[1]) == {EOS}  # a finished grammar allows only EOS
     quote = tokenizer.encode('"', add_special_tokens=False)[0]
     assert quote in allowed_ids(bitmask[0]) and EOS not in allowed_ids(bitmask[0])
-    with pytest.raises(RuntimeError, match="refused"):
+    with pytest.raises(GrammarError, match="doesn't satisfy the grammar"):
         second.advance(tokenizer.encode("maybe", add_special_tokens=False)[0])
 
 
@@ -121,3 +121,96 @@ def test_json_is_written_on_one_line_with_spaces_after_separators(compiler, toke
             with pytest.raises(RuntimeError):
                 for t in ids:
                     matcher.advance(t)
+
+
+RECURSIVE_REQUIRED = {"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}},
+                                      "required": ["next"]}}, "$ref": "#/$defs/n"}
+
+
+@pytest.fixture(scope="module")
+def patient(tokenizer) -> GrammarCompiler:
+    """Limits low enough to be reached fast, a time budget long enough never to be the one reached."""
+    compiler = GrammarCompiler(tokenizer, VOCAB, (EOS,), limits=GrammarLimits(lexer_fuel=200_000,
+                                                                               compile_timeout_s=120))
+    yield compiler
+    compiler.close()
+
+
+@pytest.mark.parametrize("kind, spec, message", [
+    ("regex", r"[^\s\S]", "language is empty"),
+    ("grammar", "start: start start", "language is empty"),
+    ("regex", "a{1000000}", "ENGINE_GRAMMAR_LEXER_FUEL=200000"),
+    ("json_schema", json.dumps(RECURSIVE_REQUIRED), "ENGINE_GRAMMAR_STEP_MAX_ITEMS=50000"),
+    ("json_schema", '{"type": "integer", "minimum": 5, "maximum": 3}', "minimum (5) is greater than maximum (3)"),
+])
+def test_what_the_library_can_tell_in_advance_is_refused_at_compile_time(patient, kind, spec, message):
+    result = compiled(patient, kind, spec)
+    assert result.matcher is None and message in result.error, result.error
+    assert "<non-verbose/>" not in result.error and "<state>" not in result.error
+
+
+def test_formats_that_can_run_pass_the_probe(patient, tokenizer):
+    # A JSON Schema pattern is unanchored (ECMA-262): any string containing the 5,000 letters matches, so a
+    # length-cut output may be any string prefix. Anchored, only x and y may follow the quote.
+    for pattern in ["(x|y)" * 5000, "^" + "(x|y)" * 5000 + "$"]:
+        assert compiled(patient, "json_schema", json.dumps({"type": "string", "pattern": pattern})).error is None
+    anchored = patient.matcher(compiled(patient, "json_schema", json.dumps(
+        {"type": "string", "pattern": "^" + "(x|y)" * 5000 + "$"})))
+    bitmask, failed = patient.fill_bitmask([anchored])
+    assert failed == [] and allowed_ids(bitmask[0]) == set(tokenizer.encode('"', add_special_tokens=False))
+    assert compiled(patient, "regex", "(a+)+$").error is None
+    assert compiled(patient, "json_schema", json.dumps({"enum": [f"v{i}" for i in range(5000)]})).error is None
+
+
+def test_a_limit_reached_only_on_the_models_path_is_an_error_at_that_step(patient, tokenizer):
+    # The integer branch keeps the compile-time probe clean; the object branch is forced into the endless
+    # required chain as soon as the output opens it.
+    spec = json.dumps({"anyOf": [{"type": "integer"}, {"$ref": "#/$defs/n"}], "$defs": RECURSIVE_REQUIRED["$defs"]})
+    matcher = patient.matcher(compiled(patient, "json_schema", spec))
+    with pytest.raises(GrammarError, match="ENGINE_GRAMMAR_STEP_MAX_ITEMS"):
+        for token_id in tokenizer.encode('{"next": {"next', add_special_tokens=False):
+            _, failed = patient.fill_bitmask([matcher])  # as the engine does: a mask before each token
+            assert failed == []
+            matcher.advance(token_id)
+
+
+def test_an_error_state_is_a_failed_row_never_an_eos_only_mask(patient, tokenizer):
+    matcher = patient.matcher(compiled(patient, "regex", "[0-9]{3}"))
+    with pytest.raises(GrammarError):
+        matcher.advance(tokenizer.encode("x", add_special_tokens=False)[0])
+    bitmask, failed = patient.fill_bitmask([matcher])
+    assert [row for row, _ in failed] == [0] and failed[0][1]
+    assert bitmask[0].all()  # all bits set: the row's draw is dropped with its request
+
+
+def test_a_compile_past_its_time_budget_is_refused_naming_the_setting(tokenizer):
+    hasty = GrammarCompiler(tokenizer, VOCAB, (EOS,), limits=GrammarLimits(compile_timeout_s=1e-6))
+    try:
+        result = compiled(hasty, "json_schema", json.dumps({"enum": [f"v{i}" for i in range(2000)]}))
+        assert result.matcher is None and "ENGINE_GRAMMAR_COMPILE_TIMEOUT_S" in result.error
+    finally:
+        hasty.close()
+
+
+@pytest.mark.parametrize("message, setting", [
+    ("grammar size (number of symbols) too big (limit for this grammar: 10)", "ENGINE_GRAMMAR_MAX_SIZE"),
+    ("initial lexer configuration (grammar) too big (limit for this grammar: 10)", "ENGINE_GRAMMAR_LEXER_FUEL"),
+    ("lexer error: too many states: 10", "ENGINE_GRAMMAR_MAX_LEXER_STATES"),
+    ("parser error: Too many items (limit 10; ff_tokens)", "ENGINE_GRAMMAR_STEP_MAX_ITEMS"),
+    ("fuel exhausted when checking relevance of lexemes (10)", "ENGINE_GRAMMAR_STEP_LEXER_FUEL"),
+])
+def test_a_limit_message_names_the_worker_setting(message, setting):
+    # The library's own wording (from its binary), which this mapping depends on; a library upgrade that
+    # rewords them fails the tests above that reach the limits for real.
+    assert setting in GrammarLimits().explain(message + "\n<non-verbose/>")
+
+
+def test_the_grammar_size_limit_is_applied(tokenizer):
+    small = GrammarCompiler(tokenizer, VOCAB, (EOS,), limits=GrammarLimits(max_size=50, compile_timeout_s=120))
+    try:
+        lark = "start: " + " | ".join(f"r{i}" for i in range(100)) + "\n" + "\n".join(
+            f'r{i}: "w{i}" r{(i + 1) % 100}?' for i in range(100))
+        result = compiled(small, "grammar", lark)
+        assert result.matcher is None and "ENGINE_GRAMMAR_MAX_SIZE=50" in result.error, result.error
+    finally:
+        small.close()

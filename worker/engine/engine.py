@@ -14,9 +14,7 @@ import gc
 import logging
 import time
 import zlib
-from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from worker.config import EngineSettings
 from worker.engine.api import EngineRequest, EngineStats, RequestOutput, SamplingParams, TokenLogprobs
@@ -26,17 +24,22 @@ from worker.engine.request import Request, RequestStatus
 from worker.engine.scheduler import Scheduler
 from worker.engine.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput
 from worker.engine.step_time import StepTimeModel
-from worker.model.grammar import Compiled, GrammarCompiler, Matcher
+from worker.model.grammar import GrammarLimits
 from worker.model.input import Launched, StepArrays
 from worker.model.step_batch import StepRequests
+from worker.model.structured_output import StructuredOutputManager
 from worker.model.runner import ModelRunner, make_runner
 from worker.model.sampler import RowSampling, Sampler
 from worker.model.token_mask import TokenMask
 
 log = logging.getLogger(__name__)
 
-GRAMMAR_POLL_S = 0.002
-"""While a grammar compiles (on its own thread) and nothing else can run, the engine looks again this often."""
+
+def grammar_limits(settings: EngineSettings) -> GrammarLimits:
+    return GrammarLimits(
+        max_size=settings.grammar_max_size, lexer_fuel=settings.grammar_lexer_fuel,
+        step_lexer_fuel=settings.grammar_step_lexer_fuel, step_max_items=settings.grammar_step_max_items,
+        max_lexer_states=settings.grammar_max_lexer_states, compile_timeout_s=settings.grammar_compile_timeout_s)
 
 
 def async_scheduling(setting: str, runner) -> bool:
@@ -59,16 +62,8 @@ class _Live:
 
     detokenizer: IncrementalDetokenizer
     sampling: RowSampling
-    grammar: Matcher | None = None
-    """Structured output: where the output is in its grammar."""
-
-
-class _Compiling(NamedTuple):
-    """A structured-output request held back until its grammar is compiled (the scheduler never sees it)."""
-
-    request: Request
-    live: _Live
-    compiled: Future[Compiled]
+    constrained: bool = False
+    """Structured output: its tokens follow a grammar (StructuredOutputManager keeps where it is in it)."""
 
 
 @dataclass(slots=True)
@@ -119,11 +114,9 @@ class LLMEngine:
         self.busy_s = 0.0
         self._last_step = (0, 0, 0.0)
         self._live: dict[str, _Live] = {}
-        self._grammars: GrammarCompiler | None = None
-        """Created by the first structured-output request."""
-        self._compiling: dict[str, _Compiling] = {}
-        self._constrained: set[str] = set()
-        """Requests in the scheduler whose output follows a grammar."""
+        self.structured = StructuredOutputManager(
+            self.tokenizer, self.runner.vocab_size, tuple(self.runner.eos_token_ids),
+            grammar_limits(self.settings), self.settings.grammar_compile_threads)
         self.async_scheduling = async_scheduling(self.settings.async_scheduling, self.runner)
         self._inflight: _InFlight | None = None
         """With async scheduling: the step launched by the last step() call, whose tokens the next one applies."""
@@ -185,31 +178,25 @@ class LLMEngine:
             self.scheduler.add_request(req)
             self._live[req.request_id] = live
             return []
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, tuple(self.runner.eos_token_ids))
-        compiled = self._grammars.submit(sampling.structured.kind, sampling.structured.spec)
-        if not compiled.done():  # compiled on the grammar thread; step() adds it to the scheduler once ready
-            self._compiling[req.request_id] = _Compiling(req, live, compiled)
-            return []
-        return self._start_constrained(req, live, compiled.result())
+        # Compiled on the grammar thread; step() adds the request to the scheduler once its grammar is ready.
+        ready = self.structured.add(req.request_id, sampling.structured.kind, sampling.structured.spec, (req, live),
+                                    now)
+        return [] if ready is None else self._start_constrained(*ready.payload, ready.error)
 
-    def _start_constrained(self, req: Request, live: _Live, compiled: Compiled) -> list[RequestOutput]:
-        if compiled.error is not None:  # the library refused the grammar: the request ends here
+    def _start_constrained(self, req: Request, live: _Live, error: str | None) -> list[RequestOutput]:
+        if error is not None:  # the format cannot be kept: the request ends before it runs
             return [RequestOutput(req.request_id, [], "", True, "error", "invalid_request",
-                                  f"response_format: {compiled.error}", arrival_time=req.arrival_time,
+                                  f"response_format: {error}", arrival_time=req.arrival_time,
                                   finish_time=time.monotonic())]
-        live.grammar = self._grammars.matcher(compiled)
+        live.constrained = True
         self.scheduler.add_request(req)
         self._live[req.request_id] = live
-        self._constrained.add(req.request_id)
         return []
 
     def _start_compiled(self) -> list[RequestOutput]:
         outputs = []
-        for request_id, (req, live, compiled) in list(self._compiling.items()):
-            if compiled.done():
-                del self._compiling[request_id]
-                outputs += self._start_constrained(req, live, compiled.result())
+        for ready in self.structured.take_ready(time.monotonic()):
+            outputs += self._start_constrained(*ready.payload, ready.error)
         return outputs
 
     def _row_sampling(self, request_id: str, params: SamplingParams, eos_token_ids: tuple[int, ...]) -> RowSampling:
@@ -228,26 +215,25 @@ class LLMEngine:
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
         outputs = [self._final(request) for request in self.scheduler.abort(request_ids)]
-        for request_id in request_ids:
-            held = self._compiling.pop(request_id, None)
-            if held is not None:
-                held.request.status, held.request.finish_time = RequestStatus.FINISHED_ABORTED, time.monotonic()
-                outputs.append(self._final(held.request))
+        for request, _ in self.structured.abort(request_ids):
+            request.status, request.finish_time = RequestStatus.FINISHED_ABORTED, time.monotonic()
+            outputs.append(self._final(request))
         return outputs
 
     def set_input_ended(self, ended: bool = True) -> None:
         self.scheduler.set_input_ended(ended)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._compiling) or self._inflight is not None
+        return self.scheduler.has_unfinished() or self.structured.num_held > 0 or self._inflight is not None
 
     def wake_time(self) -> float | None:
         now = time.monotonic()
         if self._inflight is not None:
             return now  # a launched step's tokens wait to be applied
         wake = self.scheduler.wake_time(now)
-        if self._compiling:
-            return now + GRAMMAR_POLL_S if wake is None else min(wake, now + GRAMMAR_POLL_S)
+        grammar_wake = self.structured.wake_time(now)
+        if grammar_wake is not None:
+            return grammar_wake if wake is None else min(wake, grammar_wake)
         return wake
 
     # ---- one step -----------------------------------------------------------------------------------
@@ -257,7 +243,7 @@ class LLMEngine:
         scheduling the outputs returned are those of the step launched by the previous call (see _step_async)."""
         if self.async_scheduling:
             return self._step_async()
-        outputs = self._start_compiled() if self._compiling else []
+        outputs = self._start_compiled() if self.structured.num_held else []
         sched = self._schedule(outputs)
         if sched.is_empty:
             return outputs
@@ -273,7 +259,7 @@ class LLMEngine:
         to the scheduler and turn them into outputs. A request that step N finished computes one more token in
         step N+1, which update() then skips (as in vLLM). Tokens, seeds and stop decisions are those of the
         synchronous loop; outputs come one step later."""
-        outputs = self._start_compiled() if self._compiling else []
+        outputs = self._start_compiled() if self.structured.num_held else []
         sched = self._schedule(outputs)
         step = build_step_requests(sched) if sched.scheduled else None
         arrays = self.runner.prepare_arrays(step) if step is not None else None
@@ -308,7 +294,7 @@ class LLMEngine:
         sampling_ids = [entry.request_id for entry in sampling]
         # Everything that does not need the logits comes before waiting for them: on a GPU (and with async
         # scheduling) the forward is still running meanwhile.
-        mask = self._grammar_mask(sampling_ids, outputs) if self._constrained else None
+        mask = self._grammar_mask(sampling_ids, outputs) if self.structured.has_constrained() else None
         # The draw's counter is the index of the token being generated: stable across preemption and replay.
         counters = [len(entry.request.output_token_ids) for entry in sampling]
         # The draw goes in behind the forward, as a GPU queues it on its stream (worker/model/input.py, Launched).
@@ -337,7 +323,7 @@ class LLMEngine:
             # The common case inlined (a running request's next token, no grammar): it runs for every running
             # request at every step. _postprocess has the rest.
             live = live_of[update.request.request_id] if update.finish_status is None else None
-            if live is None or live.grammar is not None:
+            if live is None or live.constrained:
                 outputs.append(self._postprocess(update))
                 continue
             detokenizer = live.detokenizer
@@ -354,21 +340,21 @@ class LLMEngine:
         return outputs
 
     def _grammar_mask(self, sampling_ids: list[str], outputs: list[RequestOutput]) -> TokenMask | None:
-        """The bitmasks of this step's constrained rows. A grammar that admits no token at all (a schema that
-        no output satisfies, such as a minimum above its maximum) ends its request with invalid_request; its
-        row is left unmasked and the token drawn for it dropped."""
-        rows = [row for row, request_id in enumerate(sampling_ids) if request_id in self._constrained]
-        if not rows:
-            return None
-        bitmask, dead = self._grammars.fill_bitmask([self._live[sampling_ids[row]].grammar for row in rows])
-        for i in dead:
-            request = self.scheduler.requests[sampling_ids[rows[i]]]
+        """The bitmasks of this step's constrained rows. A request whose grammar cannot go on (an error state,
+        no token allowed) ends here with invalid_request; its row is left unmasked and the token drawn for it
+        dropped (update() skips finished requests)."""
+        rows, bitmask, failed = self.structured.grammar_bitmask(sampling_ids)
+        for request_id, why in failed:
+            outputs.append(self._format_error(self.scheduler.requests[request_id], why))
+        return TokenMask(rows, bitmask) if rows else None
+
+    def _format_error(self, request: Request, why: str) -> RequestOutput:
+        """The final of a constrained request whose output cannot keep its format; what was streamed stays."""
+        if not request.status.finished:
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
-            out = self._final(request)
-            out.finish_reason, out.error_code = "error", "invalid_request"
-            out.error_message = "response_format: no token can continue the output (no output satisfies the schema?)"
-            outputs.append(out)
-        return TokenMask(rows, bitmask)
+        out = self._final(request)
+        out.finish_reason, out.error_code, out.error_message = "error", "invalid_request", f"response_format: {why}"
+        return out
 
     def _postprocess(self, update: RequestUpdate) -> RequestOutput:
         request = update.request
@@ -377,12 +363,25 @@ class LLMEngine:
         token_ids = update.new_token_ids
         status = update.finish_status
         if status is None:  # the common case, kept short: it runs for every running request at every step
+            ended = False
+            if live.constrained:
+                # A grammar that is complete ends the request (stop), its last token shown.
+                ended, error = self.structured.advance(request.request_id, token_ids[-1])
+                if error is not None:
+                    return self._format_error(request, error)
             text = detokenizer.push(token_ids)
-            # A grammar that is complete ends the request (stop), its last token shown.
-            ended = live.grammar is not None and live.grammar.advance(token_ids[-1])
             if not (detokenizer.stopped or ended):
                 return self._output(request, token_ids, text)
+            if live.constrained and detokenizer.stopped:
+                error = self.structured.check_stop_string(request.request_id, detokenizer.text)
+                if error is not None:
+                    return self._format_error(request, error)
             return self._postprocess_stopped(request, token_ids, text)
+        if live.constrained:
+            stop_token_ids = request.sampling.stop_token_ids if status is RequestStatus.FINISHED_STOPPED else ()
+            error = self.structured.check_end(request.request_id, token_ids, stop_token_ids)
+            if error is not None:
+                return self._format_error(request, error)
         # The EOS or stop token that ended it is counted, never shown.
         text_ids = token_ids[:-1] if status is RequestStatus.FINISHED_STOPPED else token_ids
         return self._final(request, token_ids, detokenizer.push(text_ids) if text_ids else "")
@@ -405,7 +404,8 @@ class LLMEngine:
         # Every way a request ends passes here (stop, length, abort, deadline), so its runner row is freed here.
         self.runner.release([request.request_id])
         live = self._live.pop(request.request_id, None)
-        self._constrained.discard(request.request_id)
+        if live is not None and live.constrained:
+            self.structured.finish(request.request_id)
         if live is not None and request.status is not RequestStatus.FINISHED_ABORTED:
             text += live.detokenizer.flush()
         out = self._output(request, token_ids or [], text)
@@ -420,7 +420,7 @@ class LLMEngine:
         base, per_token = self.step_time.coefficients()
         pool = self.scheduler.pool
         return EngineStats(
-            num_waiting=self.scheduler.num_waiting + len(self._compiling),
+            num_waiting=self.scheduler.num_waiting + self.structured.num_held,
             num_running=self.scheduler.num_running,
             kv_usage=self.scheduler.kv_usage,
             prefix_cache_hit_rate=pool.hit_rate,

@@ -18,14 +18,24 @@ costs 0.4-1 ms).
 JSON is generated compact and in one line: `", "` between items, `": "` after keys, no other whitespace
 outside strings (vLLM's `disable_any_whitespace`): a small model given free whitespace may emit newlines
 until its token budget runs out, which no grammar can then complete.
+
+A grammar is refused at compile time, before its request runs, when the library can tell: a spec it cannot
+read, a limit of `GrammarLimits` exceeded while building it, an empty language (the first mask allows no
+token, or only an EOS while the grammar is not complete: llguidance then enters an error state), or a path
+every output is forced along (fast-forward tokens) that breaks a limit, such as `a{1000000}` or a required
+recursive `$ref`. The probe computes the first mask on the pristine matcher, so that cost (0.3 s for
+`a{1000000}`) is paid here and the copies start with a warm lexer. What only shows while generating (a limit
+reached after the model's own choices) is a `GrammarError` at that step (engine/structured_output.py).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import llguidance
@@ -37,8 +47,52 @@ log = logging.getLogger(__name__)
 
 CACHE_SIZE = 256
 """Distinct grammars kept compiled (failures included)."""
+MAX_ABANDONED = 8
+"""Compiles past their time budget whose threads may still run while others take their slots."""
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """llguidance's JSON compile options: one-line JSON (module docstring)."""
+
+
+@dataclass(slots=True, frozen=True)
+class GrammarLimits:
+    """What one grammar may cost (llguidance's `LLParserLimits`, plus a time budget). The names are the engine
+    settings' (ENGINE_GRAMMAR_*), so a refusal can name the one it broke."""
+
+    max_size: int = 500_000
+    lexer_fuel: int = 1_000_000
+    step_lexer_fuel: int = 200_000
+    step_max_items: int = 50_000
+    max_lexer_states: int = 250_000
+    compile_timeout_s: float = 2.0
+
+    def parser_limits(self) -> llguidance.LLParserLimits:
+        # verbose_errors off: the message goes back to the producer, and the verbose one dumps parser state.
+        return llguidance.LLParserLimits(
+            max_grammar_size=self.max_size, initial_lexer_fuel=self.lexer_fuel, step_lexer_fuel=self.step_lexer_fuel,
+            step_max_items=self.step_max_items, max_lexer_states=self.max_lexer_states, verbose_errors=False)
+
+    def explain(self, message: str) -> str:
+        """The library's message without its state dump, naming the worker setting behind a limit it reports."""
+        message = message.replace("<non-verbose/>", "").strip()
+        if message.startswith("NoExtension"):  # llguidance's stop reason when only EOS fits an incomplete output
+            return "no output can complete the format from here (its language is empty past this point)"
+        for needle, setting, value in (
+            ("grammar size", "max_size", self.max_size),
+            ("initial lexer configuration", "lexer_fuel", self.lexer_fuel),
+            ("too many expressions constructed", "lexer_fuel", self.lexer_fuel),
+            ("fuel exhausted", "step_lexer_fuel", self.step_lexer_fuel),
+            ("lex fuel", "step_lexer_fuel", self.step_lexer_fuel),
+            ("Too many items", "step_max_items", self.step_max_items),
+            ("too many states", "max_lexer_states", self.max_lexer_states),
+        ):
+            if needle in message:
+                return f"{message} (worker limit ENGINE_GRAMMAR_{setting.upper()}={value})"
+        return message
+
+
+class GrammarError(RuntimeError):
+    """A matcher reached an error state while generating: a limit hit only on the path the model took, or a
+    token the grammar refused. The message is the library's (GrammarLimits.explain)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -52,22 +106,43 @@ class Compiled:
 class Matcher:
     """One request's position in its grammar, advanced by each token it generates."""
 
-    __slots__ = ("_matcher", "_eos_token_ids")
+    __slots__ = ("_matcher", "_compiled", "_eos_token_ids", "_limits", "_tokenizer")
 
-    def __init__(self, compiled: Compiled, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, compiled: Compiled, eos_token_ids: tuple[int, ...], limits: GrammarLimits | None = None,
+                 tokenizer: llguidance.LLTokenizer | None = None) -> None:
         assert compiled.matcher is not None, compiled.error
+        self._compiled = compiled
         self._matcher = compiled.matcher.deep_copy()
         self._eos_token_ids = eos_token_ids
+        self._limits = limits or GrammarLimits()
+        self._tokenizer = tokenizer
 
     def advance(self, token_id: int) -> bool:
         """Consume a generated token; True when the request ends here: the grammar is complete and admits no
         further token, or it was complete and the token is an EOS (which ends it even for a request that
-        ignores EOS). Raises when the grammar refuses the token: the mask let through only tokens it accepts,
-        so that is a bug, not a user error."""
+        ignores EOS). Raises GrammarError when the matcher refuses the token or reaches an error state on it
+        (a limit the model's path ran into; the mask let through only tokens the grammar allows)."""
         matcher = self._matcher
         if not matcher.consume_token(token_id):
-            raise RuntimeError(f"the grammar refused token {token_id}: {matcher.get_error()}")
+            raise GrammarError(self._limits.explain(matcher.get_error() or f"the grammar refused token {token_id}"))
         return matcher.is_stopped() or (token_id in self._eos_token_ids and matcher.is_accepting())
+
+    @property
+    def error(self) -> str | None:
+        """The matcher's error, once it is in an error state (a mask computation can put it there), else None."""
+        return self._limits.explain(self._matcher.get_error()) if self._matcher.is_error() else None
+
+    def is_accepting(self) -> bool:
+        """The output so far is complete: a word of the grammar."""
+        return self._matcher.is_accepting()
+
+    def accepts_text(self, text: str) -> bool:
+        """Whether `text`, read from the grammar's start, is a complete word of it (for output cut by a stop
+        string, which need not end on a token boundary)."""
+        if self._tokenizer is None:
+            return False
+        fresh = self._compiled.matcher.deep_copy()
+        return fresh.consume_tokens(self._tokenizer.tokenize_str(text)) and fresh.is_accepting()
 
     @property
     def handle(self) -> llguidance.LLMatcher:
@@ -78,35 +153,112 @@ class GrammarCompiler:
     """Compiles grammars off the engine's thread and keeps them; fills the bitmasks of a step's matchers."""
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], max_workers: int = 1,
-                 cache_size: int = CACHE_SIZE) -> None:
+                 cache_size: int = CACHE_SIZE, limits: GrammarLimits | None = None) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
-        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar")
+        self.limits = limits or GrammarLimits()
+        self._parser_limits = self.limits.parser_limits()
         self._cache: OrderedDict[tuple[str, str], Future[Compiled]] = OrderedDict()
         self._cache_size = cache_size
-        # Built on the pool too: about 0.4 s for a 49k vocabulary, once.
-        self._tokenizer = self._pool.submit(
-            llguidance.hf.from_tokenizer, hf_tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None)
+        self._lock = threading.Lock()
+        self._queue: deque[tuple[tuple[str, str], Future[Compiled]]] = deque()
+        self._running: dict[Future[Compiled], float] = {}
+        """Compiles on a thread, with their start (time.monotonic())."""
+        self._num_slots = max_workers
+        self._num_abandoned = 0
+        """Compiles past the budget whose threads still run (the library cannot be interrupted)."""
+        self._closed = False
+        # Off the caller's thread too: about 0.4 s for a 49k vocabulary, once.
+        self._tokenizer: Future = Future()
+        threading.Thread(target=_run_into, name="grammar-tokenizer", daemon=True, args=(
+            self._tokenizer, llguidance.hf.from_tokenizer, hf_tokenizer, vocab_size, list(eos_token_ids) or None),
+        ).start()
         self._executor = llguidance.LLExecutor()
         self._bitmask = np.empty((0, bitmask_width(vocab_size)), dtype=np.int32)
         self.num_compiled = 0
 
     def submit(self, kind: str, spec: str) -> Future[Compiled]:
-        """The compiled grammar of (kind, spec), from the cache or compiled on the pool. Call from one thread."""
+        """The compiled grammar of (kind, spec), from the cache or compiled on a grammar thread, in the order
+        asked. Call from one thread."""
         key = (kind, spec)
         future = self._cache.get(key)
         if future is not None:
             self._cache.move_to_end(key)
             return future
-        future = self._pool.submit(self._compile, kind, spec)
+        future = Future()
         self._cache[key] = future
         while len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)  # a future still running finishes for whoever holds it
+        with self._lock:
+            self._queue.append((key, future))
+        self._start_queued()
         return future
+
+    def expire(self, now: float) -> None:
+        """Ends every compile running longer than the time budget with a refusal (kept in the cache, so the
+        same spec is refused at once from then on) and gives its slot to the next compile in the queue: one
+        pathological grammar delays the others by the budget at most. Its thread runs on, unused, until the
+        library's own limits end it; at most `MAX_ABANDONED` such threads at a time, past that a slot waits
+        for its compile."""
+        budget = self.limits.compile_timeout_s
+        with self._lock:
+            overdue = [f for f, start in self._running.items() if now - start > budget]
+            for future in overdue:
+                if self._num_abandoned >= MAX_ABANDONED:
+                    break
+                del self._running[future]
+                self._num_abandoned += 1
+                self._num_slots += 1
+                future.set_result(Compiled(None, self.compile_timeout_message()))
+        if overdue:
+            self._start_queued()
+
+    def _start_queued(self) -> None:
+        with self._lock:
+            while self._num_slots > 0 and self._queue and not self._closed:
+                key, future = self._queue.popleft()
+                if not future.set_running_or_notify_cancel():
+                    continue
+                self._num_slots -= 1
+                self._running[future] = time.monotonic()
+                threading.Thread(target=self._run, args=(key, future), name="grammar", daemon=True).start()
+
+    def _run(self, key: tuple[str, str], future: Future[Compiled]) -> None:
+        try:
+            result = self._compile(*key)
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+            result = exc
+        with self._lock:
+            if self._running.pop(future, None) is None:  # the budget gave up on it: its refusal stands
+                self._num_abandoned -= 1
+                return
+            self._num_slots += 1
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+        self._start_queued()
 
     def _compile(self, kind: str, spec: str) -> Compiled:
         tokenizer = self._tokenizer.result()
         start = time.perf_counter()
+        compiled = self._build(tokenizer, kind, spec)
+        seconds = time.perf_counter() - start
+        if compiled.error is None and seconds > self.limits.compile_timeout_s:
+            compiled = Compiled(None, self.compile_timeout_message(seconds))
+        if compiled.error is not None:
+            log.info("grammar refused (%s, %d chars, %.3f s): %s", kind, len(spec), seconds, compiled.error)
+        else:
+            self.num_compiled += 1
+            log.debug("grammar compiled (%s, %d chars) in %.2f ms", kind, len(spec), seconds * 1e3)
+        return compiled
+
+    def compile_timeout_message(self, seconds: float | None = None) -> str:
+        took = "did not finish in time" if seconds is None else f"took {seconds:.2f} s"
+        return (f"compiling the grammar {took}, over the budget of {self.limits.compile_timeout_s:g} s "
+                f"(worker limit ENGINE_GRAMMAR_COMPILE_TIMEOUT_S)")
+
+    def _build(self, tokenizer, kind: str, spec: str) -> Compiled:
         try:
             if kind == "json_schema":
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
@@ -116,37 +268,67 @@ class GrammarCompiler:
                 grammar = llguidance.LLMatcher.grammar_from_lark(spec)
             else:
                 return Compiled(None, f"unknown grammar kind {kind!r}")
-        except ValueError as exc:  # a schema that is not a JSON object
+        except ValueError as exc:  # a schema that is not a JSON object, or nested past the parser's recursion
             return Compiled(None, str(exc))
-        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=self._parser_limits)
         if matcher.is_error():
-            log.info("grammar refused (%s, %d chars): %s", kind, len(spec), matcher.get_error())
-            return Compiled(None, matcher.get_error())
-        self.num_compiled += 1
-        log.debug("grammar compiled (%s, %d chars) in %.2f ms", kind, len(spec), (time.perf_counter() - start) * 1e3)
-        return Compiled(matcher)
+            return Compiled(None, self.limits.explain(matcher.get_error()))
+        error = self._probe(matcher)
+        return Compiled(None, error) if error else Compiled(matcher)
+
+    def _probe(self, matcher: llguidance.LLMatcher) -> str | None:
+        """What the library can tell before the first step (module docstring); None when the grammar may run."""
+        bitmask = np.empty((1, bitmask_width(self.vocab_size)), np.int32)
+        llguidance.numpy.fill_next_token_bitmask(matcher, bitmask)
+        if matcher.is_error() or not bitmask.any():
+            error = matcher.get_error()
+            if not error or error.startswith("NoExtension"):
+                return "no output satisfies the format (its language is empty)"
+            return self.limits.explain(error)
+        forced = matcher.compute_ff_tokens()
+        if forced:
+            ahead = matcher.deep_copy()
+            if not ahead.consume_tokens(forced) or ahead.is_error():
+                return self.limits.explain(ahead.get_error())
+        return None
 
     def matcher(self, compiled: Compiled) -> Matcher:
         """A fresh matcher at the start of the grammar (a copy of the compiled one)."""
-        return Matcher(compiled, self.eos_token_ids)
+        return Matcher(compiled, self.eos_token_ids, self.limits, self._tokenizer.result())
 
     def fill_bitmask(self, matchers: list[Matcher]) -> tuple[np.ndarray, list[int]]:
         """The next-token bitmasks of these matchers ([R, ceil(V / 32)] int32, bit t of row i set when token t
         is allowed after matchers[i]; a buffer the next call reuses), computed by llguidance's thread pool
-        without the GIL; and the rows that allow no token at all (a dead end), whose bits are all set instead."""
+        without the GIL; and the rows that cannot go on, (row, why): a matcher in an error state, or no token
+        allowed at all. Their bits are all set instead; their requests must end, their tokens be dropped."""
         rows = len(matchers)
         if self._bitmask.shape[0] < rows:
             self._bitmask = np.empty((max(rows, 2 * self._bitmask.shape[0]), self._bitmask.shape[1]), np.int32)
         bitmask = self._bitmask[:rows]
         llguidance.numpy.fill_next_token_bitmask_par(
             self._executor, [(m.handle, i) for i, m in enumerate(matchers)], bitmask)
-        dead = np.flatnonzero(~bitmask.any(axis=1))
-        if dead.size:
-            bitmask[dead] = -1
-        return bitmask, dead.tolist()
+        failed = {int(i): "no token can continue the output" for i in np.flatnonzero(~bitmask.any(axis=1))}
+        for i, m in enumerate(matchers):
+            # A matcher in an error state allows only EOS, which would end its request as if complete.
+            if m.handle.is_error():
+                failed[i] = m.error
+        for i in failed:
+            bitmask[i] = -1
+        return bitmask, sorted(failed.items())
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            self._closed = True
+            queued, self._queue = self._queue, deque()
+        for _, future in queued:
+            future.cancel()
+
+
+def _run_into(future: Future, fn, *args) -> None:
+    try:
+        future.set_result(fn(*args))
+    except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+        future.set_exception(exc)
 
 
 def bitmask_width(vocab_size: int) -> int:
