@@ -68,3 +68,8 @@ class WorkerStatus(WireRecord, kw_only=True):
     busy_ms: Annotated[float, Meta(ge=0.0, description=(
         "Milliseconds the engine spent in steps since the worker started (differences over an interval give "
         "step sizes, steps per second and tokens per busy second)."))] = 0.0
+    desired_workers: Annotated[float, Meta(ge=0.0, description=(
+        "Workers this worker estimates the group needs to serve the offered load and the current backlog "
+        "within each priority's queue-time budget, from its own partitions scaled by its share of them (an "
+        "autoscaler averages it over the workers). Absent before the worker has a capacity estimate or "
+        "partitions."))] | None = None

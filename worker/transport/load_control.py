@@ -33,6 +33,8 @@ class LoadDecision:
     """priority -> "queue" | "kv" | "priority_backlog" for every priority whose partitions are to be paused."""
     input_ended: bool
     """Nothing unread in the assigned partitions and nothing waiting locally: the consumer has caught up."""
+    unread_tokens: float = 0.0
+    """Expected tokens of the unread records expected to reach the engine (the autoscaling signal's input)."""
 
     @property
     def shed_priorities(self) -> frozenset[int]:
@@ -74,4 +76,5 @@ class LoadControl:
         return LoadDecision(
             lag_by_priority=list(lag_by_priority), backlog_by_priority=backlog, shed=shed, newly_shed=newly_shed,
             pause_reasons=pause_reasons, input_ended=sum(lag_by_priority) + sum(waiting_by_priority) == 0,
+            unread_tokens=sum(n * cost for n, cost in zip(unread, costs)),
         )

@@ -76,6 +76,7 @@ class WorkerMetrics:
     unreadable_records: Counter
     requests_cancelled: Counter
     reply_topic_available: Gauge
+    desired_workers: Gauge
     _children: dict = field(default_factory=dict)
 
     @classmethod
@@ -112,6 +113,9 @@ class WorkerMetrics:
                                        registry=r),
             reply_topic_available=Gauge(f"{NS}reply_topic_available", "1 while an allowed reply topic exists and "
                                         "takes writes, 0 while it is missing or denied.", ["topic"], registry=r),
+            desired_workers=Gauge(f"{NS}desired_workers", "Workers the group needs for the offered load and the "
+                                  "backlog within the queue-time budgets, as this worker estimates it (average "
+                                  "it over the workers to scale on); 0 while no estimate exists.", registry=r),
         )
 
     def dropped_for(self, topic: str):

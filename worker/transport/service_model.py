@@ -79,6 +79,8 @@ class ServiceModel:
     """Output tokens produced ÷ max_new_tokens, over completed requests."""
     _cost: list[Ewma] = field(default_factory=list)
     """Per priority: expected tokens of a request read from it."""
+    tokens_read: float = 0.0
+    """Expected tokens of every request read since start (the autoscaling signal's offered load, autoscale.py)."""
     _prompt: Ewma = field(default_factory=Ewma)
     _output: Ewma = field(default_factory=Ewma)
     """Expected prompt and output tokens of any request read (for the saturated step size)."""
@@ -108,6 +110,7 @@ class ServiceModel:
         """A request read from `priority`'s partitions: the unread records behind it are priced like it."""
         cost = self.expected_cost(estimated_prompt_tokens, max_new_tokens, num_completions)
         self._cost[priority].observe(cost)
+        self.tokens_read += cost
         if cost > 0:  # the step-size estimate follows requests that run
             self._prompt.observe(self.expected_prompt(estimated_prompt_tokens))
             self._output.observe(num_completions * self.expected_output(max_new_tokens))

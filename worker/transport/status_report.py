@@ -35,6 +35,8 @@ class LoadView:
     num_completed: int
     """Requests finished by the engine since start (for the throughput figures)."""
     num_output_tokens: int
+    desired_workers: float | None = None
+    """The autoscaling signal (autoscale.py); None while there is no estimate."""
 
 
 class StatusReporter:
@@ -53,6 +55,7 @@ class StatusReporter:
         m.kv_cache_usage.set(stats.kv_usage)
         m.prefix_cache_hit_rate.set(stats.prefix_cache_hit_rate)
         m.num_preemptions.set(stats.num_preemptions)
+        m.desired_workers.set(view.desired_workers or 0.0)
         if stats.last_step_num_seqs:
             m.batch_size.observe(stats.last_step_num_seqs)
         for p, lag in enumerate(view.decision.lag_by_priority):
@@ -94,6 +97,7 @@ class StatusReporter:
             num_steps=stats.num_steps,
             num_batched_tokens=stats.num_batched_tokens,
             busy_ms=max(0.0, stats.busy_s * 1000.0),
+            desired_workers=None if view.desired_workers is None else round(max(0.0, view.desired_workers), 3),
         )
 
     async def publish(self, view: LoadView) -> None:

@@ -42,6 +42,7 @@ from worker.engine.api import Engine, EngineStats
 from worker.transport.admission import Admission
 from worker.transport.aiokafka_compat import group_generation
 from worker.transport.answers import Answers
+from worker.transport.autoscale import ScaleSignal
 from worker.transport.backpressure import Backpressure
 from worker.transport.cancels import Cancel, CancelledIds
 from worker.transport.control import ControlReader
@@ -132,6 +133,7 @@ class Worker:
         self.load_control = LoadControl(Shedder(list(settings.max_queue_time_s), kafka.num_priorities),
                                         Backpressure.from_settings(settings, kafka.num_priorities), self.service)
         self.reporter = StatusReporter(publisher, self.metrics, settings.worker_id, kafka.status_topic)
+        self.scale_signal = ScaleSignal(list(settings.max_queue_time_s), kafka.num_request_partitions)
 
     def _on_topic_change(self, topic: str, state: TopicState) -> None:
         """A destination topic went missing or came back: requests naming it as their reply topic are answered
@@ -399,8 +401,11 @@ class Worker:
                                             self.queue.tokens_by_priority())
         self.intake.apply(decision)
         self.dispatcher.set_input_ended(decision.input_ended)
+        assigned = frozenset(tp.partition for tp in self.intake.assigned)
+        desired = self.scale_signal.update(time.monotonic(), decision.unread_tokens, self.service.tokens_read,
+                                           decision.shed.backlog_tokens, self.service.capacity_tokens_per_s(),
+                                           assigned)
         view = LoadView(decision, stats, self.queue.num_waiting_by_priority(), self.intake.paused_by_priority(),
-                        [tp.partition for tp in self.intake.assigned], self.streamer.num_completed,
-                        self.streamer.num_output_tokens)
+                        sorted(assigned), self.streamer.num_completed, self.streamer.num_output_tokens, desired)
         self.reporter.update_metrics(view)
         return view
