@@ -46,32 +46,49 @@ class KafkaSettings(BaseSettings):
     allowed_reply_topics: list[str] = []
     """Topics, besides the result topic, that a request may name as its reply topic."""
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
-    """Passed through to aiokafka."""
-    sasl_mechanism: str | None = None
-    """SASL mechanism (PLAIN, SCRAM-SHA-256, SCRAM-SHA-512), passed through to aiokafka."""
+    """PLAINTEXT, SSL (TLS; with ssl_certfile: mutual TLS), SASL_PLAINTEXT or SASL_SSL (SASL over TLS)."""
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None = None
+    """SASL mechanism; required with the SASL protocols. PLAIN and SCRAM take sasl_username and sasl_password;
+    OAUTHBEARER takes a token from sasl_oauth_token_file or sasl_oauth_token_command."""
     sasl_username: str | None = None
-    """SASL user name."""
+    """SASL user name (PLAIN, SCRAM)."""
     sasl_password: SecretStr | None = None
-    """SASL password (masked in logs)."""
+    """SASL password (PLAIN, SCRAM); masked in `llm-worker config`, logs and errors."""
+    sasl_oauth_token_file: str | None = None
+    """OAUTHBEARER: a file holding the bearer token (a JWT), read again at every authentication, so a sidecar
+    that refreshes the file refreshes the worker's token."""
+    sasl_oauth_token_command: str | None = None
+    """OAUTHBEARER: a command (run without a shell, split like a shell line) whose standard output is the
+    token, run at every authentication; e.g. a cloud CLI that prints an IAM token for the cluster."""
     ssl_cafile: str | None = None
-    """CA bundle for SSL connections."""
+    """CA bundle (PEM) that verifies the broker's certificate; empty: the system's CAs."""
+    ssl_certfile: str | None = None
+    """Client certificate (PEM, may hold its chain) for mutual TLS."""
+    ssl_keyfile: str | None = None
+    """Private key (PEM) of ssl_certfile; empty when ssl_certfile holds the key too."""
+    ssl_key_password: SecretStr | None = None
+    """Password of an encrypted ssl_keyfile; masked like sasl_password."""
+    ssl_check_hostname: bool = True
+    """Check that the broker's certificate names the host connected to. Turn off only for a broker whose
+    certificate cannot name its address; the chain is verified against ssl_cafile either way."""
+
+    @model_validator(mode="after")
+    def _check_security(self) -> "KafkaSettings":
+        from worker.security import check_security
+
+        check_security(self)
+        return self
 
     @property
     def num_request_partitions(self) -> int:
         return self.num_priorities * self.partitions_per_priority
 
     def client_kwargs(self) -> dict:
-        """Connection keyword arguments shared by aiokafka producers, consumers and admin clients."""
-        kwargs: dict = {"bootstrap_servers": self.bootstrap_servers, "security_protocol": self.security_protocol}
-        if self.sasl_mechanism:
-            kwargs["sasl_mechanism"] = self.sasl_mechanism
-            kwargs["sasl_plain_username"] = self.sasl_username
-            kwargs["sasl_plain_password"] = self.sasl_password.get_secret_value() if self.sasl_password else None
-        if self.ssl_cafile:
-            from aiokafka.helpers import create_ssl_context
+        """Connection keyword arguments shared by every aiokafka producer, consumer and admin client we make:
+        the one place where security settings become client settings (worker/security.py)."""
+        from worker.security import security_kwargs
 
-            kwargs["ssl_context"] = create_ssl_context(cafile=self.ssl_cafile)
-        return kwargs
+        return {"bootstrap_servers": self.bootstrap_servers, **security_kwargs(self)}
 
 
 class EngineSettings(BaseSettings):

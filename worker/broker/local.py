@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from worker.broker.jars import BrokerError, ensure_kafka_jars, find_java
 from worker.broker.net import free_port, free_ports, port_is_free, probe_api_versions
+from worker.broker.secure import Security
 from worker.config import PathSettings
 
 log = logging.getLogger(__name__)
@@ -120,6 +122,7 @@ class LocalBroker:
         start_timeout_s: float = 120.0,
         detach: bool = True,
         extra_properties: dict[str, str] | None = None,
+        security: str | None = None,
     ) -> None:
         kafka_dir = kafka_dir or PathSettings().kafka_dir
         self.kafka_dir = kafka_dir
@@ -130,6 +133,10 @@ class LocalBroker:
         self.heap_opts = heap_opts
         self.extra_properties = dict(extra_properties or {})
         """server.properties entries added to (or overriding) the rendered ones, e.g. an authorizer."""
+        self.security_mode = security
+        """plaintext, sasl_plaintext, sasl_ssl or ssl (secure.py); None: what the data folder was set up with."""
+        self.security: Security | None = None
+        """The data folder's security setup, known once start() (or load_security()) ran."""
         self.start_timeout_s = start_timeout_s
         # detach=False ties the broker to this process (killed with it): what a test session wants.
         self.detach = detach
@@ -164,13 +171,16 @@ class LocalBroker:
         libs_dir = ensure_kafka_jars(self.kafka_dir)
         kraft_dir = self.data_dir / "kraft"
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        security = self.load_security()
         properties_path = self.data_dir / "server.properties"
         properties = render_server_properties(log_dir=kraft_dir, port=self.port, controller_port=self.controller_port,
                                               host=self.host)
-        properties_path.write_text(properties + "".join(f"{k}={v}\n" for k, v in self.extra_properties.items()))
+        extra = {**security.server_properties(self.host, self.port, self.controller_port), **self.extra_properties}
+        properties_path.write_text(properties + "".join(f"{k}={v}\n" for k, v in extra.items()))
+        properties_path.chmod(0o600)  # a secured broker's holds the admin password
         jvm_base = [java, f"-Dlog4j2.configurationFile={LOG4J_CONFIG}", "-cp", f"{libs_dir}/*"]
         if not (kraft_dir / "meta.properties").exists():
-            self._format_storage(jvm_base, properties_path)
+            self._format_storage(jvm_base, properties_path, security.format_args())
         log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         command = [
             *jvm_base[:1], *self.heap_opts.split(), "-XX:+UseSerialGC", "-Djava.awt.headless=true",
@@ -185,9 +195,15 @@ class LocalBroker:
         pid = self._process.pid
         state = {"pid": pid, "port": self.port, "controller_port": self.controller_port}
         (self.data_dir / STATE_FILE).write_text(json.dumps(state) + "\n")
-        self._wait_ready(log_offset)
+        self._wait_ready(log_offset, security.probe_context())
+        security.write_client_files(self.data_dir, self.bootstrap_servers)
         log.info("Kafka broker ready at %s (pid %d, data %s)", self.bootstrap_servers, pid, self.data_dir)
         return BrokerStatus(True, pid, self.bootstrap_servers, self.data_dir)
+
+    def load_security(self) -> Security:
+        if self.security is None:
+            self.security = Security.load_or_create(self.data_dir, self.security_mode)
+        return self.security
 
     def stop(self, timeout_s: float = 30.0) -> bool:
         """Stop the broker (SIGTERM, then SIGKILL after `timeout_s`); False when none was running."""
@@ -223,13 +239,14 @@ class LocalBroker:
         except (OSError, ValueError):
             return None
 
-    def _format_storage(self, jvm_base: list[str], properties_path: Path) -> None:
-        command = [*jvm_base, "kafka.tools.StorageTool", "format", "-t", new_cluster_id(), "-c", str(properties_path)]
+    def _format_storage(self, jvm_base: list[str], properties_path: Path, extra_args: list[str]) -> None:
+        command = [*jvm_base, "kafka.tools.StorageTool", "format", "-t", new_cluster_id(), "-c", str(properties_path),
+                   *extra_args]
         proc = subprocess.run(command, capture_output=True, text=True, cwd=self.data_dir)
         if proc.returncode != 0:
             raise BrokerError(f"formatting Kafka storage failed (exit {proc.returncode}):\n{proc.stdout}{proc.stderr}")
 
-    def _wait_ready(self, log_offset: int) -> None:
+    def _wait_ready(self, log_offset: int, probe_context: ssl.SSLContext | None) -> None:
         deadline = time.monotonic() + self.start_timeout_s
         seen_ready_line = False
         while time.monotonic() < deadline:
@@ -241,7 +258,7 @@ class LocalBroker:
                 with self.log_path.open("rb") as log_file:
                     log_file.seek(log_offset)
                     seen_ready_line = READY_LINE.encode() in log_file.read()
-            if seen_ready_line and probe_api_versions(self.host, self.port):
+            if seen_ready_line and probe_api_versions(self.host, self.port, ssl_context=probe_context):
                 return
             time.sleep(0.1)
         self.stop(timeout_s=5.0)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import ssl
 import struct
 
 
@@ -40,8 +42,9 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
-def probe_api_versions(host: str, port: int, timeout_s: float = 2.0) -> bool:
-    """True when something on host:port answers a Kafka ApiVersions request without error.
+def probe_api_versions(host: str, port: int, timeout_s: float = 2.0, ssl_context: ssl.SSLContext | None = None) -> bool:
+    """True when something on host:port answers a Kafka ApiVersions request without error (over TLS with
+    `ssl_context`; a SASL listener answers ApiVersions before authentication).
 
     A bare TCP connect is not enough: the socket accepts before the broker serves requests.
     """
@@ -50,7 +53,10 @@ def probe_api_versions(host: str, port: int, timeout_s: float = 2.0) -> bool:
     # Request header v1 (api_key 18 = ApiVersions, version 0, correlation id, client id); v0 has no body.
     payload = struct.pack(">hhih", 18, 0, correlation_id, len(client_id)) + client_id
     try:
-        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+        with contextlib.ExitStack() as stack:
+            sock = stack.enter_context(socket.create_connection((host, port), timeout=timeout_s))
+            if ssl_context is not None:
+                sock = stack.enter_context(ssl_context.wrap_socket(sock, server_hostname=host))
             sock.sendall(struct.pack(">i", len(payload)) + payload)
             header = _recv_exact(sock, 10)  # size, correlation id, error code
     except OSError:

@@ -7,6 +7,7 @@ new aiokafka release moves what these functions rely on (checked against aiokafk
   sequence broke): a dead sender leaves them pending forever, and aiokafka has no public call for this.
 - A topic's record limit from DescribeConfigs (raw protocol tuples), and dropping a topic from the producer's
   tracked metadata topics once it is known to be missing (destinations.py).
+- Sending a request the admin client has no method for (CreateAcls, DeleteAcls: worker/broker/acls.py).
 """
 
 from __future__ import annotations
@@ -52,3 +53,9 @@ def stop_tracking_topic(producer: AIOKafkaProducer, topic: str) -> None:
     client = producer.client
     if topic in client._topics:
         client._topics.discard(topic)
+
+
+async def send_admin_request(admin, request):
+    """Send a protocol request through a started admin client to any broker; aiokafka's admin client has no
+    public method for ACLs, though its protocol module defines the requests."""
+    return await admin._send_request(request)

@@ -1,0 +1,96 @@
+"""The ACLs of a secured broker (secure.py): what the worker and the client principals may do, created and
+withdrawn through the admin API by a super user.
+
+- worker: READ the request and control topics, READ its consumer group, WRITE the result, dead-letter and status
+  topics and the allowed reply topics, DESCRIBE_CONFIGS on the topics it writes (it reads their record limit),
+  and WRITE the transactional ids that start with its group id and a dot (one per request partition, when its
+  finals are written in transactions).
+- client: WRITE the request and control topics (requests and cancels), READ the result and status topics.
+
+Consuming with a group needs READ on the group too; the worker's control reader and the example client read
+without a group. Every name is taken from KafkaSettings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from worker.config import KafkaSettings
+
+# Kafka's protocol codes (org.apache.kafka.common.resource.ResourceType, acl.AclOperation, acl.AclPermissionType,
+# resource.PatternType).
+RESOURCE_TYPES = {"TOPIC": 2, "GROUP": 3, "CLUSTER": 4, "TRANSACTIONAL_ID": 5}
+OPERATIONS = {"READ": 3, "WRITE": 4, "CREATE": 5, "DELETE": 6, "ALTER": 7, "DESCRIBE": 8, "DESCRIBE_CONFIGS": 10}
+ALLOW = 3
+PATTERNS = {"LITERAL": 3, "PREFIXED": 4}
+
+
+@dataclass(frozen=True, slots=True)
+class Acl:
+    principal: str
+    """User name, as in User:<name>."""
+    resource_type: str
+    resource_name: str
+    operation: str
+    pattern: str = "LITERAL"
+    """LITERAL: the resource of that name; PREFIXED: every resource whose name starts with it."""
+
+    def __str__(self) -> str:
+        names = "names starting with " if self.pattern == "PREFIXED" else ""
+        return f"User:{self.principal} may {self.operation} {self.resource_type.lower()} {names}{self.resource_name}"
+
+
+def worker_acls(kafka: KafkaSettings, principal: str = "worker") -> list[Acl]:
+    written = [kafka.result_topic, kafka.dead_letter_topic, kafka.status_topic, *kafka.allowed_reply_topics]
+    return [
+        Acl(principal, "TOPIC", kafka.request_topic, "READ"),
+        Acl(principal, "TOPIC", kafka.control_topic, "READ"),
+        Acl(principal, "GROUP", kafka.group_id, "READ"),
+        *(Acl(principal, "TOPIC", topic, op) for topic in written for op in ("WRITE", "DESCRIBE_CONFIGS")),
+        Acl(principal, "TRANSACTIONAL_ID", f"{kafka.group_id}.", "WRITE", "PREFIXED"),
+    ]
+
+
+def client_acls(kafka: KafkaSettings, principal: str = "client") -> list[Acl]:
+    return [
+        Acl(principal, "TOPIC", kafka.request_topic, "WRITE"),
+        Acl(principal, "TOPIC", kafka.control_topic, "WRITE"),
+        Acl(principal, "TOPIC", kafka.result_topic, "READ"),
+        Acl(principal, "TOPIC", kafka.status_topic, "READ"),
+    ]
+
+
+async def create_acls(admin_settings: KafkaSettings, acls: list[Acl]) -> None:
+    """Grant `acls` (as the super user `admin_settings` names); granting an existing ACL again is a no-op."""
+    from aiokafka.protocol.admin import CreateAclsRequest
+
+    await _send_each(admin_settings, [CreateAclsRequest(
+        RESOURCE_TYPES[acl.resource_type], acl.resource_name, PATTERNS[acl.pattern], f"User:{acl.principal}", "*",
+        OPERATIONS[acl.operation], ALLOW) for acl in acls], "creation_responses")
+
+
+async def delete_acls(admin_settings: KafkaSettings, acls: list[Acl]) -> None:
+    """Withdraw `acls`; a missing one is a no-op."""
+    from aiokafka.protocol.admin import DeleteAclsRequest
+
+    await _send_each(admin_settings, [DeleteAclsRequest(
+        RESOURCE_TYPES[acl.resource_type], acl.resource_name, PATTERNS[acl.pattern], f"User:{acl.principal}", "*",
+        OPERATIONS[acl.operation], ALLOW) for acl in acls], "filter_responses")
+
+
+async def _send_each(admin_settings: KafkaSettings, requests: list, results_field: str) -> None:
+    from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.errors import for_code
+
+    from worker.transport.aiokafka_compat import send_admin_request
+
+    admin = AIOKafkaAdminClient(**admin_settings.client_kwargs())
+    await admin.start()
+    try:
+        for request in requests:  # aiokafka's request objects carry one binding each
+            response = await send_admin_request(admin, request)
+            for result in getattr(response, results_field):
+                if result[0] != 0:
+                    raise for_code(result[0])(result[1])
+    finally:
+        await admin.close()
