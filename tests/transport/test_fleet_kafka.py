@@ -56,3 +56,9 @@ async def test_a_backlog_shows_in_the_status_records_desired_workers(fleet):
     assert estimates and max(estimates) > 0.0, collector.results.summary()
     status, body = _get(port, "/metrics")
     assert status == 200 and "llm_worker:desired_workers" in body
+
+
+async def test_ready_once_joined(fleet):
+    _, worker, _, port = fleet
+    assert worker.ready()
+    assert _get(port, "/ready")[0] == 200

@@ -7,12 +7,15 @@ in one process. Counters get prometheus_client's `_total` suffix in the expositi
 
 from __future__ import annotations
 
+import threading
 from bisect import bisect_left
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest, make_wsgi_app
 from prometheus_client.core import HistogramMetricFamily
-from prometheus_client.exposition import start_http_server
 
 NS = "llm_worker:"
 # Latency buckets from 1 ms to 5 min: CPU decode steps are tens of ms, queueing under overload is minutes.
@@ -50,6 +53,15 @@ class Histogram:
 
     def describe(self):
         return [HistogramMetricFamily(self.name, self.documentation)]
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a scrape in flight never holds up the worker's exit
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):  # noqa: A002 - the base class's signature
+        """Probes and scrapes every few seconds would flood the log."""
 
 
 @dataclass(slots=True)
@@ -138,9 +150,21 @@ class WorkerMetrics:
             child = self._children[key] = metric.labels(**{label: value})
         return child
 
-    def serve(self, port: int, addr: str = "0.0.0.0"):
-        """Start the HTTP endpoint on a daemon thread; returns the server so it can be shut down."""
-        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
+    def serve(self, port: int, addr: str = "0.0.0.0", ready: Callable[[], bool] | None = None):
+        """Start the HTTP endpoint on a daemon thread; returns the server so it can be shut down. Besides the
+        metrics (any path, as prometheus_client serves them), `/ready` answers 200 while `ready()` holds and
+        503 otherwise: a readiness probe (deploy/worker.yaml)."""
+        metrics_app = make_wsgi_app(self.registry)
+
+        def app(environ, start_response):
+            if environ.get("PATH_INFO") == "/ready":
+                ok = ready is not None and ready()
+                start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain")])
+                return [b"ready\n" if ok else b"not ready\n"]
+            return metrics_app(environ, start_response)
+
+        server = make_server(addr, port, app, _ThreadingServer, handler_class=_QuietHandler)
+        threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
         return server
 
     def exposition(self) -> str:

@@ -101,6 +101,14 @@ class Worker:
     def stop(self) -> None:
         self.stopping.set()
 
+    def ready(self) -> bool:
+        """The readiness probe's answer (read from the metrics server's thread): the engine is built (its model
+        loaded) before the worker runs, the group is joined (an assignment came, even an empty one) and intake
+        runs, and the worker is not stopping."""
+        intake = getattr(self, "intake", None)
+        return (self.started.is_set() and not self.stopping.is_set() and intake is not None
+                and intake.group_generation >= 0)
+
     # -- wiring --------------------------------------------------------------------------------------------
     def _build(self, consumer: AIOKafkaConsumer, publisher: Publisher) -> None:
         """Every part, once the Kafka clients exist; each gets only what it uses."""
@@ -279,7 +287,8 @@ class Worker:
     async def run(self) -> int:
         log.info("effective configuration: %s", json.dumps(
             {"kafka": masked_dump(self.kafka), "worker": masked_dump(self.settings)}, default=str))
-        metrics_server = self.metrics.serve(self.settings.metrics_port) if self.settings.metrics_port else None
+        metrics_server = (self.metrics.serve(self.settings.metrics_port, ready=self.ready)
+                          if self.settings.metrics_port else None)
         # Its own consumer and task, started first: the cancels of the lookback window load while the group forms.
         control_task = asyncio.create_task(self.control.run(), name="control-reader")
         try:
