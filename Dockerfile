@@ -14,7 +14,7 @@ WORKDIR /app
 # Dependencies first, read from pyproject.toml, so that editing the source does not reinstall torch.
 COPY pyproject.toml ./
 RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
-print('\n'.join(p['dependencies'] + p['optional-dependencies']['model']))" > /tmp/requirements.txt
+print('\n'.join(p['dependencies'] + p['optional-dependencies']['model'] + p['optional-dependencies']['otel']))" > /tmp/requirements.txt
 # torch from the chosen index (the pin stays the one in pyproject.toml); the rest from PyPI.
 RUN if [ -n "$TORCH_INDEX_URL" ]; then \
         pip install --index-url "$TORCH_INDEX_URL" "$(grep '^torch==' /tmp/requirements.txt)"; \

@@ -1,5 +1,6 @@
 """Running as a fleet, through the real broker with one model-free worker shared by every case: the
-autoscaling signal in its status records and metrics, and readiness on the metrics port."""
+autoscaling signal in its status records and metrics, readiness on the metrics port, and traces through
+Kafka headers (a librdkafka producer's traceparent continues into the worker's spans and its results)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,15 @@ from schemas.request import GenerationRequest
 from worker.broker.net import free_port
 from worker.config import KafkaSettings
 from worker.engine.instant import InstantEngine
-from tests.transport.kafka_helpers import Collector, produce_requests, running_worker, worker_settings
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from schemas.decode import encode
+from schemas.priority import partition_for
+from worker.transport.tracing import RequestTracing
+from worker.transport.worker import Worker
+from tests.transport.kafka_helpers import Collector, produce_requests, worker_settings
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -28,14 +37,26 @@ async def fleet(kafka_bootstrap):
         bootstrap_servers=kafka_bootstrap, request_topic=f"test.requests.{suffix}",
         result_topic=f"test.results.{suffix}", dead_letter_topic=f"test.dead-letter.{suffix}",
         status_topic=f"test.status.{suffix}", control_topic=f"test.control.{suffix}", group_id=f"fleet-{suffix}",
+        exactly_once=False,  # finals through the publisher, which puts the trace header on them
     )
     await ensure_topics(kafka)
     port = free_port()
     # A step time, so the engine has a capacity to estimate from (a free engine has none).
     engine = InstantEngine(max_num_seqs=8, step_time_s=0.01)
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()  # this worker's own, not the process-wide one
+    provider.add_span_processor(SimpleSpanProcessor(spans))
     async with Collector(kafka) as collector:
-        async with running_worker(kafka, worker_settings(metrics_port=port), engine) as worker:
-            yield kafka, worker, collector, port
+        worker = Worker(kafka, worker_settings(metrics_port=port), engine)
+        worker.tracing = RequestTracing(provider.get_tracer("test"), model="instant")
+        task = asyncio.create_task(worker.run())
+        try:
+            async with asyncio.timeout(30):
+                await worker.started.wait()
+            yield kafka, worker, collector, port, spans
+        finally:
+            worker.stop()
+            assert await asyncio.wait_for(task, 60) == 0
 
 
 def _get(port: int, path: str) -> tuple[int, str]:
@@ -47,7 +68,7 @@ def _get(port: int, path: str) -> tuple[int, str]:
 
 
 async def test_a_backlog_shows_in_the_status_records_desired_workers(fleet):
-    kafka, worker, collector, port = fleet
+    kafka, worker, collector, port, _ = fleet
     requests = [(1 + i % 2, GenerationRequest(id=f"scale-{i}", prompt=f"backlog {i}", max_new_tokens=30))
                 for i in range(120)]
     await produce_requests(kafka, requests)
@@ -59,6 +80,64 @@ async def test_a_backlog_shows_in_the_status_records_desired_workers(fleet):
 
 
 async def test_ready_once_joined(fleet):
-    _, worker, _, port = fleet
+    _, worker, _, port, _ = fleet
     assert worker.ready()
     assert _get(port, "/ready")[0] == 200
+
+
+async def _result_headers(kafka: KafkaSettings, request_id: str, timeout_s: float = 30.0) -> list[tuple[str, list]]:
+    """(kind, headers) of every result record of one request, read from the start of the result topic."""
+    from aiokafka import AIOKafkaConsumer
+
+    consumer = AIOKafkaConsumer(kafka.result_topic, **kafka.client_kwargs(), auto_offset_reset="earliest",
+                                enable_auto_commit=False, group_id=None)
+    await consumer.start()
+    found = []
+    try:
+        async with asyncio.timeout(timeout_s):
+            while not any(kind == "final" for kind, _ in found):
+                for msgs in (await consumer.getmany(timeout_ms=200)).values():
+                    for msg in msgs:
+                        if msg.key == request_id.encode():
+                            kind = "final" if msg.value.startswith(b'{"kind":"final"') else "chunk"
+                            found.append((kind, list(msg.headers)))
+    finally:
+        await consumer.stop()
+    return found
+
+
+async def test_a_traceparent_continues_into_the_workers_spans_and_its_results(fleet):
+    from confluent_kafka import Producer
+
+    kafka, _, collector, _, spans = fleet
+    trace_id, producer_span_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    request = GenerationRequest(id="traced-1", prompt="hello trace", max_new_tokens=5)
+    producer = Producer({"bootstrap.servers": kafka.bootstrap_servers})
+    producer.produce(kafka.request_topic, value=encode(request), key=b"traced-1",
+                     partition=partition_for(1, "traced-1", kafka.num_request_partitions, kafka.num_priorities),
+                     headers=[("traceparent", f"00-{trace_id}-{producer_span_id}-01".encode())])
+    assert producer.flush(10) == 0
+    await collector.wait_until(lambda r: "traced-1" in r.finals, 30, "the traced request's final")
+    records = await _result_headers(kafka, "traced-1")
+
+    by_name = {}
+    for span in spans.get_finished_spans():
+        if span.context.trace_id == int(trace_id, 16):
+            by_name[span.name] = span
+    assert set(by_name) == {"llm.request", "queued", "admitted", "prefill", "decode", "publish"}, by_name
+    root = by_name["llm.request"]
+    assert root.parent.span_id == int(producer_span_id, 16)  # the producer's span is the worker's parent
+    for name in ("queued", "admitted", "prefill", "decode", "publish"):
+        assert by_name[name].parent.span_id == root.context.span_id
+        assert by_name[name].start_time <= by_name[name].end_time
+    assert root.attributes["gen_ai.operation.name"] == "text_completion"
+    assert root.attributes["gen_ai.request.model"] == "instant"
+    assert root.attributes["gen_ai.usage.output_tokens"] == 5
+    assert root.attributes["gen_ai.request.max_tokens"] == 5
+    # Every result record of the request carries the worker's span in the producer's trace.
+    expected = ("traceparent", f"00-{trace_id}-{root.context.span_id:016x}-01".encode())
+    assert [kind for kind, _ in records][-1] == "final"
+    assert all(expected in headers for _, headers in records), records
+    # A request without a traceparent: no spans, no headers.
+    untraced = await _result_headers(kafka, "scale-0")
+    assert untraced and all(headers == [] for _, headers in untraced)

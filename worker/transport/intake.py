@@ -63,6 +63,9 @@ without another error (the error did not repeat)."""
 
 
 class Intake:
+    tracing = None
+    """tracing.RequestTracing when tracing is on (the worker sets it): traced records start their spans here."""
+
     def __init__(
         self, consumer: AIOKafkaConsumer, tracker: OffsetTracker, queue: LocalQueue, answers: Answers,
         admission: Admission, service: ServiceModel, *,
@@ -300,6 +303,8 @@ class Intake:
             num_prompt_tokens=estimate_prompt_tokens(req.prompt, req.messages, req.prompt_token_ids),
             arrival_ms=max(float(msg.timestamp), now_ms - self.max_clock_skew_ms),
         )
+        if self.tracing is not None:
+            queued.trace = self.tracing.begin(msg.headers, req.id.encode(), queued)
         verdict = self.admission.check_reply_topic(req.reply_topic)
         if verdict is not None:
             # An error about the reply topic goes to the result topic: never write where we may not.

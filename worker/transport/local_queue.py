@@ -42,6 +42,8 @@ class QueuedRequest:
     """At intake: predicted time from the record's timestamp to its first step (reported in the final)."""
     predicted_e2e_ms: float | None = None
     """At intake: predicted time from the record's timestamp to its last token, if it runs to max_new_tokens."""
+    trace: object | None = None
+    """A tracing.RequestTrace when its record carried a traceparent and tracing is on."""
 
     def completion_engine_id(self, index: int) -> str:
         """The engine id of completion `index`: engine_id itself when the request asks for one completion."""

@@ -92,6 +92,8 @@ class Publisher:
         """Called with the topic of each record dropped as undeliverable (a metric)."""
         self.gather_s = gather_s
         """How long the flusher lets records gather after the first one wakes it (worker.io_gather_s)."""
+        self.headers_for: Callable[[bytes | None, bytes], list | None] | None = None
+        """(key, value) -> a record's headers, or None for none: the trace context (tracing.py) when on."""
         self._partitioner = DefaultPartitioner()
         self._key_partitions: dict[tuple[str, bytes], int] = {}
         self._partitions: dict[str, tuple[float, list[int]]] = {}
@@ -247,12 +249,19 @@ class Publisher:
                 while start < len(group):
                     batch = self._producer.create_batch()
                     end, size = start, 0
+                    headers_for = self.headers_for
                     # A batch is refused whole when it exceeds the topic's limit: fill it to the limit at most.
                     while end < len(group):
                         size += len(group[end][2]) + len(group[end][1] or b"") + RECORD_OVERHEAD_BYTES
                         if end > start and size > limits[topic]:
                             break
-                        if batch.append(key=group[end][1], value=group[end][2], timestamp=None) is None:
+                        headers = headers_for(group[end][1], group[end][2]) if headers_for else None
+                        if headers:
+                            appended = batch.append(key=group[end][1], value=group[end][2], timestamp=None,
+                                                    headers=headers)
+                        else:
+                            appended = batch.append(key=group[end][1], value=group[end][2], timestamp=None)
+                        if appended is None:
                             break
                         end += 1
                     if end == start:

@@ -296,6 +296,8 @@ class Streamer:
             predicted=(queued.predicted_queue_ms, queued.predicted_e2e_ms), cancelled=stream.cancel_reason,
         )
         self.num_output_tokens += len(stream.token_ids)
+        if queued.trace is not None:
+            queued.trace.engine_done(out)
         if group is not None:
             self._finish_completion(stream, group, final)
             return

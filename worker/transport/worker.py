@@ -62,6 +62,7 @@ from worker.transport.service_model import ServiceModel
 from worker.transport.shedding import Shedder
 from worker.transport.status_report import LoadView, StatusReporter
 from worker.transport.streamer import Streamer
+from worker.transport.tracing import RequestTracing
 
 log = logging.getLogger(__name__)
 CONTROL_INTERVAL_S = 0.1
@@ -97,6 +98,8 @@ class Worker:
         inside one of them swallowed its cancellation."""
         self.cancels = CancelledIds(settings.cancel_ttl_s, settings.cancel_max_ids)
         self.control = ControlReader(kafka, self.cancels, self._on_cancel, client_id=f"{settings.worker_id}-control")
+        self.tracing = RequestTracing.from_env(getattr(getattr(engine, "settings", None), "model", ""))
+        """Traces through Kafka headers (tracing.py); None when off."""
 
     def stop(self) -> None:
         self.stopping.set()
@@ -142,6 +145,9 @@ class Worker:
                                         Backpressure.from_settings(settings, kafka.num_priorities), self.service)
         self.reporter = StatusReporter(publisher, self.metrics, settings.worker_id, kafka.status_topic)
         self.scale_signal = ScaleSignal(list(settings.max_queue_time_s), kafka.num_request_partitions)
+        if self.tracing is not None:
+            self.intake.tracing = self.tracing
+            publisher.headers_for = self.tracing.headers_for
 
     def _on_topic_change(self, topic: str, state: TopicState) -> None:
         """A destination topic went missing or came back: requests naming it as their reply topic are answered
