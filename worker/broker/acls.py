@@ -5,7 +5,8 @@ withdrawn through the admin API by a super user.
   topics and the allowed reply topics, DESCRIBE_CONFIGS on the topics it writes (it reads their record limit),
   and WRITE the transactional ids that start with its group id and a dot (one per request partition, when its
   finals are written in transactions).
-- client: WRITE the request and control topics (requests and cancels), READ the result and status topics.
+- client: WRITE the request and control topics (requests and cancels), READ the result and status topics,
+  and READ consumer groups whose names start with `client-` (for readers of results that commit offsets).
 
 Consuming with a group needs READ on the group too; the worker's control reader and the example client read
 without a group. Every name is taken from KafkaSettings.
@@ -22,6 +23,7 @@ from worker.config import KafkaSettings
 RESOURCE_TYPES = {"TOPIC": 2, "GROUP": 3, "CLUSTER": 4, "TRANSACTIONAL_ID": 5}
 OPERATIONS = {"READ": 3, "WRITE": 4, "CREATE": 5, "DELETE": 6, "ALTER": 7, "DESCRIBE": 8, "DESCRIBE_CONFIGS": 10}
 ALLOW = 3
+CLIENT_GROUP_PREFIX = "client-"
 PATTERNS = {"LITERAL": 3, "PREFIXED": 4}
 
 
@@ -57,6 +59,7 @@ def client_acls(kafka: KafkaSettings, principal: str = "client") -> list[Acl]:
         Acl(principal, "TOPIC", kafka.control_topic, "WRITE"),
         Acl(principal, "TOPIC", kafka.result_topic, "READ"),
         Acl(principal, "TOPIC", kafka.status_topic, "READ"),
+        Acl(principal, "GROUP", CLIENT_GROUP_PREFIX, "READ", "PREFIXED"),
     ]
 
 
