@@ -16,8 +16,9 @@ import signal
 from worker.config import EngineSettings, KafkaSettings, WorkerSettings
 from worker.config_cli import masked_dump
 from worker.engine.api import Engine
+from worker.transport.access_check import AccessDenied, Needs, check_access
 from worker.transport.engine_process import EngineProcess
-from worker.transport.worker import Worker
+from worker.transport.worker import ACCESS_DENIED_EXIT, Worker
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,11 @@ def run(args: argparse.Namespace) -> int:
     engine_over = {k: v for k, v in (("model", args.model), ("policy", args.policy), ("device", args.device),
                                       ("sim_model", args.sim_model)) if v}
     kafka, settings, engine_settings = KafkaSettings(**kafka_over), WorkerSettings(**worker_over), EngineSettings(**engine_over)
+    try:  # before the model loads: a wrong password or a missing ACL is known in a second, not after a minute
+        asyncio.run(check_access(kafka, Needs.of_worker(kafka)))
+    except AccessDenied as exc:
+        log.error("cannot serve: %s", exc)
+        return ACCESS_DENIED_EXIT
     if args.engine == "llm":
         log.info("engine configuration: %s", json.dumps(masked_dump(engine_settings), default=str))
     if settings.engine_process:

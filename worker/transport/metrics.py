@@ -89,6 +89,8 @@ class WorkerMetrics:
     requests_cancelled: Counter
     reply_topic_available: Gauge
     desired_workers: Gauge
+    kafka_access_denied: Gauge
+    """1 while the broker refuses this worker an operation it needs (an ACL withdrawn): fetching has stopped."""
     _children: dict = field(default_factory=dict)
 
     @classmethod
@@ -128,6 +130,9 @@ class WorkerMetrics:
             desired_workers=Gauge(f"{NS}desired_workers", "Workers the group needs for the offered load and the "
                                   "backlog within the queue-time budgets, as this worker estimates it (average "
                                   "it over the workers to scale on); 0 while no estimate exists.", registry=r),
+            kafka_access_denied=Gauge(f"{NS}kafka_access_denied", "1 while the broker refuses the worker an "
+                                      "operation it needs (READ of the request topic or the group): nothing is "
+                                      "fetched until it is allowed again.", registry=r),
         )
 
     def dropped_for(self, topic: str):

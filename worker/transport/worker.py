@@ -33,12 +33,13 @@ import logging
 import time
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.errors import KafkaError
+from aiokafka.errors import GroupAuthorizationFailedError, KafkaError, TopicAuthorizationFailedError
 
 from schemas.limits import DEFAULT_LIMITS, Limits
 from worker.config import KafkaSettings, WorkerSettings
 from worker.config_cli import masked_dump
 from worker.engine.api import Engine, EngineStats
+from worker.transport.access_check import AccessDenied, Needs, check_access
 from worker.transport.admission import Admission
 from worker.transport.aiokafka_compat import group_generation
 from worker.transport.answers import Answers
@@ -68,6 +69,10 @@ log = logging.getLogger(__name__)
 CONTROL_INTERVAL_S = 0.1
 IO_GATHER_STEP_FRACTION = 0.05
 """Reads and sends gather for this fraction of the engine's last step (Worker.io_gather_s)."""
+ACCESS_DENIED_EXIT = 3
+"""serve's exit status when the broker refuses the worker's credentials or permissions (access_check.py)."""
+ACCESS_RETRY_S = 2.0
+"""While an ACL the worker needs is withdrawn: how often fetching is tried again."""
 
 
 def io_gather_s(stats: EngineStats, max_ms: float) -> float:
@@ -293,6 +298,11 @@ class Worker:
     async def run(self) -> int:
         log.info("effective configuration: %s", json.dumps(
             {"kafka": masked_dump(self.kafka), "worker": masked_dump(self.settings)}, default=str))
+        try:  # before any client exists: a configuration error is then the one line the worker prints
+            await check_access(self.kafka, Needs.of_worker(self.kafka))
+        except AccessDenied as exc:
+            log.error("cannot serve: %s", exc)
+            return ACCESS_DENIED_EXIT
         metrics_server = (self.metrics.serve(self.settings.metrics_port, ready=self.ready)
                           if self.settings.metrics_port else None)
         # Its own consumer and task, started first: the cancels of the lookback window load while the group forms.
@@ -354,15 +364,29 @@ class Worker:
 
     async def _intake_loop(self) -> None:
         backoff = 0.1
+        denied: str | None = None
         while not self.stopping.is_set():
             try:
                 await self.intake.fetch_once()
+                if denied:
+                    log.info("access restored (%s); fetching again", denied)
+                    denied = None
+                    self.metrics.kafka_access_denied.set(0)
                 self.dispatcher.admit()
                 await self.publisher.wait_room()
                 gather = self.io_gather_s()
                 if gather > 0:
                     await asyncio.sleep(gather)
                 backoff = 0.1
+            except (TopicAuthorizationFailedError, GroupAuthorizationFailedError) as exc:
+                # An ACL withdrawn while running: nothing is fetched, so nothing is lost (offsets stay where the
+                # finished requests put them); running requests finish; one line, not one per retry.
+                if denied is None:
+                    denied = f"{type(exc).__name__}: {', '.join(map(str, exc.args)) or exc}"
+                    log.warning("the broker refuses what the worker needs (%s); fetching stops until it is allowed "
+                                "again, retried every %.0f s", denied, ACCESS_RETRY_S)
+                    self.metrics.kafka_access_denied.set(1)
+                await asyncio.sleep(ACCESS_RETRY_S)
             except KafkaError as exc:
                 log.warning("fetch failed (%r); retrying in %.1fs", exc, backoff)
                 await asyncio.sleep(backoff)
