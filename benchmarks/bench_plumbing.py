@@ -6,6 +6,10 @@ the 10th and the 90th percentile of arrival / the time between them, so start-up
 Uses KAFKA_BOOTSTRAP_SERVERS / --bootstrap, else starts a local broker in a temporary folder.
 
     .venv/bin/python benchmarks/bench_plumbing.py --num-requests 50000   # JSON: benchmarks/results/raw/plumbing.json
+
+`--exactly-once on,off` runs every case with finals in transactions (KAFKA_EXACTLY_ONCE, read with
+isolation.level=read_committed) and without, alternately in one run, and adds a light-load case (requests at
+`--latency-rate` per second) whose median produce-to-final time shows what the transactions add to a final.
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ async def count_finals(kafka: KafkaSettings, num_requests: int, timeout_s: float
     """Arrival times of the final records, the number of chunks, and the worker's CPU seconds sampled when
     the 10% and the 90% marks of finals arrived."""
     consumer = AIOKafkaConsumer(kafka.result_topic, **kafka.client_kwargs(), auto_offset_reset="earliest",
-                                enable_auto_commit=False, group_id=None)
+                                enable_auto_commit=False, group_id=None, isolation_level=isolation(kafka))
     await consumer.start()
     arrivals: list[float] = []
     num_chunks = 0
@@ -87,6 +91,81 @@ async def count_finals(kafka: KafkaSettings, num_requests: int, timeout_s: float
     return arrivals, num_chunks, cpu_at
 
 
+def isolation(kafka: KafkaSettings) -> str:
+    return "read_committed" if kafka.exactly_once else "read_uncommitted"
+
+
+def worker_env(kafka: KafkaSettings) -> dict[str, str]:
+    return dict(os.environ, KAFKA_BOOTSTRAP_SERVERS=kafka.bootstrap_servers, KAFKA_REQUEST_TOPIC=kafka.request_topic,
+                KAFKA_RESULT_TOPIC=kafka.result_topic, KAFKA_DEAD_LETTER_TOPIC=kafka.dead_letter_topic,
+                KAFKA_STATUS_TOPIC=kafka.status_topic, KAFKA_GROUP_ID=kafka.group_id,
+                KAFKA_CONTROL_TOPIC=kafka.control_topic, KAFKA_EXACTLY_ONCE=str(kafka.exactly_once).lower(),
+                WORKER_METRICS_PORT="0", WORKER_MAX_POLL_RECORDS="2000", WORKER_MAX_WAITING="4000",
+                WORKER_RESUME_WAITING="2000", ENGINE_MAX_NUM_SEQS="512")
+
+
+def fresh_settings(bootstrap: str, exactly_once: bool) -> KafkaSettings:
+    suffix = uuid.uuid4().hex[:8]
+    return KafkaSettings(bootstrap_servers=bootstrap, request_topic=f"bench.requests.{suffix}",
+                         result_topic=f"bench.results.{suffix}", dead_letter_topic=f"bench.dlq.{suffix}",
+                         status_topic=f"bench.status.{suffix}", control_topic=f"bench.control.{suffix}",
+                         group_id=f"bench-{suffix}", exactly_once=exactly_once)
+
+
+async def start_worker(kafka: KafkaSettings):
+    log = open(Path(tempfile.gettempdir()) / f"bench-worker-{kafka.group_id}.log", "wb")
+    return await asyncio.create_subprocess_exec(str(REPO / ".venv/bin/llm-worker"), "serve", "--engine", "instant",
+                                                env=worker_env(kafka), stdout=log, stderr=log)
+
+
+async def latency_case(bootstrap: str, exactly_once: bool, num_requests: int, rate: float, timeout_s: float) -> dict:
+    """Requests at `rate` per second once the worker serves: produce-to-final time of each (ms)."""
+    kafka = fresh_settings(bootstrap, exactly_once)
+    await ensure_topics(kafka)
+    proc = await start_worker(kafka)
+    consumer = AIOKafkaConsumer(kafka.result_topic, **kafka.client_kwargs(), auto_offset_reset="earliest",
+                                enable_auto_commit=False, group_id=None, isolation_level=isolation(kafka))
+    producer = AIOKafkaProducer(**kafka.client_kwargs())
+    await consumer.start()
+    await producer.start()
+    sent: dict[str, float] = {}
+    got: dict[str, float] = {}
+
+    async def read() -> None:
+        while len(got) < len(sent) or len(sent) < num_requests:
+            for msgs in (await consumer.getmany(timeout_ms=50)).values():
+                for msg in msgs:
+                    if b'"kind":"final"' in msg.value:
+                        got.setdefault(msg.key.decode(), time.monotonic())
+
+    async def send(rid: str) -> None:
+        req = GenerationRequest(id=rid, prompt=f"latency {rid}", max_new_tokens=4)
+        partition = partition_for(1, rid, kafka.num_request_partitions, kafka.num_priorities)
+        sent[rid] = time.monotonic()
+        await producer.send_and_wait(kafka.request_topic, encode(req), key=rid.encode(), partition=partition)
+
+    reader = asyncio.create_task(read())
+    try:
+        await send("warm-up")  # the worker joins the group and starts its transactional producers first
+        async with asyncio.timeout(timeout_s):
+            while "warm-up" not in got:
+                await asyncio.sleep(0.05)
+        del sent["warm-up"], got["warm-up"]
+        for i in range(num_requests):
+            await send(f"l-{i}")
+            await asyncio.sleep(1.0 / rate)
+        await asyncio.wait_for(reader, timeout_s)
+    finally:
+        reader.cancel()
+        await producer.stop()
+        await consumer.stop()
+        proc.send_signal(signal.SIGTERM)
+        await proc.wait()
+    times = sorted((got[r] - sent[r]) * 1000.0 for r in sent)
+    return {"exactly_once": exactly_once, "num_requests": len(times), "rate": rate,
+            "final_p50_ms": round(times[len(times) // 2], 1), "final_p90_ms": round(times[(9 * len(times)) // 10], 1)}
+
+
 def process_cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process, from /proc (Linux)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -102,21 +181,12 @@ def start_broker(tmp: Path) -> tuple[str, object]:
     return broker.bootstrap_servers, broker
 
 
-async def run_case(bootstrap: str, num_requests: int, max_new_tokens: int, stream: bool, timeout_s: float) -> dict:
-    suffix = uuid.uuid4().hex[:8]
-    kafka = KafkaSettings(bootstrap_servers=bootstrap, request_topic=f"bench.requests.{suffix}",
-                          result_topic=f"bench.results.{suffix}", dead_letter_topic=f"bench.dlq.{suffix}",
-                          status_topic=f"bench.status.{suffix}", group_id=f"bench-{suffix}")
+async def run_case(bootstrap: str, num_requests: int, max_new_tokens: int, stream: bool, timeout_s: float,
+                   exactly_once: bool = False) -> dict:
+    kafka = fresh_settings(bootstrap, exactly_once)
     await ensure_topics(kafka)
     produce_rate = await preload(kafka, num_requests, max_new_tokens, stream)
-    env = dict(os.environ, KAFKA_BOOTSTRAP_SERVERS=bootstrap, KAFKA_REQUEST_TOPIC=kafka.request_topic,
-               KAFKA_RESULT_TOPIC=kafka.result_topic, KAFKA_DEAD_LETTER_TOPIC=kafka.dead_letter_topic,
-               KAFKA_STATUS_TOPIC=kafka.status_topic, KAFKA_GROUP_ID=kafka.group_id, WORKER_METRICS_PORT="0",
-               WORKER_MAX_POLL_RECORDS="2000", WORKER_MAX_WAITING="4000", WORKER_RESUME_WAITING="2000",
-               ENGINE_MAX_NUM_SEQS="512")
-    log = open(Path(tempfile.gettempdir()) / f"bench-worker-{suffix}.log", "wb")
-    proc = await asyncio.create_subprocess_exec(str(REPO / ".venv/bin/llm-worker"), "serve", "--engine", "instant",
-                                                env=env, stdout=log, stderr=log)
+    proc = await start_worker(kafka)
     try:
         arrivals, num_chunks, cpu_at = await count_finals(kafka, num_requests, timeout_s, proc.pid)
     finally:
@@ -128,6 +198,7 @@ async def run_case(bootstrap: str, num_requests: int, max_new_tokens: int, strea
     sustained = (last - first) / (hi - lo) if hi > lo else float("nan")
     cpu_used = cpu_at[last] - cpu_at[first] if first in cpu_at and last in cpu_at else None
     return {
+        "exactly_once": exactly_once,
         "num_requests": num_requests, "max_new_tokens": max_new_tokens, "stream": stream, "num_completed": n,
         "num_chunks": num_chunks, "sustained_req_per_s": round(sustained, 1),
         "overall_req_per_s": round(n / (arrivals[-1] - arrivals[0]), 1) if n > 1 else None,
@@ -145,19 +216,32 @@ async def main(args) -> list[dict]:
         bootstrap, broker = start_broker(tmp)
     try:
         cases = [(args.num_requests, 1, False), (args.num_requests // 2, 4, True)]
-        return [await run_case(bootstrap, n, t, s, args.timeout_s) for n, t, s in cases]
+        modes = [m == "on" for m in args.exactly_once.split(",")]
+        rows = []
+        for i, (n, t, s) in enumerate(cases):
+            for mode in (modes if i % 2 == 0 else modes[::-1]):  # alternate the order: drift hits both
+                rows.append(await run_case(bootstrap, n, t, s, args.timeout_s, mode))
+        if len(modes) > 1:
+            for mode in modes + modes[::-1]:
+                rows.append(await latency_case(bootstrap, mode, args.latency_requests, args.latency_rate,
+                                               args.timeout_s))
+        return rows
     finally:
         if broker is not None:
             broker.stop()
 
 
 def print_table(rows: list[dict]) -> None:
-    cols = ["num_requests", "max_new_tokens", "stream", "num_completed", "num_chunks", "sustained_req_per_s",
-            "overall_req_per_s", "req_per_worker_cpu_s", "preload_req_per_s", "worker_exit_code"]
-    print(" | ".join(cols))
-    print(" | ".join("---" for _ in cols))
-    for row in rows:
-        print(" | ".join(str(row[c]) for c in cols))
+    for kind in ("sustained_req_per_s", "final_p50_ms"):
+        chosen = [row for row in rows if kind in row]
+        if not chosen:
+            continue
+        cols = list(chosen[0])
+        print(" | ".join(cols))
+        print(" | ".join("---" for _ in cols))
+        for row in chosen:
+            print(" | ".join(str(row[c]) for c in cols))
+        print()
 
 
 if __name__ == "__main__":
@@ -165,6 +249,9 @@ if __name__ == "__main__":
     parser.add_argument("--bootstrap")
     parser.add_argument("--num-requests", type=int, default=50_000)
     parser.add_argument("--timeout-s", type=float, default=300)
+    parser.add_argument("--exactly-once", default="on", help="on, off, or on,off (both, alternately)")
+    parser.add_argument("--latency-requests", type=int, default=200)
+    parser.add_argument("--latency-rate", type=float, default=20.0)
     parser.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "raw" / "plumbing.json")
     cli = parser.parse_args()
     table = asyncio.run(main(cli))

@@ -103,8 +103,11 @@ class LLMClient:
     async def start(self) -> None:
         kwargs = self.settings.client_kwargs()
         self._producer = AIOKafkaProducer(**kwargs, enable_idempotence=True, acks="all", linger_ms=2)
+        # With exactly-once finals, only committed transactions count: a final of an aborted one (a zombie's,
+        # or one written before a crash) is never read.
+        isolation = "read_committed" if self.settings.exactly_once else "read_uncommitted"
         self._consumer = AIOKafkaConsumer(**kwargs, group_id=None, enable_auto_commit=False,
-                                          auto_offset_reset="latest")
+                                          auto_offset_reset="latest", isolation_level=isolation)
         try:
             await self._producer.start()
             await self._consumer.start()

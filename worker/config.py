@@ -43,6 +43,12 @@ class KafkaSettings(BaseSettings):
     """retention.ms of the result topic."""
     group_id: str = "llm-workers"
     """Consumer group shared by all workers."""
+    exactly_once: bool = True
+    """Each request's finals and its offset commit go in one Kafka transaction per request partition, so a
+    consumer reading with isolation.level=read_committed sees exactly one final per request, across crashes
+    and rebalances, and a fenced zombie's writes never (docs/delivery.md). Workers and clients must agree:
+    the Python client reads read_committed when it is on. Off: finals are sent at once and offsets committed
+    after, one final per attempt (consumers deduplicate by attempt)."""
     allowed_reply_topics: list[str] = []
     """Topics, besides the result topic, that a request may name as its reply topic."""
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
@@ -243,6 +249,10 @@ class WorkerSettings(BaseSettings):
     0.83-0.88 of the engine alone at 20 ms (8,200 records/s), 0.84-0.91 at 50 ms (3,800-4,200/s) and
     0.85-0.93 at 100 ms (2,150-2,350/s) (benchmarks/bench_sim_kafka.py; docs/benchmarks.md); a CPU step is longer
     than 100 ms anyway. Lower it for smoother streams where the publisher has cores to spare."""
+    transaction_interval_ms: float = Field(100.0, gt=0)
+    """With KAFKA_EXACTLY_ONCE: how long a request partition's finals gather before they are written and
+    committed in one transaction with the partition's offset. It bounds the extra time to a final for a
+    read_committed reader, and how late such a reader sees chunks (it cannot read past an open transaction)."""
     destination_wait_s: float = Field(5.0, gt=0)
     """How long a topic that records are addressed to (a reply topic above all) may be absent from the broker's
     metadata, or hold a batch without an answer, before its records are answered elsewhere: a final as an

@@ -16,6 +16,7 @@ even if nothing else is logged; whoever installed the limiter calls `flush_all()
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -92,7 +93,9 @@ class RepeatLimiter(logging.Filter):
                 window.num_dropped += 1
                 window.last_dropped = record
                 passed = False
-                start_flusher = self._background_flush and self._flusher is None
+                # Not while the interpreter shuts down: a thread started then never runs, and start() waits for it
+                # for good (an "exception never retrieved" logged by the garbage collector at exit hung there).
+                start_flusher = self._background_flush and self._flusher is None and not sys.is_finalizing()
                 if start_flusher:
                     self._flusher = threading.Thread(target=self._flush_forever, name="log-repeat-flush", daemon=True)
         self._write_summaries(ended)  # before this record: they are about intervals that ended before it

@@ -86,15 +86,18 @@ class WaitTimeout(TimeoutError, AssertionError):
 class Collector:
     """Reads the result, dead-letter and status topics from the beginning, in the background."""
 
-    def __init__(self, kafka: KafkaSettings, extra_topics: tuple[str, ...] = ()) -> None:
+    def __init__(self, kafka: KafkaSettings, extra_topics: tuple[str, ...] = (),
+                 isolation_level: str = "read_uncommitted") -> None:
         self.kafka = kafka
+        self.isolation_level = isolation_level
         self.results = Results()
         self.topics = (kafka.result_topic, kafka.dead_letter_topic, kafka.status_topic, *extra_topics)
         self._task: asyncio.Task | None = None
 
     async def __aenter__(self) -> "Collector":
         self._consumer = AIOKafkaConsumer(*self.topics, **self.kafka.client_kwargs(), auto_offset_reset="earliest",
-                                          enable_auto_commit=False, group_id=None, metadata_max_age_ms=1000)
+                                          enable_auto_commit=False, group_id=None, metadata_max_age_ms=1000,
+                                          isolation_level=self.isolation_level)
         await self._consumer.start()
         self._task = asyncio.create_task(self._run())
         return self

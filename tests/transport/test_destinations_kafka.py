@@ -113,6 +113,7 @@ async def test_missing_and_deleted_reply_topics_answer_on_the_result_topic_and_s
     # consumer re-read its other topics from the start.
     async with Collector(kafka) as collector, Collector(kafka.model_copy(update={"result_topic": doomed})) as on_doomed:
         async with running_worker(kafka, settings, InstantEngine(max_num_seqs=16)):
+            await ordinary_stream(kafka, collector, "warm-up", 10, 0.05)
             baseline = await ordinary_stream(kafka, collector, "base", 30, 0.05)
 
             # Missing from the start: known at start-up, answered at once on the result topic.

@@ -46,6 +46,8 @@ class Answers:
         self.result_topic = result_topic
         self.dead_letter_topic = dead_letter_topic
         self.num_dead_letters = 0
+        self.lanes = None
+        """Exactly-once finals (exactly_once.FinalLanes) when on: then every answer goes through them."""
 
     def reject(
         self, partition: Hashable, offset: int, request_id: str, attempt: int, verdict: Verdict, topic: str,
@@ -56,7 +58,7 @@ class Answers:
                                self.worker_id, metadata)
         if verdict.reason != "shed":
             self.metrics.rejected_for(verdict.reason).inc()
-        self.publish_final(topic, record, self.tracker.on_acked(partition, offset))
+        self.final(partition, offset, topic, record)
 
     def reject_queued(self, queued: QueuedRequest, verdict: Verdict) -> None:
         self.reject(queued.partition, queued.offset, queued.request.id, queued.attempt, verdict, queued.reply_topic,
@@ -69,42 +71,61 @@ class Answers:
                                queued.request.metadata)
         record = msgspec.structs.replace(record, text="", token_ids=[])
         self.metrics.requests_cancelled.inc()
-        self.publish_final(queued.reply_topic, record, self.tracker.on_acked(queued.partition, queued.offset))
+        self.final(queued.partition, queued.offset, queued.reply_topic, record)
 
-    def publish_final(self, topic: str, final: FinalRecord, on_acked: Callable[[], None] | None = None) -> None:
-        """Send a final record that is answered elsewhere if it cannot be delivered to `topic` (final_fallback)."""
-        self.publisher.publish_nowait(topic, final.id.encode(), encode(final), on_acked,
-                                      self.final_fallback(topic, final))
+    def final(self, partition: Hashable, offset: int | None, topic: str, final: FinalRecord) -> None:
+        """Send a final record of the request read at (partition, offset); its offset counts as done once the
+        record (or its replacement, see `replacement`) is acknowledged. `offset` None: a final that answers no
+        request record by itself (one completion's, when the request has several)."""
+        self.answer(partition, offset, [(topic, final.id.encode(), encode(final), final)])
+
+    def answer(self, partition: Hashable, offset: int | None,
+               records: list[tuple[str, bytes | None, bytes, FinalRecord | None]]) -> None:
+        """The one way out for records that answer a request record: through its partition's transaction when
+        finals are exactly-once (exactly_once.py), else through the publisher, a final with its fallback."""
+        if self.lanes is not None:
+            self.lanes.add(partition, offset, records)
+            return
+        on_acked = self.tracker.on_acked(partition, offset) if offset is not None else None
+        self.publisher.publish_group_nowait(
+            [(topic, key, value, self.final_fallback(topic, final) if final is not None else None)
+             for topic, key, value, final in records], on_acked)
+
+    def replacement(self, topic: str, final: FinalRecord, code: str, message: str) -> tuple[str, FinalRecord] | None:
+        """What goes instead of a final record that `topic` does not take, and where; None: nothing. Too large:
+        the final without the parts that may be left out (`omitted` says which: records.slimmed), and a
+        `result_too_large` error when even that does not fit. Topic unavailable: an `error` final naming the
+        cause, on the result topic."""
+        if code == "result_too_large":
+            slim = slimmed(final)
+            if slim is not None:
+                return topic, slim
+            target = topic
+        elif final.index is not None:
+            return None  # one completion's final: the request's own final carries the error
+        elif topic == self.result_topic:
+            log.error("a final record for request %r cannot be delivered to the result topic: %s", final.id, message)
+            return None
+        else:
+            target, message = self.result_topic, f"reply topic {topic!r} unavailable: {message}"
+        error = msgspec.structs.replace(
+            answer_record(final.id, final.attempt, "error", code, message, None, self.worker_id, final.metadata),
+            timings=final.timings, usage=final.usage, index=final.index, num_chunks=final.num_chunks)
+        self.metrics.rejected_for(code).inc()
+        return target, error
 
     def final_fallback(self, topic: str, final: FinalRecord) -> OnFailed:
-        """What becomes of a final record that `topic` does not take. Too large: it goes again without the
-        parts that may be left out (`omitted` says which: records.slimmed), and as a `result_too_large` error
-        when even that does not fit. Topic unavailable: an `error` final naming the cause goes to the result
-        topic instead. Either way the request's offset waits for the replacement's acknowledgement."""
+        """The publisher's on_failed for a final record: its replacement goes out, with a fallback of its own
+        (a slimmed final may still be too large); the request's offset waits for the replacement."""
 
         def on_failed(code: str, message: str, on_acked: Callable[[], None]) -> None:
-            if code == "result_too_large":
-                slim = slimmed(final)
-                if slim is not None:
-                    self.publisher.publish_nowait(topic, final.id.encode(), encode(slim), on_acked,
-                                                  self.final_fallback(topic, slim))
-                    return
-                target = topic
-            elif final.index is not None:
-                on_acked()  # one completion's final: the request's own final carries the error
-                return
-            elif topic == self.result_topic:
-                log.error("a final record for request %r cannot be delivered to the result topic: %s",
-                          final.id, message)
+            found = self.replacement(topic, final, code, message)
+            if found is None:
                 on_acked()
                 return
-            else:
-                target, message = self.result_topic, f"reply topic {topic!r} unavailable: {message}"
-            error = msgspec.structs.replace(
-                answer_record(final.id, final.attempt, "error", code, message, None, self.worker_id, final.metadata),
-                timings=final.timings, usage=final.usage, index=final.index, num_chunks=final.num_chunks)
-            self.metrics.rejected_for(code).inc()
-            self.publisher.publish_nowait(target, final.id.encode(), encode(error), on_acked)
+            target, record = found
+            self.publisher.publish_nowait(target, record.id.encode(), encode(record), on_acked,
+                                          self.final_fallback(target, record) if record.status != "error" else None)
 
         return on_failed
 
@@ -149,9 +170,8 @@ class Answers:
         records = [(self.dead_letter_topic, key, encode(dead), None)]
         if request_id is not None:
             final = answer_record(request_id, attempt, "error", code, message, timestamp_ms, self.worker_id)
-            topic = reply_topic or self.result_topic
-            records.append((topic, request_id.encode(), encode(final), self.final_fallback(topic, final)))
+            records.append((reply_topic or self.result_topic, request_id.encode(), encode(final), final))
         self.num_dead_letters += 1
         self.metrics.dead_letters.inc()
         self.metrics.rejected_for(code).inc()
-        self.publisher.publish_group_nowait(records, self.tracker.on_acked(partition, offset))
+        self.answer(partition, offset, records)

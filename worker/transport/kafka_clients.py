@@ -39,7 +39,7 @@ class RebalanceListener(ConsumerRebalanceListener):
     def __init__(
         self,
         on_revoked: Callable[[set[TopicPartition]], Awaitable[None]],
-        on_assigned: Callable[[set[TopicPartition]], None],
+        on_assigned: Callable[[set[TopicPartition]], Awaitable[None] | None],
     ) -> None:
         self._on_revoked = on_revoked
         self._on_assigned = on_assigned
@@ -48,4 +48,8 @@ class RebalanceListener(ConsumerRebalanceListener):
         await self._on_revoked(set(revoked))
 
     async def on_partitions_assigned(self, assigned) -> None:
-        self._on_assigned(set(assigned))
+        # Awaited by aiokafka before it reads the new partitions' committed offsets: exactly-once lanes
+        # fence the partitions' previous owners here (exactly_once.py).
+        result = self._on_assigned(set(assigned))
+        if result is not None:
+            await result

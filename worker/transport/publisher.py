@@ -83,6 +83,9 @@ class Publisher:
         self._watchdog: asyncio.Task | None = None
         """Records whose topic is being looked up, in publish order."""
         self.num_undeliverable = 0
+        self.track_settled = False
+        """Count unsettled records by key, for `has_unsettled` (an exactly-once lane writes a request's final
+        only once its chunks are settled)."""
         self._needs_new_producer = False
         self._seq = 0
         self.num_producer_resets = 0
@@ -103,6 +106,8 @@ class Publisher:
         self._idle = asyncio.Event()
         self._idle.set()
         self._num_unacked = 0
+        self._unsettled_keys: dict[bytes | None, int] = {}
+        """Records published and not yet settled, by key (only with `track_settled`)."""
         self._flusher: asyncio.Task | None = None
         self.retry_backoff_s = 0.5
 
@@ -148,6 +153,8 @@ class Publisher:
         record is dropped, counted, and `on_acked` still runs."""
         self._num_unacked += 1
         self._seq += 1
+        if self.track_settled:
+            self._unsettled_keys[key] = self._unsettled_keys.get(key, 0) + 1
         self._buffer.append((topic, key, value, on_acked or _nothing, self._seq, on_failed))
         self._idle.clear()
         self._wake.set()
@@ -369,7 +376,7 @@ class Publisher:
                 record[3]()
             except Exception:  # noqa: BLE001 - a bookkeeping bug must not break the producer's callbacks
                 log.exception("ack callback failed")
-        self._settle(len(chunk))
+        self._settle(chunk)
 
     async def _replace_producer(self) -> None:
         self._needs_new_producer = False
@@ -413,9 +420,22 @@ class Publisher:
                 on_acked()
         except Exception:  # noqa: BLE001 - a bookkeeping bug must not break the producer's callbacks
             log.exception("undeliverable-record callback failed")
-        self._settle(1)
+        self._settle([record])
 
-    def _settle(self, num_records: int) -> None:
-        self._num_unacked -= num_records
+    def has_unsettled(self, key: bytes | None) -> bool:
+        """Whether a record with this key is published but not yet settled (acknowledged, or answered
+        elsewhere). Needs `track_settled` set before those records were published."""
+        return key in self._unsettled_keys
+
+    def _settle(self, records: list[_BufferedRecord]) -> None:
+        if self.track_settled:
+            keys = self._unsettled_keys
+            for record in records:
+                left = keys.get(record[1], 0) - 1
+                if left > 0:
+                    keys[record[1]] = left
+                else:
+                    keys.pop(record[1], None)
+        self._num_unacked -= len(records)
         if self._num_unacked == 0:
             self._idle.set()

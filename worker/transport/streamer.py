@@ -303,7 +303,7 @@ class Streamer:
             return
         self.num_completed += 1
         self._observe(final, queued.priority)
-        self.answers.publish_final(queued.reply_topic, final, self.tracker.on_acked(queued.partition, queued.offset))
+        self.answers.final(queued.partition, queued.offset, queued.reply_topic, final)
 
     def _finish_completion(self, stream: RequestStream, group: CompletionGroup, final: FinalRecord) -> None:
         """One completion of a request with several ended: its final goes out (at once, or ranked when all are
@@ -326,11 +326,10 @@ class Streamer:
                                     queued.timestamp_ms)
         self.num_completed += 1
         self._observe(request_final, queued.priority)
-        self.answers.publish_final(queued.reply_topic, request_final,
-                                   self.tracker.on_acked(queued.partition, queued.offset))
+        self.answers.final(queued.partition, queued.offset, queued.reply_topic, request_final)
 
     def _publish(self, queued: QueuedRequest, record: FinalRecord) -> None:
-        self.answers.publish_final(queued.reply_topic, record)
+        self.answers.final(queued.partition, None, queued.reply_topic, record)
 
     def _observe(self, final, priority: int) -> None:
         m = self.metrics

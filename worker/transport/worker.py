@@ -58,6 +58,7 @@ from worker.transport.loop_watchdog import LoopWatchdog
 from worker.transport.metrics import WorkerMetrics
 from worker.transport.offsets import OffsetTracker
 from worker.transport.destinations import TopicState
+from worker.transport.exactly_once import FinalLanes
 from worker.transport.publisher import Publisher
 from worker.transport.service_model import ServiceModel
 from worker.transport.shedding import Shedder
@@ -134,6 +135,12 @@ class Worker:
                                     lambda: self.streamer.num_open_by_priority)
         self.answers = Answers(publisher, self.tracker, self.metrics, settings.worker_id, kafka.result_topic,
                                kafka.dead_letter_topic)
+        self.lanes: FinalLanes | None = None
+        if kafka.exactly_once:
+            publisher.track_settled = True
+            self.lanes = self.answers.lanes = FinalLanes(
+                kafka.client_kwargs(), kafka.group_id, self.tracker, publisher, self.answers.replacement,
+                interval_s=settings.transaction_interval_ms / 1000.0)
         self.admission = admission = Admission(kafka.result_topic, frozenset(kafka.allowed_reply_topics),
                                                list(settings.itl_target_ms), self.max_num_batched_tokens)
         self.streamer = Streamer(publisher, self.tracker, self.answers, self.metrics, self.service, settings.worker_id,
@@ -223,16 +230,26 @@ class Worker:
             log.warning("control topic %r not read up to date within %.1f s; serving requests meanwhile",
                         self.kafka.control_topic, self.settings.cancel_sync_timeout_s)
 
+    async def _commit(self, partitions: set[TopicPartition] | None = None) -> None:
+        """Commit what is done: in transactions with the finals when exactly-once, else by the consumer."""
+        if self.lanes is not None:
+            await self.lanes.flush(partitions)
+        else:
+            await self.intake.commit(partitions)
+
     async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
         if not self.started.is_set():
             return  # the first join of a starting worker: nothing is owned yet
-        await self.intake.commit(revoked)
+        await self._commit(revoked)
         self.streamer.hold(revoked)
         self.intake.on_revoked(revoked)
         log.info("revoked %s; their requests keep running, unpublished, until the assignment",
                  sorted(tp.partition for tp in revoked))
 
-    def _on_assigned(self, assigned: set[TopicPartition]) -> None:
+    async def _on_assigned(self, assigned: set[TopicPartition]) -> None:
+        if self.lanes is not None:
+            await self.lanes.revoke(self.lanes.owned() - assigned)
+            await self.lanes.assign(assigned)
         held = set(self.streamer.held_partitions)
         self.intake.on_assigned(assigned, group_generation(self.consumer))
         gone = held - assigned
@@ -353,7 +370,9 @@ class Worker:
             self.engine_thread.abort(abandoned)
         if not await self.publisher.wait_acked(timeout_s=30.0):
             log.warning("some records were not acknowledged before shutdown; their offsets stay uncommitted")
-        await self.intake.commit()
+        await self._commit()
+        if self.lanes is not None:
+            await self.lanes.stop()
         self.closing = True
         for task in tasks:
             task.cancel()
@@ -411,7 +430,8 @@ class Worker:
     async def _commit_loop(self) -> None:
         while not self.closing:
             await asyncio.sleep(self.settings.commit_interval_s)
-            await self.intake.commit()
+            if self.lanes is None:  # lanes commit with their transactions
+                await self.intake.commit()
 
     async def _control_loop(self) -> None:
         loop = asyncio.get_running_loop()

@@ -1,0 +1,351 @@
+"""Exactly one visible final record per request: finals and the request offsets they answer, in one transaction.
+
+Each request partition the worker owns has a lane: a transactional producer whose `transactional.id` is
+derived from the group, the request topic and the partition. Every record that answers a request record of
+that partition (its finals, and dead letters) goes into the lane; every `interval_s` the lane writes what it
+gathered and the partition's new watermark (offsets.py) in one transaction and commits it. A consumer of the
+results with `isolation.level=read_committed` sees a final only when its request's offset is committed with
+it: a worker that dies before the commit leaves neither, and the request's next owner answers it once.
+
+Zombies are fenced by the transactional id (KIP-98), not by the group generation: aiokafka sends offsets to a
+transaction with TxnOffsetCommit v0, which carries no generation or member id (KIP-447). When a partition
+moves, its new owner starts the lane's producer with the same id before it reads the partition's committed
+offset (in the rebalance listener); the broker then aborts the old owner's open transaction and refuses
+every later one of the old producer (ProducerFenced). A lane that is fenced never starts a producer again
+on its own: only a new assignment does, so a zombie cannot fence the owner back.
+
+Chunks stay outside transactions (the publisher sends them as soon as they are made). A read_committed
+consumer still reads them in order with the final: a lane waits until the publisher has settled every record
+published before the finals it is about to write, and a read_committed consumer never reads past an open
+transaction on a partition, so it sees a stream's chunks at most a transaction interval late. A
+read_uncommitted consumer sees chunks at once, and finals as soon as they are written, including those of a
+transaction that is later aborted (a zombie's, or one that failed): it must keep deduplicating by attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import (InvalidProducerEpoch, KafkaError, ProducerFenced, TopicAuthorizationFailedError,
+                             TransactionalIdAuthorizationFailed)
+from aiokafka.structs import TopicPartition
+
+from schemas.decode import encode
+from schemas.result import FinalRecord
+from worker.transport.aiokafka_compat import fail_unsent_batches
+from worker.transport.destinations import RECORD_OVERHEAD_BYTES
+from worker.transport.offsets import OffsetTracker
+from worker.transport.publisher import Publisher
+
+log = logging.getLogger(__name__)
+
+AnswerRecord = tuple[str, bytes | None, bytes, FinalRecord | None]
+"""(topic, key, value, the final it encodes or None): one record that answers a request record."""
+Replacement = Callable[[str, FinalRecord, str, str], tuple[str, FinalRecord] | None]
+"""Answers.replacement: what goes instead of a final that its topic does not take, and where."""
+
+FENCED = (ProducerFenced, InvalidProducerEpoch, TransactionalIdAuthorizationFailed)
+
+
+class LaneStuck(Exception):
+    """A transaction's records were not acknowledged in time."""
+
+
+def _topics_named(exc: BaseException) -> set[str]:
+    found: set[str] = set()
+    for arg in exc.args:
+        if isinstance(arg, str):
+            found.add(arg)
+        elif isinstance(arg, (set, frozenset, list, tuple)):
+            found.update(t for t in arg if isinstance(t, str))
+    return found
+
+
+def transactional_id(group_id: str, partition: TopicPartition) -> str:
+    """One id per request partition: whoever owns the partition owns the id, and starting it fences the rest."""
+    return f"{group_id}.{partition.topic}.{partition.partition}"
+
+
+@dataclass(slots=True)
+class _Pending:
+    offset: int | None
+    records: list[AnswerRecord]
+
+
+@dataclass(slots=True)
+class Lane:
+    partition: TopicPartition
+    producer: AIOKafkaProducer | None = None
+    pending: list[_Pending] = field(default_factory=list)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task | None = None
+    fenced: bool = False
+    writing: bool = False
+    needs_new_producer: bool = False
+    num_transactions: int = 0
+    last_committed: int | None = None
+
+
+class FinalLanes:
+    """The lanes of the partitions this worker owns."""
+
+    def __init__(self, client_kwargs: dict, group_id: str, tracker: OffsetTracker, publisher: Publisher,
+                 replacement: Replacement, interval_s: float = 0.1, max_records: int = 500) -> None:
+        self._client_kwargs = client_kwargs
+        self.group_id = group_id
+        self.tracker = tracker
+        self.publisher = publisher
+        self.replacement = replacement
+        self.interval_s = interval_s
+        """How long a lane gathers finals before it writes them in one transaction."""
+        self.max_records = max_records
+        """A lane writes at once when this many records wait."""
+        self._lanes: dict[TopicPartition, Lane] = {}
+        self.num_fenced = 0
+        self.num_aborted = 0
+
+    # -- ownership ----------------------------------------------------------------------------------------
+    async def assign(self, partitions: set[TopicPartition]) -> None:
+        """Start a lane for each newly owned partition; returns once each has fenced the previous owner (or
+        failed to start its producer: its lane then keeps trying, and holds the partition's answers meanwhile).
+        Call before the partitions' committed offsets are read (the rebalance listener)."""
+        new = [tp for tp in partitions if tp not in self._lanes or self._lanes[tp].fenced]
+        for tp in new:
+            old = self._lanes.pop(tp, None)
+            if old is not None:
+                await self._close(old)
+        lanes = [Lane(tp) for tp in new]
+        for lane in lanes:
+            self._lanes[lane.partition] = lane
+        await asyncio.gather(*(self._ensure_producer(lane) for lane in lanes))
+        for lane in lanes:
+            lane.task = asyncio.create_task(self._run(lane), name=f"final-lane-{lane.partition.partition}")
+
+    async def _ensure_producer(self, lane: Lane) -> bool:
+        if lane.producer is not None:
+            return True
+        try:
+            lane.producer = await self._start_producer(lane.partition)
+            return True
+        except FENCED:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the broker away or slow: the lane tries again
+            log.warning("cannot start the transactional producer of %s yet (%r); its answers wait", lane.partition,
+                        exc)
+            return False
+
+    async def flush(self, partitions: set[TopicPartition] | None = None, timeout_s: float = 30.0) -> bool:
+        """Write what the lanes of these partitions hold now (before giving them up, or at shutdown)."""
+        lanes = [lane for tp, lane in self._lanes.items() if partitions is None or tp in partitions]
+        deadline = time.monotonic() + timeout_s
+        for lane in lanes:
+            lane.wake.set()
+        while any((lane.pending or lane.writing) and not lane.fenced for lane in lanes):
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    async def revoke(self, partitions: set[TopicPartition]) -> None:
+        """Close the lanes of partitions given up (their unwritten finals are dropped: the next owner answers)."""
+        for tp in partitions:
+            lane = self._lanes.pop(tp, None)
+            if lane is not None:
+                await self._close(lane)
+
+    async def stop(self) -> None:
+        await self.revoke(set(self._lanes))
+
+    async def _close(self, lane: Lane) -> None:
+        if lane.task is not None:
+            lane.task.cancel()
+            await asyncio.gather(lane.task, return_exceptions=True)
+        if lane.producer is None:
+            return
+        try:
+            await asyncio.wait_for(lane.producer.stop(), 5.0)
+        except Exception:  # noqa: BLE001 - a fenced or broken producer may fail to stop; nothing to keep
+            log.debug("stopping the lane producer of %s failed", lane.partition, exc_info=True)
+
+    def owned(self) -> set[TopicPartition]:
+        return set(self._lanes)
+
+    def owns(self, partition: Hashable) -> bool:
+        lane = self._lanes.get(partition)
+        return lane is not None and not lane.fenced
+
+    # -- the hot path -------------------------------------------------------------------------------------
+    def add(self, partition: Hashable, offset: int | None, records: list[AnswerRecord]) -> None:
+        lane = self._lanes.get(partition)
+        if lane is None or lane.fenced:
+            # Not ours (any more): the partition's owner answers the request, once; nothing of it is written here.
+            log.debug("answer for %s@%s dropped: no lane (partition not owned)", partition, offset)
+            return
+        lane.pending.append(_Pending(offset, records))
+        if len(lane.pending) == 1 or sum(len(p.records) for p in lane.pending) >= self.max_records:
+            lane.wake.set()
+
+    async def _run(self, lane: Lane) -> None:
+        backoff = 0.1
+        while True:
+            while not await self._ensure_producer(lane):
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+            await lane.wake.wait()
+            if sum(len(p.records) for p in lane.pending) < self.max_records:
+                await asyncio.sleep(self.interval_s)
+            lane.wake.clear()
+            if not lane.pending:
+                continue
+            batch, lane.pending = lane.pending, []
+            lane.writing = True
+            try:
+                await self._write(lane, batch)
+                backoff = 0.1
+            except asyncio.CancelledError:
+                raise
+            except FENCED as exc:
+                self._fence(lane, batch, exc)
+                return
+            except Exception as exc:  # noqa: BLE001 - a broker away or a refused transaction: abort, write again
+                self.num_aborted += 1
+                if isinstance(exc, TopicAuthorizationFailedError):
+                    # The next attempt replaces that topic's finals (an error final on the result topic).
+                    for topic in _topics_named(exc):
+                        self.publisher.destinations.mark_unavailable(topic, f"not authorized to WRITE topic {topic!r}")
+                log.warning("transaction of %d answers for %s failed (%r); aborting and retrying in %.1fs",
+                            sum(len(p.records) for p in batch), lane.partition, exc, backoff)
+                try:
+                    if isinstance(exc, LaneStuck) or lane.needs_new_producer:
+                        lane.needs_new_producer = True
+                        await self._replace_producer(lane)
+                    else:
+                        await self._abort(lane)
+                except FENCED as fenced:
+                    self._fence(lane, batch, fenced)
+                    return
+                except Exception:  # noqa: BLE001 - the broker away: the next attempt begins anew
+                    log.debug("recovering the lane of %s failed", lane.partition, exc_info=True)
+                lane.pending = batch + lane.pending
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                lane.wake.set()
+            finally:
+                lane.writing = False
+
+    def _fence(self, lane: Lane, batch: list[_Pending], exc: BaseException) -> None:
+        lane.fenced = True
+        self.num_fenced += 1
+        log.warning("the finals of %s are fenced (%r): another worker owns the partition now; %d unwritten "
+                    "answers dropped (the new owner answers them)", lane.partition, exc,
+                    sum(len(p.records) for p in batch))
+
+    async def _abort(self, lane: Lane) -> None:
+        try:
+            await asyncio.wait_for(lane.producer.abort_transaction(), 10.0)
+        except FENCED:
+            raise
+        except Exception:  # noqa: BLE001 - not in a transaction, or the broker away: the next begin tells
+            log.debug("abort of %s failed", lane.partition, exc_info=True)
+
+    async def _write(self, lane: Lane, batch: list[_Pending]) -> None:
+        # A request's chunks land before its final, so no reader sees a final before its stream's end: answers
+        # whose chunks the publisher still holds wait for the next transaction (their offsets with them).
+        unsettled = self.publisher.has_unsettled
+        waiting = [p for p in batch if any(unsettled(key) for _, key, _, final in p.records if final is not None)]
+        if waiting:
+            held = {id(p) for p in waiting}
+            batch = [p for p in batch if id(p) not in held]
+            lane.pending = waiting + lane.pending
+            lane.wake.set()
+            if not batch:
+                await asyncio.sleep(self.interval_s)
+                return
+        records = [record for pending in batch for record in await self._deliverable(pending.records)]
+        producer = lane.producer
+        await producer.begin_transaction()
+        try:
+            # Bounded: a topic deleted since it was looked up holds its record forever (an idempotent producer
+            # never expires a batch); the lane then looks its topics up again and starts a new producer.
+            await asyncio.wait_for(self._send_all(producer, records), self.publisher.send_wait_s)
+        except asyncio.TimeoutError:
+            for topic in {topic for topic, _, _ in records}:
+                self.publisher.destinations.forget(topic)
+            raise LaneStuck(f"records not acknowledged within {self.publisher.send_wait_s:g} s") from None
+        for pending in batch:
+            if pending.offset is not None:
+                self.tracker.done(lane.partition, pending.offset)
+        mark = self.tracker.watermark(lane.partition)
+        if mark is not None and (lane.last_committed is None or mark > lane.last_committed):
+            await producer.send_offsets_to_transaction({lane.partition: mark}, self.group_id)
+        await producer.commit_transaction()
+        lane.num_transactions += 1
+        if mark is not None:
+            lane.last_committed = mark
+            self.tracker.committed({lane.partition: mark})
+
+    @staticmethod
+    async def _send_all(producer: AIOKafkaProducer, records: list[tuple[str, bytes | None, bytes]]) -> None:
+        futures = [await producer.send(topic, value, key=key) for topic, key, value in records]
+        await asyncio.gather(*futures)
+
+    async def _replace_producer(self, lane: Lane) -> None:
+        """A new producer under the lane's transactional id (the partition is still ours: only a lane that is not
+        fenced gets here); starting it fences the stuck one, whose batches are failed so nothing waits on them."""
+        old = lane.producer
+        try:
+            await asyncio.wait_for(old.stop(), 1.0)
+        except Exception:  # noqa: BLE001 - stuck by definition; what it holds is failed below
+            log.debug("stopping the stuck lane producer of %s failed", lane.partition, exc_info=True)
+        fail_unsent_batches(old, KafkaError("lane producer replaced"))
+        replacement = await self._start_producer(lane.partition)
+        lane.producer = replacement
+        lane.needs_new_producer = False
+        log.warning("replaced the transactional producer of %s", lane.partition)
+
+    async def _deliverable(self, records: list[AnswerRecord]) -> list[tuple[str, bytes | None, bytes]]:
+        """The records as they can be written: one record a transaction cannot take (a missing or denied topic,
+        over its limit) would abort the whole transaction, so each is checked first and replaced as the
+        publisher's fallback would (Answers.replacement); chunks and dead letters that do not fit are dropped."""
+        out = []
+        for topic, key, value, final in records:
+            while True:
+                problem = await self._problem(topic, key, value)
+                if problem is None:
+                    out.append((topic, key, value))
+                    break
+                code, message = problem
+                found = self.replacement(topic, final, code, message) if final is not None else None
+                if found is None:
+                    log.warning("an answer for %s dropped: %s", topic, message)
+                    break
+                topic, final = found
+                key, value = final.id.encode(), encode(final)
+        return out
+
+    async def _problem(self, topic: str, key: bytes | None, value: bytes) -> tuple[str, str] | None:
+        destinations = self.publisher.destinations
+        state = destinations.state(topic)
+        if state is None:
+            done = asyncio.Event()
+            destinations.resolve(topic, on_done=done.set)
+            await done.wait()
+            state = destinations.state(topic)
+            if state is None:
+                return None  # looked up but already stale: let the broker judge
+        if not state.available:
+            return "reply_topic_unavailable", state.message
+        limit = state.max_message_bytes
+        if len(value) + len(key or b"") + RECORD_OVERHEAD_BYTES > limit:
+            return "result_too_large", (f"a {len(value)}-byte record exceeds the {limit}-byte record limit of "
+                                        f"topic {topic!r} (max.message.bytes)")
+        return None
+
+    def stats(self) -> dict[str, int]:
+        return {"lanes": len(self._lanes), "fenced": self.num_fenced, "aborted": self.num_aborted,
+                "transactions": sum(lane.num_transactions for lane in self._lanes.values())}
