@@ -15,40 +15,22 @@ num_tokens (prompt + output), and a step computes some of the difference. One lo
      prefill and max_new_tokens steps are timed by `step_cost` at the size the next steps will have (the
      running decodes and the waiting prompts, up to the budget) or, for a protected priority (below), at the
      smallest size deadline-aware steps go down to.
-Deadline-aware step size: when the engine's step-time model is given (`step_cost`: base seconds + seconds per
-token), the step's token budget shrinks, if need be, so that every running request of a protected priority
-(priority < EngineSettings.protected_priorities: 0 and 1 by default) with a deadline can still produce its
-remaining tokens in time (with DEADLINE_STEP_SAFETY to spare): a step of T tokens takes about base +
-per_token × T, so a request with r tokens left and s seconds to go needs steps of at most s / r. Never below
-max(len(running) + 1, max_num_batched_tokens × MIN_BUDGET_FRACTION), since small steps cost throughput (each
-pays the base). A request that cannot be saved even then does not shrink the others' steps; one that can be
-saved there only without the margin gets steps at that floor if it is of priority 0 (it was started on that
-promise), and otherwise shrinks nothing. The bulk
-priority is not protected this way (it is admitted on full-size steps, and protecting every request near its
-deadline would starve the batch: fewer tokens a step, so later starts, so more to protect); a deadline stops
-it. On a CPU, where a step's time grows with its tokens, this keeps an urgent request's latency within its
-deadline while long prefills queue: on a slow float32 CPU a full 512-token step took 2.5 s, so a request of
-8 steps could not meet a 20 s deadline on full steps at all.
+Deadline-aware step sizes and the deadline checks are deadlines.py's (DeadlinePlanner).
 `update()` then appends the sampled tokens, advances num_computed_tokens and applies stop conditions.
 Times are time.monotonic() seconds; every method takes `now` so tests are deterministic.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Iterable
 
 from worker.config import EngineSettings
-from worker.engine.api import MIN_BUDGET_FRACTION
 from worker.engine.block_pool import BlockPool
+from worker.engine.deadlines import DeadlinePlanner, StepCost
 from worker.engine.policies import AdmissionPolicy, WaitingQueue
 from worker.engine.request import Request, RequestStatus
 from worker.engine.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput
-
-
-DEADLINE_STEP_SAFETY = 0.8
-"""Deadline-aware steps aim at this share of the time a running request has left per token it has left."""
 
 
 
@@ -57,7 +39,7 @@ class Scheduler:
         self.block_size = settings.block_size
         self.max_num_batched_tokens = settings.max_num_batched_tokens
         self.max_num_seqs = settings.max_num_seqs
-        self.protected_priorities = settings.protected_priorities
+        self.deadlines = DeadlinePlanner(self.max_num_batched_tokens, settings.protected_priorities)
         # A request alone must always fit the pool, or preempting it would never help: cap its length there.
         self.max_model_len = min(max_model_len, num_blocks * settings.block_size)
         self.pool = BlockPool(num_blocks, settings.block_size, settings.enable_prefix_caching)
@@ -73,6 +55,15 @@ class Scheduler:
         self._num_schedules = 0
 
     # ---- queries ------------------------------------------------------------------------------------
+
+    @property
+    def protected_priorities(self) -> int:
+        """Priorities below this keep their deadlines through smaller steps (deadlines.py)."""
+        return self.deadlines.protected_priorities
+
+    @protected_priorities.setter
+    def protected_priorities(self, value: int) -> None:
+        self.deadlines.protected_priorities = value
 
     @property
     def num_waiting(self) -> int:
@@ -146,35 +137,48 @@ class Scheduler:
 
     # ---- one step -----------------------------------------------------------------------------------
 
-    def schedule(self, now: float | None = None, step_cost: tuple[float, float] = (0.0, 0.0)) -> SchedulerOutput:
+    def schedule(self, now: float | None = None, step_cost: StepCost = (0.0, 0.0)) -> SchedulerOutput:
         """`step_cost`: (base seconds, seconds per token) of the engine's step-time model, for deadline-aware
         step sizes and for refusing to start what cannot meet its deadline ((0, 0): the budget is always
-        max_num_batched_tokens, and only deadlines already passed count)."""
+        max_num_batched_tokens, and only deadlines already passed count). The phases, in order: drop the work
+        nobody can use, size the step, the running requests' tokens, then admit waiting ones."""
         now = time.monotonic() if now is None else now
         self._num_schedules += 1
         output = SchedulerOutput(block_size=self.block_size)
-        for request in self.waiting.pop_expired(now):
-            self.num_deadline_drops += 1
+        self._drop_expired(now, step_cost, output)
+        full_budget = budget = self.deadline_budget(now, step_cost)
+        scheduled: dict[str, ScheduledRequest] = {}
+        budget = self._schedule_running(budget, scheduled, output)
+        if not output.preempted_request_ids:
+            budget = self._admit_waiting(now, step_cost, budget, scheduled, output)
+        output.scheduled = list(scheduled.values())
+        output.num_batched_tokens = full_budget - budget
+        assert output.num_batched_tokens == sum(entry.num_new_tokens for entry in output.scheduled)
+        assert len(output.scheduled) <= self.max_num_seqs
+        return output
+
+    def _drop_expired(self, now: float, step_cost: StepCost, output: SchedulerOutput) -> None:
+        """Work nobody can use any more: waiting requests that never ran and whose deadline has passed; a
+        request that ran (running, or preempted and waiting again) at the first step past its deadline, and a
+        running one that could not produce its remaining tokens in time even on the smallest steps the engine
+        takes (it would finish late, or be stopped later, its compute wasted either way). Those that ran end
+        with what they generated so far."""
+        expired = self.waiting.pop_expired(now)
+        for request in expired:
             self._finish(request, RequestStatus.FINISHED_DEADLINE, now, in_queue=False)
-            output.deadline_dropped.append(request)
-        # Work nobody can use any more: a request that ran (running, or preempted and waiting again) stops at
-        # the first step past its deadline and ends with what it generated so far; so does a running one that
-        # could not produce its remaining tokens in time even on the smallest steps the engine takes (it would
-        # finish late, or be stopped later, its compute wasted either way).
-        fastest = self._smallest_step_s(step_cost)
-        started = [r for r in self.running
-                   if r.deadline is not None and r.deadline <= now + fastest * self._steps_left(r)]
+        num_running = len(self.running)
+        started = [r for r in self.running if self.deadlines.past_saving(r, now, step_cost, num_running)]
         if self.waiting.num_preempted_with_deadline:
             started += [r for r in self.waiting if r.status is RequestStatus.PREEMPTED and r.deadline is not None
                         and r.deadline <= now]
         for request in started:
-            self.num_deadline_drops += 1
             self._finish(request, RequestStatus.FINISHED_DEADLINE, now)
-            output.deadline_dropped.append(request)
+        self.num_deadline_drops += len(expired) + len(started)
+        output.deadline_dropped += expired + started
 
-        budget = self.deadline_budget(now, step_cost)
-        full_budget = budget
-        scheduled: dict[str, ScheduledRequest] = {}
+    def _schedule_running(self, budget: int, scheduled: dict[str, ScheduledRequest], output: SchedulerOutput) -> int:
+        """The running requests' tokens, in admission order: 1 when decoding, a chunk when still prefilling;
+        preempting the least urgent when blocks run out. Returns the budget left."""
         block_size = self.block_size
         for request in list(self.running):  # the hot loop of a decode step: properties and calls inlined
             if budget == 0:
@@ -208,105 +212,77 @@ class Scheduler:
             else:
                 scheduled[request.request_id] = self._entry(request, num_new_tokens, num_before)
                 budget -= num_new_tokens
-
-        if not output.preempted_request_ids:
-            admitted = []
-            hopeless = []
-            # The size the next steps will have, for judging whether a waiting request can still finish.
-            next_tokens = min(self.max_num_batched_tokens, len(self.running) + self.waiting.num_prompt_tokens
-                              ) if step_cost[1] > 0 else 0
-            for request in self.policy.candidates(self.waiting, now):
-                if budget == 0:
-                    break
-                if self._cannot_finish(request, now, step_cost, next_tokens):
-                    hopeless.append(request)
-                    continue
-                if self._leader_prefilling(request):
-                    continue  # its prompt's blocks are about to be in the prefix cache: take them from there
-                if len(self.running) >= self.max_num_seqs:
-                    # Every seat taken: wait one step first, since seats free up as requests finish, and a
-                    # preemption costs the victim's whole recompute; preempt if none freed in that step.
-                    if request.seat_wait_step is None:
-                        request.seat_wait_step = self._num_schedules
-                    if self._num_schedules == request.seat_wait_step:
-                        break
-                    freed = self._preempt_less_urgent(request, scheduled, output)
-                    if freed < 0:
-                        break
-                    budget += freed
-                computed_block_ids = self.pool.get_computed_blocks(request)
-                num_cached_tokens = len(computed_block_ids) * self.block_size
-                num_new_tokens = min(request.num_tokens - num_cached_tokens, budget)
-                while not self.pool.allocate_for(request, num_new_tokens, computed_block_ids):
-                    freed = self._preempt_less_urgent(request, scheduled, output)
-                    if freed < 0:
-                        break
-                    budget += freed
-                    num_new_tokens = min(request.num_tokens - num_cached_tokens, budget)
-                    computed_block_ids = self.pool.get_computed_blocks(request)
-                else:
-                    freed = 0
-                if freed < 0:
-                    break
-                admitted.append(request)
-                self.running.append(request)
-                request.status = RequestStatus.RUNNING
-                if request.first_scheduled_time is None:
-                    request.first_scheduled_time = now
-                    request.num_cached_tokens = num_cached_tokens
-                scheduled[request.request_id] = self._entry(request, num_new_tokens, num_cached_tokens)
-                budget -= num_new_tokens
-            for request in admitted:
-                self.waiting.remove(request)
-            for request in hopeless:
-                self.num_deadline_drops += 1
-                self._finish(request, RequestStatus.FINISHED_DEADLINE, now)
-                output.deadline_dropped.append(request)
-
-        output.scheduled = list(scheduled.values())
-        output.num_batched_tokens = full_budget - budget
-        assert output.num_batched_tokens == sum(entry.num_new_tokens for entry in output.scheduled)
-        assert len(output.scheduled) <= self.max_num_seqs
-        return output
-
-    def deadline_budget(self, now: float, step_cost: tuple[float, float]) -> int:
-        """This step's token budget: max_num_batched_tokens, or less so that the running requests with
-        deadlines keep theirs (module docstring)."""
-        base, per_token = step_cost
-        budget = self.max_num_batched_tokens
-        if per_token <= 0.0:
-            return budget
-        floor = self.min_budget()
-        smallest = self._smallest_step_s(step_cost)
-        waiting = self._protected_waiting() if self.waiting.any_with_deadline_below(self.protected_priorities) else ()
-        for request in itertools.chain(self.running, waiting):
-            if request.deadline is None or request.priority >= self.protected_priorities:
-                continue
-            # Counting those that wait keeps the step that prefills an urgent request small too, not only the
-            # steps after it.
-            left = self._steps_left(request)
-            slack = request.deadline - now
-            if left <= 0 or slack <= 0:
-                continue
-            tokens = int((slack * DEADLINE_STEP_SAFETY / left - base) / per_token)
-            if tokens >= floor:
-                budget = min(budget, tokens)
-            elif request.priority == 0 and left * smallest <= slack:
-                # The most urgent priority is started on the promise of the smallest steps without the margin
-                # (_cannot_finish); it keeps that promise while the margin is gone. (Where a full step is a
-                # quarter of the deadline, a priority-0 request that had waited ~1.5 s of its 10 s was otherwise
-                # left to full 2.5 s steps and stopped as hopeless 4 tokens in.) Other priorities get no such squeeze: below the floor
-                # they do not count, as smaller steps for each would cost every other request throughput.
-                budget = min(budget, floor)
         return budget
 
-    def _steps_left(self, request: Request) -> int:
-        """Steps a request still needs at most: one per output token left when it runs; one that waits (new or
-        preempted) needs its prefill step(s) first, the last of which samples its next token."""
-        left = request.sampling.max_new_tokens - request.num_output_tokens
-        if request.status is not RequestStatus.RUNNING:
-            left += -(-request.num_tokens // self.max_num_batched_tokens) - 1
-        return left
+    def _admit_waiting(self, now: float, step_cost: StepCost, budget: int, scheduled: dict[str, ScheduledRequest],
+                       output: SchedulerOutput) -> int:
+        """Waiting requests the policy names, in its order, reusing prefix-cached blocks, until the budget,
+        max_num_seqs or the blocks run out (the first that does not fit blocks those behind it, so priorities
+        hold); one that cannot finish before its deadline is dropped instead. Returns the budget left."""
+        admitted: list[Request] = []
+        hopeless: list[Request] = []
+        # The size the next steps will have, for judging whether a waiting request can still finish.
+        next_tokens = min(self.max_num_batched_tokens, len(self.running) + self.waiting.num_prompt_tokens
+                          ) if step_cost[1] > 0 else 0
+        for request in self.policy.candidates(self.waiting, now):
+            if budget == 0:
+                break
+            if self.deadlines.cannot_finish(request, now, step_cost, next_tokens, len(self.running)):
+                hopeless.append(request)
+                continue
+            if self._leader_prefilling(request):
+                continue  # its prompt's blocks are about to be in the prefix cache: take them from there
+            if len(self.running) >= self.max_num_seqs:
+                # Every seat taken: wait one step first, since seats free up as requests finish, and a
+                # preemption costs the victim's whole recompute; preempt if none freed in that step.
+                if request.seat_wait_step is None:
+                    request.seat_wait_step = self._num_schedules
+                if self._num_schedules == request.seat_wait_step:
+                    break
+                freed = self._preempt_less_urgent(request, scheduled, output)
+                if freed < 0:
+                    break
+                budget += freed
+            placed, budget = self._place(now, request, budget, scheduled, output)
+            if not placed:
+                break
+            admitted.append(request)
+        for request in admitted:
+            self.waiting.remove(request)
+        for request in hopeless:
+            self.num_deadline_drops += 1
+            self._finish(request, RequestStatus.FINISHED_DEADLINE, now)
+            output.deadline_dropped.append(request)
+        return budget
+
+    def _place(self, now: float, request: Request, budget: int, scheduled: dict[str, ScheduledRequest],
+               output: SchedulerOutput) -> tuple[bool, int]:
+        """Blocks for a waiting request's first tokens (its cached prefix reused), preempting less urgent ones if
+        need be; it runs from now on. Returns whether it was placed, and the budget left (which grows by what
+        preempted requests held, placed or not)."""
+        computed_block_ids = self.pool.get_computed_blocks(request)
+        num_cached_tokens = len(computed_block_ids) * self.block_size
+        num_new_tokens = min(request.num_tokens - num_cached_tokens, budget)
+        while not self.pool.allocate_for(request, num_new_tokens, computed_block_ids):
+            freed = self._preempt_less_urgent(request, scheduled, output)
+            if freed < 0:
+                return False, budget
+            budget += freed
+            num_new_tokens = min(request.num_tokens - num_cached_tokens, budget)
+            computed_block_ids = self.pool.get_computed_blocks(request)
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = now
+            request.num_cached_tokens = num_cached_tokens
+        scheduled[request.request_id] = self._entry(request, num_new_tokens, num_cached_tokens)
+        return True, budget - num_new_tokens
+
+    def deadline_budget(self, now: float, step_cost: StepCost) -> int:
+        """This step's token budget (deadlines.py): max_num_batched_tokens, or less so that the protected
+        running and waiting requests with deadlines keep theirs."""
+        waiting = self._protected_waiting() if self.waiting.any_with_deadline_below(self.protected_priorities) else ()
+        return self.deadlines.budget(now, step_cost, self.running, waiting)
 
     def _protected_waiting(self) -> Iterable[Request]:
         """Waiting requests of the protected priorities; the queue is in priority order except under the static
@@ -325,28 +301,7 @@ class Scheduler:
         return leader is not None and leader.num_computed_tokens < leader.num_prompt_tokens
 
     def min_budget(self) -> int:
-        return min(self.max_num_batched_tokens,
-                   max(len(self.running) + 1, int(self.max_num_batched_tokens * MIN_BUDGET_FRACTION)))
-
-    def _cannot_finish(self, request: Request, now: float, step_cost: tuple[float, float], next_tokens: int) -> bool:
-        base, per_token = step_cost
-        if request.deadline is None or base + per_token <= 0.0 or request.first_scheduled_time is not None:
-            return False  # a request that ran already is judged among the running (schedule())
-        num_steps = self._steps_left(request)
-        if request.priority >= self.protected_priorities:
-            return now + num_steps * (base + per_token * next_tokens) > request.deadline
-        # A protected request is started on the promise of the smallest steps. Below the most urgent priority
-        # only with the margin the step sizing keeps: one started at the edge is likely to be stopped a few
-        # steps later, its prefill wasted (schedule()); the most urgent priority's deadline comes first.
-        slack = request.deadline - now
-        if request.priority > 0:
-            slack *= DEADLINE_STEP_SAFETY
-        return num_steps * self._smallest_step_s(step_cost) > slack
-
-    def _smallest_step_s(self, step_cost: tuple[float, float]) -> float:
-        """The time of the smallest step the deadline-aware sizing takes (min_budget tokens): what a request
-        is started on the promise of, and what a running one cannot be saved below."""
-        return step_cost[0] + step_cost[1] * self.min_budget()
+        return self.deadlines.min_budget(len(self.running))
 
     def update(
         self, output: SchedulerOutput, sampled_token_ids: dict[str, int], now: float | None = None
