@@ -210,3 +210,30 @@ def run(args: object) -> int:
     for _ in range(300):
         logging.getLogger("aiokafka.conn").error("broker down")
     return 0
+
+
+def test_aiokafka_leader_elections_are_logged_at_info_and_other_errors_are_not():
+    """A normal start (topics created just before the worker joins) must not print ERROR lines for a leader that
+    is still being elected; aiokafka retries those itself. Any other aiokafka error keeps its level."""
+    import io
+
+    from worker.log_limits import install_transient_downgrade
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s %(message)s"))
+    install_transient_downgrade([handler])
+    fetcher = logging.getLogger("aiokafka.consumer.fetcher")
+    fetcher.addHandler(handler)
+    try:
+        fetcher.error("Failed fetch offsets from 1: [Error 6] NotLeaderForPartitionError: %s", "tp")
+        fetcher.error("Failed fetch messages from 1: NodeNotReadyError: node 1")
+        logging.getLogger("worker.x").addHandler(handler)
+        logging.getLogger("worker.x").error("NotLeaderForPartitionError in our own code stays an error")
+    finally:
+        fetcher.removeHandler(handler)
+        logging.getLogger("worker.x").removeHandler(handler)
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("INFO aiokafka.consumer.fetcher Failed fetch offsets")
+    assert lines[1].startswith("ERROR aiokafka.consumer.fetcher Failed fetch messages")
+    assert lines[2].startswith("ERROR worker.x")

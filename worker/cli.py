@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     if top.command is None:
         parser.print_help()
         return 2
-    from worker.log_limits import install_repeat_limits  # here, not at the top: `--help` skips pydantic
+    # Here, not at the top: `--help` skips pydantic.
+    from worker.log_limits import install_repeat_limits, install_transient_downgrade
 
     root_handlers = list(logging.getLogger().handlers)
     logging.basicConfig(
@@ -54,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     # Only the handler basicConfig made: one a host process installed (pytest's, say) is not ours to filter.
-    limiters = install_repeat_limits(h for h in logging.getLogger().handlers if h not in root_handlers)
+    ours = [h for h in logging.getLogger().handlers if h not in root_handlers]
+    install_transient_downgrade(ours)
+    limiters = install_repeat_limits(ours)
     module_name, help_text = SUBCOMMANDS[top.command]
     module = importlib.import_module(module_name)
     sub_parser = argparse.ArgumentParser(prog=f"llm-worker {top.command}", description=help_text)

@@ -171,3 +171,27 @@ def install_repeat_limits(
         handler.addFilter(limiter)
         limiters.append(limiter)
     return limiters
+
+
+TRANSIENT_KAFKA_ERRORS = ("NotLeaderForPartitionError", "LeaderNotAvailableError", "NotLeaderOrFollower")
+"""Errors aiokafka logs at ERROR or WARNING while a partition's leader is being elected (topics just created, a
+broker restarting). The client retries them itself; they are news to no one."""
+
+
+class TransientKafkaErrors(logging.Filter):
+    """Logs aiokafka's retriable leader-election errors at INFO: a normal start (topics created just before the
+    worker joins) printed three ERROR lines that said nothing was wrong."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno > logging.INFO and record.name.startswith("aiokafka"):
+            text = record.getMessage()
+            if any(name in text for name in TRANSIENT_KAFKA_ERRORS):
+                record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def install_transient_downgrade(handlers: Iterable[logging.Handler]) -> None:
+    """Put a TransientKafkaErrors filter first on each handler (before a RepeatLimiter counts the record)."""
+    for handler in handlers:
+        if not any(isinstance(f, TransientKafkaErrors) for f in handler.filters):
+            handler.filters.insert(0, TransientKafkaErrors())
