@@ -44,7 +44,7 @@ def module_name(path: Path) -> str:
 
 
 def source_files() -> dict[str, Path]:
-    return {module_name(p): p for top in ("worker", "kernels") for p in sorted((ROOT / top).rglob("*.py"))}
+    return {module_name(p): p for top in ("worker", "kernels", "gateway") for p in sorted((ROOT / top).rglob("*.py"))}
 
 
 FILES = source_files()
@@ -108,6 +108,13 @@ def test_model_never_imports_the_engine_or_the_transport():
 
 def test_kernels_never_import_the_worker():
     assert violations(modules_under("kernels"), ("worker",)) == []
+
+
+def test_the_gateway_is_a_client_it_never_imports_the_worker_inside():
+    # Settings and the wire records are shared with every client; the engine, the model and the transport are not.
+    assert violations(modules_under("gateway"), ("worker.engine", "worker.model", "worker.transport", "kernels",
+                                                 "torch", "transformers")) == []
+    assert violations(modules_under("worker"), ("gateway",)) == []
 
 
 def test_engine_never_imports_the_transport():

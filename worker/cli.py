@@ -23,6 +23,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("producer_examples.generate", "send one prompt and stream the answer (example client)"),
     "loadgen": ("producer_examples.loadgen", "Poisson load by priority; throughput and latency percentiles"),
     "demo": ("producer_examples.demo", "start a broker and a worker, stream a few answers, then overload it"),
+    "gateway": ("gateway.cli", "the OpenAI-compatible HTTP gateway (chat, completions, files, batches)"),
+    "batch": ("gateway.batch_cli", "run an OpenAI batch file (JSONL) through the workers, resumably"),
 }
 
 

@@ -51,6 +51,9 @@ class KafkaSettings(BaseSettings):
     after, one final per attempt (consumers deduplicate by attempt)."""
     allowed_reply_topics: list[str] = []
     """Topics, besides the result topic, that a request may name as its reply topic."""
+    allowed_reply_topic_prefixes: list[str] = []
+    """A request may also name any reply topic that starts with one of these (e.g. `llm.replies.`, under which
+    each gateway instance reads its own reply topic, so no instance reads another's answers)."""
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
     """PLAINTEXT, SSL (TLS; with ssl_certfile: mutual TLS), SASL_PLAINTEXT or SASL_SSL (SASL over TLS)."""
     sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None = None
@@ -331,6 +334,46 @@ class LogLimitSettings(BaseSettings):
     """Length of one counting interval in seconds; the dropped count is reported when it ends. A broker
     outage keeps about six keys flooding (aiokafka's reconnect, metadata, fetch and coordinator errors),
     so a key costs up to max_repeats + 1 lines per interval: with 10 s the outage test's minute still logged
+class GatewaySettings(BaseSettings):
+    """The OpenAI-compatible HTTP gateway (`llm-worker gateway`) and batch jobs (`llm-worker batch run`)."""
+
+    model_config = SettingsConfigDict(env_prefix="GATEWAY_", extra="ignore", use_attribute_docstrings=True)
+
+    host: str = "127.0.0.1"
+    """Address the HTTP server listens on."""
+    port: int = Field(8000, ge=0, le=65535)
+    """HTTP port."""
+    instance_id: str = ""
+    """This gateway's name in its reply topic (`reply_topic_prefix` + id); empty: a random one per start."""
+    reply_topic_prefix: str = "llm.replies."
+    """Each instance creates and reads its own reply topic under this prefix; the workers must allow the prefix
+    (KAFKA_ALLOWED_REPLY_TOPIC_PREFIXES)."""
+    reply_topic_partitions: int = Field(2, ge=1, le=256)
+    """Partitions of an instance's reply topic."""
+    models: list[str] = ["smollm2-135m-instruct"]
+    """Model names the workers behind the request topic serve (`GET /v1/models`); a request naming another is
+    refused with 404. All workers of one request topic serve one model."""
+    tokenizer: str = ""
+    """A tokenizer.json (or a folder with one) that turns logprobs' token ids into token text; empty: the
+    provisioned model's, when there is one, else tokens are written `token_id:<id>`."""
+    default_priority: int = Field(1, ge=0)
+    """Priority of a request without `service_tier` or `X-Priority`."""
+    batch_priority: int = Field(-1, ge=-1)
+    """Priority of batch jobs; -1: the least urgent one."""
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1)
+    """Largest request body; above it 413."""
+    max_upload_bytes: int = Field(200 * 1024 * 1024, ge=1)
+    """Largest batch input file (`POST /v1/files`)."""
+    max_batch_lines: int = Field(50_000, ge=1)
+    """Most requests in one batch file."""
+    batch_concurrency: int = Field(256, ge=1)
+    """Requests of one batch in flight at once (the rest wait on disk, not in Kafka)."""
+    data_dir: Path = DEFAULT_HOME / "gateway"
+    """Where batch files and batch progress live (they survive a restart)."""
+    request_wait_s: float = Field(600.0, gt=0)
+    """Longest the gateway waits for an answer to a request without a timeout."""
+
+
     206 ERROR lines, with 60 s it logs about 50."""
     min_level: str = "WARNING"
     """Records below this level pass untouched (INFO and DEBUG carry progress, not reconnect floods)."""

@@ -18,6 +18,14 @@ def test_reply_topic_allow_list():
     assert (verdict.status, verdict.reason) == ("error", "reply_topic_not_allowed")
 
 
+def test_reply_topic_prefix_allows_each_gateway_instance_its_own_topic():
+    admission = Admission("results", frozenset(), [0.0], allowed_reply_topic_prefixes=("llm.replies.",))
+    assert admission.check_reply_topic("llm.replies.gw-a1b2") is None
+    assert admission.check_reply_topic("llm.replies.gw-c3d4") is None
+    for topic in ("llm.replies", "llm.repliesX", "other.llm.replies.gw"):
+        assert admission.check_reply_topic(topic).reason == "reply_topic_not_allowed", topic
+
+
 def test_deadline_passed_or_unreachable_is_rejected():
     admission = make()
     assert admission.check_deadline(None, 1000.0, 5.0, 5.0, 1) is None

@@ -2,7 +2,8 @@
 
 Order of checks for a decoded request (decode errors are handled by schemas.decode before this):
 
-1. reply topic: must be the result topic or in `KafkaSettings.allowed_reply_topics`, else `error` /
+1. reply topic: must be the result topic, in `KafkaSettings.allowed_reply_topics`, or start with one of
+   `KafkaSettings.allowed_reply_topic_prefixes` (a gateway instance's own reply topic), else `error` /
    `reply_topic_not_allowed`; an allowed one known to be missing or not writable gives `error` /
    `reply_topic_unavailable` (both answered on the result topic, never on the topic the sender named).
 2. deadline: already past, or unreachable by estimate, gives `rejected` / `deadline`. The estimate
@@ -75,11 +76,17 @@ class Admission:
     max_num_batched_tokens: int = 512
     unavailable_reply_topics: dict[str, str] = field(default_factory=dict)
     """Allowed reply topics known to be missing or not writable now, with why (publisher's destinations)."""
+    allowed_reply_topic_prefixes: tuple[str, ...] = ()
+    """A reply topic that starts with one of these is allowed too."""
+
+    def allows_reply_topic(self, topic: str) -> bool:
+        return (topic == self.result_topic or topic in self.allowed_reply_topics
+                or any(topic.startswith(prefix) for prefix in self.allowed_reply_topic_prefixes))
 
     def check_reply_topic(self, reply_topic: str | None) -> Verdict | None:
         if reply_topic is None or reply_topic == self.result_topic:
             return None
-        if reply_topic not in self.allowed_reply_topics:
+        if not self.allows_reply_topic(reply_topic):
             return Verdict("error", "reply_topic_not_allowed", f"reply topic {reply_topic!r} is not in the allow-list")
         why = self.unavailable_reply_topics.get(reply_topic)
         if why is not None:

@@ -142,7 +142,8 @@ class Worker:
                 kafka.client_kwargs(), kafka.group_id, self.tracker, publisher, self.answers.replacement,
                 interval_s=settings.transaction_interval_ms / 1000.0)
         self.admission = admission = Admission(kafka.result_topic, frozenset(kafka.allowed_reply_topics),
-                                               list(settings.itl_target_ms), self.max_num_batched_tokens)
+                                               list(settings.itl_target_ms), self.max_num_batched_tokens,
+                                               allowed_reply_topic_prefixes=tuple(kafka.allowed_reply_topic_prefixes))
         self.streamer = Streamer(publisher, self.tracker, self.answers, self.metrics, self.service, settings.worker_id,
                                  kafka.num_priorities, settings.chunk_interval_ms)
         self.dispatcher = Dispatcher(self.queue, self.streamer, self.engine_thread, admission, self.answers,
@@ -164,7 +165,7 @@ class Worker:
     def _on_topic_change(self, topic: str, state: TopicState) -> None:
         """A destination topic went missing or came back: requests naming it as their reply topic are answered
         at once meanwhile (admission), and the gauge shows it."""
-        if topic not in self.kafka.allowed_reply_topics:
+        if topic == self.kafka.result_topic or not self.admission.allows_reply_topic(topic):
             return
         if state.available:
             self.admission.unavailable_reply_topics.pop(topic, None)

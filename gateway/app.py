@@ -1,0 +1,310 @@
+"""The HTTP side of the gateway: OpenAI's routes on Starlette, in front of one `Door` (door.py).
+
+A request is checked whole (body size, JSON, model, every field, the same limits the workers apply) and then
+refused with 429 + Retry-After if the status topic says its priority is shed or paused, all before anything is
+produced. A streamed answer starts only once the first chunk or the final has come, so a request that the
+workers refuse (shed, deadline, invalid) still gets a proper status code; after that, an error comes as an
+`error` event in the stream. A client that goes away cancels its request through the control topic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from gateway.batch_jobs import BatchJobs, FileStore
+from gateway.batch_run import Translator
+from gateway.door import Door
+from gateway.openai_api import (CHAT, COMPLETIONS, ApiError, Options, Tiers, TokenText, bad_request, chunk_body,
+                                completion_body, delta_choice, final_error, now_s, to_request)
+from producer_examples.client import Delta, RequestHandle, RequestTimeout
+from schemas.result import FinalRecord
+
+log = logging.getLogger(__name__)
+
+SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+class Gateway:
+    def __init__(self, door: Door, tokens: TokenText) -> None:
+        self.door = door
+        settings = door.settings
+        self.models = list(settings.models)
+        self.tiers = Tiers(door.num_priorities, settings.default_priority)
+        self.tokens = tokens
+        self.files = FileStore(settings.data_dir)
+        self.batches = BatchJobs(settings.data_dir, self.files, door.client, Translator(self.models, self.tiers, tokens),
+                                 priority=door.bulk_priority, concurrency=settings.batch_concurrency,
+                                 max_lines=settings.max_batch_lines, refusal=door.refusal)
+        self.num_requests = 0
+
+    # -- lifecycle --------------------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette):
+        await self.door.start()
+        self.batches.resume_all()
+        try:
+            yield
+        finally:
+            await self.batches.stop()
+            await self.door.stop()
+
+    def app(self) -> Starlette:
+        routes = [
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.list_models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.get_model, methods=["GET"]),
+            Route("/v1/files", self.upload, methods=["POST"]),
+            Route("/v1/files/{file_id}", self.get_file, methods=["GET"]),
+            Route("/v1/files/{file_id}/content", self.file_content, methods=["GET"]),
+            Route("/v1/batches", self.create_batch, methods=["POST"]),
+            Route("/v1/batches/{batch_id}", self.get_batch, methods=["GET"]),
+            Route("/v1/batches/{batch_id}/cancel", self.cancel_batch, methods=["POST"]),
+            Route("/health", self.health, methods=["GET"]),
+        ]
+        return Starlette(routes=routes, lifespan=self.lifespan,
+                         exception_handlers={ApiError: self._on_api_error, 404: self._on_not_found,
+                                             405: self._on_not_allowed})
+
+    async def _on_api_error(self, request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc)
+
+    async def _on_not_found(self, request: Request, exc) -> JSONResponse:
+        return error_response(ApiError(404, f"no route {request.method} {request.url.path}", code="not_found"))
+
+    async def _on_not_allowed(self, request: Request, exc) -> JSONResponse:
+        return error_response(ApiError(405, f"{request.method} is not allowed on {request.url.path}",
+                                       code="method_not_allowed"))
+
+    async def health(self, request: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok", "reply_topic": self.door.reply_topic})
+
+    # -- bodies -----------------------------------------------------------------------------------------
+    async def _body(self, request: Request, limit: int) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"the body has {declared} bytes, the limit is {limit}", code="request_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the body exceeds {limit} bytes", code="request_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _json(self, request: Request) -> dict:
+        try:
+            body = msgspec.json.decode(await self._body(request, self.door.settings.max_body_bytes))
+        except msgspec.DecodeError as exc:
+            raise bad_request(f"the body is not valid JSON: {exc}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise bad_request("the body must be a JSON object")
+        return body
+
+    # -- generation -------------------------------------------------------------------------------------
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, CHAT)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, COMPLETIONS)
+
+    async def _generate(self, request: Request, endpoint: str) -> Response:
+        body = await self._json(request)
+        request_id = f"{self.door.instance_id}-{uuid.uuid4().hex[:16]}"
+        wire, priority, options = to_request(
+            body, endpoint, request_id, self.models, self.tiers,
+            priority_header=request.headers.get("x-priority"), timeout_header=request.headers.get("x-timeout-ms"))
+        refused = self.door.refusal(priority)
+        if refused is not None:
+            why, retry_s = refused
+            raise ApiError(429, f"priority {priority} is congested ({why}); retry after {retry_s} s",
+                           "rate_limit_error", "rate_limit_exceeded", headers={"Retry-After": str(retry_s)})
+        self.num_requests += 1
+        handle = await self.door.submit(wire, priority)
+        watcher = asyncio.create_task(_wait_disconnect(request))
+        try:
+            first = await _first_of(handle, watcher)
+        except BaseException:
+            watcher.cancel()
+            await handle.cancel("client disconnected") if not handle.done else None
+            raise
+        if first is None:  # the client went away before anything came
+            await handle.cancel("client disconnected")
+            return Response(status_code=499)
+        if isinstance(first, FinalRecord) and first.status != "completed":
+            watcher.cancel()
+            raise final_error(first, self._retry_after(priority))
+        if not options.stream:
+            watcher.cancel()
+            final = await handle.result()
+            completions = await handle.completions()
+            return JSONResponse(completion_body(options, request_id, now_s(), final, completions, self.tokens))
+        return SSEResponse(self._events(handle, options, request_id, first), watcher, handle)
+
+    def _retry_after(self, priority: int) -> float:
+        refused = self.door.refusal(priority)
+        return float(refused[1]) if refused else 1.0
+
+    async def _events(self, handle: RequestHandle, options: Options, request_id: str, first) -> AsyncIterator[dict]:
+        """OpenAI's chunks: per completion a first delta with the role, deltas, a last one with finish_reason;
+        with include_usage a last chunk with no choices and the usage (every other chunk has usage null)."""
+        created = now_s()
+        started: set[int] = set()
+        with_usage = options.include_usage
+
+        def piece(index: int, text: str, logprobs, finish_reason=None) -> dict:
+            first_of_index = index not in started
+            started.add(index)
+            choice = delta_choice(options, index, text, logprobs, self.tokens, first=first_of_index,
+                                  finish_reason=finish_reason)
+            return chunk_body(options, request_id, created, [choice], with_usage_field=with_usage)
+
+        async def deltas():
+            if isinstance(first, Delta):  # taken off the stream to learn that the answer had started
+                yield first
+            async for delta in handle.stream():
+                yield delta
+
+        async for delta in deltas():
+            if delta.restarted:  # a redelivery starts over: what was sent cannot be taken back
+                raise ApiError(500, "the request was served again after a worker failed; its stream restarted",
+                               "server_error", "stream_restarted")
+            yield piece(delta.index, delta.text, delta.chunk.logprobs)
+        final = await handle.result()
+        if final.status != "completed":
+            raise final_error(final, self._retry_after(handle.priority))
+        for index, done in enumerate(await handle.completions()):
+            yield piece(index, "", None, done.finish_reason or "stop")
+        if with_usage:
+            yield chunk_body(options, request_id, created, [], usage=final.usage)
+
+    # -- models -----------------------------------------------------------------------------------------
+    def _model(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "kafka-llm-worker"}
+
+    async def list_models(self, request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [self._model(m) for m in self.models]})
+
+    async def get_model(self, request: Request) -> JSONResponse:
+        name = request.path_params["model"]
+        if name not in self.models:
+            raise ApiError(404, f"The model `{name}` does not exist", code="model_not_found", param="model")
+        return JSONResponse(self._model(name))
+
+    # -- files and batches ------------------------------------------------------------------------------
+    async def upload(self, request: Request) -> JSONResponse:
+        settings = self.door.settings
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > settings.max_upload_bytes:
+            raise ApiError(413, f"the upload has {declared} bytes, the limit is {settings.max_upload_bytes}",
+                           code="file_too_large")
+        try:
+            async with request.form(max_part_size=settings.max_upload_bytes) as form:
+                purpose = form.get("purpose")
+                upload = form.get("file")
+                if purpose != "batch":
+                    raise bad_request("purpose must be 'batch' (the only one this gateway serves)", "purpose")
+                if upload is None or isinstance(upload, str):
+                    raise bad_request("file is required (multipart form field `file`)", "file")
+                data = await upload.read()
+                filename = upload.filename or "upload.jsonl"
+        except ClientDisconnect:
+            return Response(status_code=499)
+        return JSONResponse(self.files.create(data, filename, purpose))
+
+    async def get_file(self, request: Request) -> JSONResponse:
+        return JSONResponse(self.files.get(request.path_params["file_id"]))
+
+    async def file_content(self, request: Request) -> Response:
+        path = self.files.content_path(request.path_params["file_id"])
+        return FileResponse(path, media_type="application/jsonl")
+
+    async def create_batch(self, request: Request) -> JSONResponse:
+        return JSONResponse(self.batches.create(await self._json(request)))
+
+    async def get_batch(self, request: Request) -> JSONResponse:
+        return JSONResponse(self.batches.get(request.path_params["batch_id"]))
+
+    async def cancel_batch(self, request: Request) -> JSONResponse:
+        return JSONResponse(self.batches.cancel(request.path_params["batch_id"]))
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Returns when the client has gone (the body was read already, so the next message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _first_of(handle: RequestHandle, watcher: asyncio.Task):
+    """The first chunk or the final, whichever comes first; None when the client disconnects first."""
+    async def first_record():
+        async for delta in handle.stream():
+            return delta
+        return await handle.result()
+
+    reader = asyncio.ensure_future(first_record())
+    done, _ = await asyncio.wait({reader, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if reader in done:
+        return reader.result()
+    reader.cancel()
+    with contextlib.suppress(asyncio.CancelledError, RequestTimeout):
+        await reader
+    return None
+
+
+class SSEResponse(Response):
+    """Server-sent events from an async iterator of JSON objects, ending with `data: [DONE]`. While it streams,
+    a watcher task waits for the client to go; then the stream stops and the request is cancelled."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[dict], watcher: asyncio.Task, handle: RequestHandle) -> None:
+        super().__init__(status_code=200, headers=SSE_HEADERS, media_type=self.media_type)
+        self.events = events
+        self.watcher = watcher
+        self.handle = handle
+
+    async def __call__(self, scope, receive, send) -> None:
+        sender = asyncio.ensure_future(self._send_all(send))
+        done, _ = await asyncio.wait({sender, self.watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if sender in done:
+            self.watcher.cancel()
+            with contextlib.suppress(OSError):
+                sender.result()
+            return
+        sender.cancel()
+        with contextlib.suppress(asyncio.CancelledError, OSError):
+            await sender
+        if not self.handle.done:
+            await self.handle.cancel("client disconnected")
+
+    async def _send_all(self, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        encode = msgspec.json.encode
+        try:
+            async for event in self.events:
+                await send({"type": "http.response.body", "body": b"data: " + encode(event) + b"\n\n",
+                            "more_body": True})
+        except ApiError as error:
+            await send({"type": "http.response.body", "body": b"data: " + encode(error.body()) + b"\n\n",
+                        "more_body": True})
+        except RequestTimeout as exc:
+            body = ApiError(504, str(exc), "timeout", "gateway_timeout").body()
+            await send({"type": "http.response.body", "body": b"data: " + encode(body) + b"\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
