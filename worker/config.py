@@ -238,10 +238,13 @@ class WorkerSettings(BaseSettings):
     """KV-cache usage above which partitions pause."""
     kv_resume_threshold: float = Field(0.85, ge=0, le=1)
     """KV-cache usage below which paused partitions may resume."""
-    max_queue_time_s: list[float] = [10.0, 30.0, 60.0]
+    max_queue_time_s: list[float] = [10.0, 30.0, 0.0]
     """Per priority: the longest estimated wait (tokens ahead / tokens per second served) before that priority's
-    backlog is shed.
-    The most urgent priority is never shed for lag alone. The last value covers priorities past the list."""
+    backlog is shed; 0: no bound, the priority is never shed for lag alone (its work waits in Kafka, paused
+    partitions being the backpressure, and a request with a deadline is still refused when the estimate says it
+    cannot finish in time). The most urgent priority is never shed for lag alone. The last value covers
+    priorities past the list. The default leaves the bulk priority (batch jobs) unbounded: see
+    docs/overload.md."""
     itl_target_ms: list[float] = [0.0, 0.0, 0.0]
     """Per priority: inter-token latency target; 0 disables latency-target admission for that priority."""
     status_interval_s: float = Field(1.0, gt=0)

@@ -42,6 +42,18 @@ def test_least_urgent_shed_first_and_priority_zero_never():
     assert "70" in decision.message(2) and "500" in decision.message(2)
 
 
+def test_by_default_the_bulk_priority_waits_instead_of_being_shed():
+    from worker.config import WorkerSettings
+
+    shedder = Shedder(list(WorkerSettings().max_queue_time_s), num_priorities=3)
+    # A backlog of an hour at every priority: priority 1 (bounded at 30 s) is shed, the bulk priority is not.
+    decision = shedder.decide([0, 36_000, 36_000], [0, 36_000, 36_000], 10.0)
+    assert decision.shed_priorities == {1}
+    assert decision.est_wait_s[2] == pytest.approx(7200)  # still estimated and reported
+    # A limit of 0 anywhere means no bound; a positive one still sheds.
+    assert Shedder([10.0, 0.0, 5.0], 3).decide([0, 500, 100], [0, 500, 100], 10.0).shed_priorities == {2}
+
+
 def test_hysteresis_keeps_shedding_until_well_below_the_limit():
     shedder = Shedder([10.0, 10.0, 10.0], num_priorities=3)
     assert shedder.decide([0, 0, 150], [0, 0, 150], 10.0).shed_priorities == {2}  # 15 s

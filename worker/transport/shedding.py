@@ -11,7 +11,10 @@ capacity, the tokens per second the engine serves when saturated (service_model.
 saturated, else the calibrated step-time model). When est_wait_p exceeds `max_queue_time_for(p)` the priority
 is shed: its records are still consumed, but answered with a `rejected`/`shed` final record and committed,
 which drains the lag fast. Because est_wait grows with p, the least urgent priorities cross their limit first.
-Priority 0 is never shed for lag alone (deadlines still apply to it, in admission.py). Shedding stops once
+Priority 0 is never shed for lag alone (deadlines still apply to it, in admission.py), nor is a priority whose
+limit is 0 (no queue-time bound: by default the bulk priority, whose deadline-free work, batch jobs above all,
+waits in Kafka while paused partitions hold it back, instead of being answered `shed` for a backlog it was
+meant to wait in). Shedding stops once
 est_wait falls below `resume_fraction` of the limit (hysteresis). With no estimate yet nothing is shed.
 """
 
@@ -133,7 +136,7 @@ class Shedder:
         for priority in range(1, self.num_priorities):
             wait = est_wait[priority]
             limit = self.limit_for(priority)
-            if wait is None:
+            if wait is None or limit <= 0:
                 self.shedding.discard(priority)
             elif wait > limit:
                 self.shedding.add(priority)
