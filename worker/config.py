@@ -326,17 +326,6 @@ class WorkerSettings(BaseSettings):
         return self.itl_target_ms[min(priority, len(self.itl_target_ms) - 1)]
 
 
-class LogLimitSettings(BaseSettings):
-    """Limits on repeated log records, for every `llm-worker` command."""
-
-    model_config = SettingsConfigDict(env_prefix="LLM_WORKER_LOG_", extra="ignore", use_attribute_docstrings=True)
-
-    max_repeats: int = 5
-    """Records let through per key (logger, level, message template) per interval; 0 turns limiting off."""
-    repeat_interval_s: float = 60.0
-    """Length of one counting interval in seconds; the dropped count is reported when it ends. A broker
-    outage keeps about six keys flooding (aiokafka's reconnect, metadata, fetch and coordinator errors),
-    so a key costs up to max_repeats + 1 lines per interval: with 10 s the outage test's minute still logged
 class GatewaySettings(BaseSettings):
     """The OpenAI-compatible HTTP gateway (`llm-worker gateway`) and batch jobs (`llm-worker batch run`)."""
 
@@ -377,6 +366,17 @@ class GatewaySettings(BaseSettings):
     """Longest the gateway waits for an answer to a request without a timeout."""
 
 
+class LogLimitSettings(BaseSettings):
+    """Limits on repeated log records, for every `llm-worker` command."""
+
+    model_config = SettingsConfigDict(env_prefix="LLM_WORKER_LOG_", extra="ignore", use_attribute_docstrings=True)
+
+    max_repeats: int = 5
+    """Records let through per key (logger, level, message template) per interval; 0 turns limiting off."""
+    repeat_interval_s: float = 60.0
+    """Length of one counting interval in seconds; the dropped count is reported when it ends. A broker
+    outage keeps about six keys flooding (aiokafka's reconnect, metadata, fetch and coordinator errors),
+    so a key costs up to max_repeats + 1 lines per interval: with 10 s the outage test's minute still logged
     206 ERROR lines, with 60 s it logs about 50."""
     min_level: str = "WARNING"
     """Records below this level pass untouched (INFO and DEBUG carry progress, not reconnect floods)."""
