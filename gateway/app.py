@@ -275,7 +275,10 @@ class SSEResponse(Response):
     media_type = "text/event-stream"
 
     def __init__(self, events: AsyncIterator[dict], watcher: asyncio.Task, handle: RequestHandle) -> None:
-        super().__init__(status_code=200, headers=SSE_HEADERS, media_type=self.media_type)
+        # No super().__init__: it would declare a Content-Length for an empty body.
+        self.status_code = 200
+        self.background = None
+        self.init_headers(SSE_HEADERS)
         self.events = events
         self.watcher = watcher
         self.handle = handle
