@@ -1,6 +1,6 @@
 """Exactly one visible final per request (KAFKA_EXACTLY_ONCE, on by default), against the real broker: a
 read_committed consumer of the results sees one final per request id across attempts when a worker is
-SIGKILLed mid-stream, when a worker frozen (SIGSTOP) past its session timeout resumes and writes its late
+SIGKILLed mid-stream, when a worker joins while finals are in flight, when a worker frozen (SIGSTOP) past its session timeout resumes and writes its late
 finals (fenced: never visible), and when the broker restarts mid-stream. Every request still ends with a final.
 A read_uncommitted consumer beside it shows what the transactions hide."""
 
@@ -68,10 +68,11 @@ async def stop(procs) -> None:
     await asyncio.gather(*(asyncio.wait_for(p.wait(), 60) for p in procs))
 
 
-async def test_one_final_per_request_across_a_sigkill_and_a_frozen_zombie(kafka_topics, tmp_path):
+async def test_one_final_per_request_across_a_sigkill_a_rebalance_and_a_frozen_zombie(kafka_topics, tmp_path):
     kafka = kafka_topics
     assert kafka.exactly_once
     killed = requests_of("kill", 60)
+    joined = requests_of("join", 60, max_new_tokens=100)  # 2 s each: in flight when w3 joins
     frozen = requests_of("freeze", 60, max_new_tokens=200)  # 4 s each: w2 is mid-stream when frozen
     figures = []
     async with Collector(kafka, isolation_level="read_committed") as committed, Collector(kafka) as uncommitted:
@@ -87,6 +88,16 @@ async def test_one_final_per_request_across_a_sigkill_and_a_frozen_zombie(kafka_
             procs["w1b"] = await run_worker(kafka, "w1b", tmp_path)
             await wait_assigned(committed, {"w1b", "w2"}, kafka.num_request_partitions)
 
+            # A rebalance while finals are in flight: w3 joins and takes partitions from both.
+            await produce_requests(kafka, joined)
+            await asyncio.sleep(1.0)
+            procs["w3"] = await run_worker(kafka, "w3", tmp_path)
+            await wait_assigned(committed, {"w1b", "w2", "w3"}, kafka.num_request_partitions)
+            await committed.wait_until(lambda r: all_answered(committed, joined), 90, "finals after the join")
+            procs["w3"].send_signal(signal.SIGTERM)
+            await procs["w3"].wait()
+            await wait_assigned(committed, {"w1b", "w2"}, kafka.num_request_partitions)
+
             # A zombie: w2 frozen past its session timeout while it holds requests; w1b takes every partition and
             # answers them; w2 resumes and writes its late finals, which its fenced transactions never show.
             await produce_requests(kafka, frozen)
@@ -99,6 +110,7 @@ async def test_one_final_per_request_across_a_sigkill_and_a_frozen_zombie(kafka_
         finally:
             await stop([p for name, p in procs.items() if name != "w1"])
     figures.append(check_exactly_one(committed, uncommitted, killed, "SIGKILL"))
+    figures.append(check_exactly_one(committed, uncommitted, joined, "a worker joining mid-stream"))
     figures.append(check_exactly_one(committed, uncommitted, frozen, "SIGSTOP zombie"))
     print("\n" + "\n".join(figures))
 

@@ -139,6 +139,16 @@ class FinalLanes:
                         exc)
             return False
 
+    async def _start_producer(self, tp: TopicPartition) -> AIOKafkaProducer:
+        producer = AIOKafkaProducer(**self._client_kwargs, transactional_id=transactional_id(self.group_id, tp),
+                                    enable_idempotence=True, acks="all", max_request_size=4 * 1024 * 1024)
+        try:
+            await asyncio.wait_for(producer.start(), 30.0)  # InitProducerId: fences the previous owner's producer
+        except BaseException:
+            await producer.stop()
+            raise
+        return producer
+
     async def flush(self, partitions: set[TopicPartition] | None = None, timeout_s: float = 30.0) -> bool:
         """Write what the lanes of these partitions hold now (before giving them up, or at shutdown)."""
         lanes = [lane for tp, lane in self._lanes.items() if partitions is None or tp in partitions]
@@ -272,7 +282,8 @@ class FinalLanes:
         try:
             # Bounded: a topic deleted since it was looked up holds its record forever (an idempotent producer
             # never expires a batch); the lane then looks its topics up again and starts a new producer.
-            await asyncio.wait_for(self._send_all(producer, records), self.publisher.send_wait_s)
+            await asyncio.wait_for(self._send_all(producer, records, self.publisher.headers_for),
+                                   self.publisher.send_wait_s)
         except asyncio.TimeoutError:
             for topic in {topic for topic, _, _ in records}:
                 self.publisher.destinations.forget(topic)
@@ -290,8 +301,13 @@ class FinalLanes:
             self.tracker.committed({lane.partition: mark})
 
     @staticmethod
-    async def _send_all(producer: AIOKafkaProducer, records: list[tuple[str, bytes | None, bytes]]) -> None:
-        futures = [await producer.send(topic, value, key=key) for topic, key, value in records]
+    async def _send_all(producer: AIOKafkaProducer, records: list[tuple[str, bytes | None, bytes]],
+                        headers_for=None) -> None:
+        """`headers_for`: the publisher's (tracing.py), so that a final sent here carries its trace context and
+        ends its spans as one sent by the publisher does."""
+        futures = [await producer.send(topic, value, key=key,
+                                       headers=headers_for(key, value) if headers_for else None)
+                   for topic, key, value in records]
         await asyncio.gather(*futures)
 
     async def _replace_producer(self, lane: Lane) -> None:
