@@ -37,7 +37,6 @@ async def fleet(kafka_bootstrap):
         bootstrap_servers=kafka_bootstrap, request_topic=f"test.requests.{suffix}",
         result_topic=f"test.results.{suffix}", dead_letter_topic=f"test.dead-letter.{suffix}",
         status_topic=f"test.status.{suffix}", control_topic=f"test.control.{suffix}", group_id=f"fleet-{suffix}",
-        exactly_once=False,  # finals through the publisher, which puts the trace header on them
     )
     await ensure_topics(kafka)
     port = free_port()

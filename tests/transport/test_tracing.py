@@ -43,3 +43,17 @@ def test_only_records_with_a_traceparent_are_traced_and_a_final_ends_the_spans()
     assert names == ["llm.request", "publish", "queued"]  # answered without the engine: it only waited
     root = next(s for s in spans.get_finished_spans() if s.name == "llm.request")
     assert root.attributes["llm_worker.reason"] == "shed" and root.attributes["gen_ai.request.model"] == "m"
+
+
+def test_an_unsampled_trace_is_carried_on_and_nothing_is_recorded():
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    tracing = RequestTracing(provider.get_tracer("t"))
+    parent = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"
+    trace = tracing.begin([("traceparent", parent)], b"r2", _queued("r2"))
+    assert trace is not None and trace.span is None
+    final = encode(FinalRecord(id="r2", attempt=1, status="rejected", reason="shed"))
+    assert tracing.headers_for(b"r2", final) == [("traceparent", parent)]
+    assert spans.get_finished_spans() == ()
+    assert tracing.begin([("traceparent", b"00-zz-11-01")], b"r3", _queued("r3")) is None  # malformed: untraced

@@ -46,6 +46,26 @@ _FINAL_PREFIX = b'{"kind":"final"'
 _final_decoder = msgspec.json.Decoder(FinalRecord)
 
 
+def _parse(traceparent: bytes) -> tuple[int, int, int] | None:
+    """(trace id, span id, flags) of a W3C traceparent (00-<32 hex trace id>-<16 hex span id>-<2 hex flags>),
+    or None when malformed. Parsed here rather than by the SDK's propagator: it runs for every traced record."""
+    parts = traceparent.split(b"-")
+    if len(parts) < 4 or len(parts[1]) != 32 or len(parts[2]) != 16 or len(parts[3]) != 2 or parts[0] == b"ff":
+        return None
+    try:
+        trace_id, span_id, flags = int(parts[1], 16), int(parts[2], 16), int(parts[3], 16)
+    except ValueError:
+        return None
+    return (trace_id, span_id, flags) if trace_id and span_id else None
+
+
+def _parent_context(trace_id: int, span_id: int, flags: int):
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
+
+    parent = SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(flags & 0x01))
+    return set_span_in_context(NonRecordingSpan(parent))
+
+
 def _epoch_offset_ns() -> int:
     """Add to time.monotonic() * 1e9 to get epoch nanoseconds (the engine's timings are monotonic)."""
     return time.time_ns() - time.monotonic_ns()
@@ -55,7 +75,8 @@ def _epoch_offset_ns() -> int:
 class RequestTrace:
     """One traced request: its span, the header its result records carry, and the engine's timings."""
 
-    span: object
+    span: object | None
+    """None when the producer did not sample the trace (its context is carried on, nothing recorded)."""
     headers: list[tuple[str, bytes]]
     engine_times: tuple | None = None
     """(arrival, first scheduled, first token, finish), monotonic seconds, from the engine's last output."""
@@ -64,6 +85,8 @@ class RequestTrace:
 
     def engine_done(self, out) -> None:
         """The engine's final output for the request (streamer.py): keep its timings for the child spans."""
+        if self.span is None:
+            return
         self.engine_times = (out.arrival_time, out.first_scheduled_time, out.first_token_time, out.finish_time)
         self.final_built_ns = time.time_ns()
 
@@ -109,13 +132,21 @@ class RequestTracing:
                 break
         if parent is None:
             return None
-        from opentelemetry.propagate import extract
+        if len(parent) == 55 and parent.endswith(b"-00") and parent.startswith(b"00-"):
+            ids = None  # unsampled, the usual case: nothing here needs its ids
+        else:
+            ids = _parse(parent)
+            if ids is None:
+                return None
+        if ids is None or not ids[2] & 0x01:
+            # The producer did not sample this trace: its context travels on unchanged, and no span is made
+            # (the SDK's default, parent-based sampling, would make none; this skips its cost as well).
+            trace = RequestTrace(None, [(TRACEPARENT, parent)])
+            self._remember(key, trace)
+            return trace
+        context = _parent_context(*ids)
         from opentelemetry.trace import SpanKind
 
-        try:
-            context = extract({TRACEPARENT: parent.decode("ascii")})
-        except UnicodeDecodeError:
-            return None
         request = queued.request
         attributes = {
             "gen_ai.operation.name": "chat" if request.messages else "text_completion",
@@ -135,13 +166,16 @@ class RequestTracing:
         ctx = span.get_span_context()
         traceparent = f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{ctx.trace_flags:02x}".encode()
         trace = RequestTrace(span, [(TRACEPARENT, traceparent)])
+        self._remember(key, trace)
+        return trace
+
+    def _remember(self, key: bytes, trace: RequestTrace) -> None:
         self._open[key] = trace
         self._open.move_to_end(key)
         while len(self._open) > MAX_OPEN_TRACES:
             _, oldest = self._open.popitem(last=False)
-            if not oldest.ended:
+            if not oldest.ended and oldest.span is not None:
                 oldest.span.end()
-        return trace
 
     # -- its records handed to the producer (publisher.py) ---------------------------------------------------
     def headers_for(self, key: bytes | None, value: bytes):
@@ -162,6 +196,11 @@ class RequestTracing:
 
         now_ns = time.time_ns()
         span = trace.span
+        if span is None:
+            return
+        if not span.is_recording():  # sampled out by a sampler configured here: nothing to build or export
+            span.end(end_time=now_ns)
+            return
         try:
             final = _final_decoder.decode(value)
         except msgspec.DecodeError:
