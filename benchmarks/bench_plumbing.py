@@ -101,7 +101,9 @@ def worker_env(kafka: KafkaSettings) -> dict[str, str]:
                 KAFKA_STATUS_TOPIC=kafka.status_topic, KAFKA_GROUP_ID=kafka.group_id,
                 KAFKA_CONTROL_TOPIC=kafka.control_topic, KAFKA_EXACTLY_ONCE=str(kafka.exactly_once).lower(),
                 WORKER_METRICS_PORT="0", WORKER_MAX_POLL_RECORDS="2000", WORKER_MAX_WAITING="4000",
-                WORKER_RESUME_WAITING="2000", ENGINE_MAX_NUM_SEQS="512")
+                WORKER_RESUME_WAITING="2000", ENGINE_MAX_NUM_SEQS="512",
+                # A preloaded backlog is the point here, not an overload: nothing is shed for lag.
+                WORKER_MAX_QUEUE_TIME_S="[1000000.0, 1000000.0, 1000000.0]")
 
 
 def fresh_settings(bootstrap: str, exactly_once: bool) -> KafkaSettings:
