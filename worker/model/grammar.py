@@ -31,6 +31,7 @@ reached after the model's own choices) is a `GrammarError` at that step (engine/
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -47,6 +48,8 @@ log = logging.getLogger(__name__)
 
 CACHE_SIZE = 256
 """Distinct grammars kept compiled (failures included)."""
+COMPILE_NICE = 10
+"""Nice value of the compile threads (CFS gives a thread at 10 about a tenth of a core beside a busy one at 0)."""
 MAX_ABANDONED = 8
 """Compiles past their time budget whose threads may still run while others take their slots."""
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -224,6 +227,7 @@ class GrammarCompiler:
                 threading.Thread(target=self._run, args=(key, future), name="grammar", daemon=True).start()
 
     def _run(self, key: tuple[str, str], future: Future[Compiled]) -> None:
+        _lower_priority()
         try:
             result = self._compile(*key)
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
@@ -322,6 +326,16 @@ class GrammarCompiler:
             queued, self._queue = self._queue, deque()
         for _, future in queued:
             future.cancel()
+
+
+def _lower_priority() -> None:
+    """Compile threads run niced (Linux nice is per thread): a pathological grammar's compile then takes the
+    cores from the forward pass only when they would idle, and a compile starved that way meets the time
+    budget. The mask threads (llguidance's executor, started by the engine's thread) keep their priority."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
+    except (AttributeError, OSError):
+        pass
 
 
 def _run_into(future: Future, fn, *args) -> None:
