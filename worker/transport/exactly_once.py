@@ -87,6 +87,8 @@ class Lane:
     fenced: bool = False
     writing: bool = False
     needs_new_producer: bool = False
+    last_write_at: float = 0.0
+    """time.monotonic() when the lane last began writing a transaction."""
     num_transactions: int = 0
     last_committed: int | None = None
 
@@ -102,7 +104,7 @@ class FinalLanes:
         self.publisher = publisher
         self.replacement = replacement
         self.interval_s = interval_s
-        """How long a lane gathers finals before it writes them in one transaction."""
+        """A lane writes at most one transaction per interval: finals that come meanwhile wait for the next."""
         self.max_records = max_records
         """A lane writes at once when this many records wait."""
         self._lanes: dict[TopicPartition, Lane] = {}
@@ -207,13 +209,17 @@ class FinalLanes:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
             await lane.wake.wait()
-            if sum(len(p.records) for p in lane.pending) < self.max_records:
-                await asyncio.sleep(self.interval_s)
+            # At most one transaction per interval and lane: under load each carries many finals; after a
+            # quiet spell the first final goes at once instead of waiting out an interval alone.
+            since_last = time.monotonic() - lane.last_write_at
+            if since_last < self.interval_s and sum(len(p.records) for p in lane.pending) < self.max_records:
+                await asyncio.sleep(self.interval_s - since_last)
             lane.wake.clear()
             if not lane.pending:
                 continue
             batch, lane.pending = lane.pending, []
             lane.writing = True
+            lane.last_write_at = time.monotonic()
             try:
                 await self._write(lane, batch)
                 backoff = 0.1
