@@ -312,6 +312,13 @@ class WorkerSettings(BaseSettings):
     cancel_sync_timeout_s: float = Field(3.0, ge=0)
     """At start, how long request intake waits for the control topic to be read up to date (so that a
     redelivered request that was cancelled is not run first); past it intake starts anyway."""
+    malloc_arena_max: int = Field(2, ge=0)
+    """glibc malloc arenas the worker process may use, set at start (0: glibc's default, 8 per core). Grammars
+    compiled on one thread and freed on another leave holes in per-thread arenas: compiling 2,000 distinct
+    schemas past a full grammar cache grew the process ~35 KB a schema with the default, not at all with 2
+    (docs/memory.md)."""
+    malloc_trim_interval_s: float = Field(60.0, ge=0)
+    """How often free heap pages are handed back to the kernel (glibc malloc_trim, a few ms); 0 never."""
 
     @model_validator(mode="after")
     def _check(self) -> "WorkerSettings":

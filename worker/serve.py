@@ -16,6 +16,7 @@ import signal
 from worker.config import EngineSettings, KafkaSettings, WorkerSettings
 from worker.config_cli import masked_dump
 from worker.engine.api import Engine
+from worker.memory import limit_arenas
 from worker.transport.access_check import AccessDenied, Needs, check_access
 from worker.transport.engine_process import EngineProcess
 from worker.transport.worker import ACCESS_DENIED_EXIT, Worker
@@ -62,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
     engine_over = {k: v for k, v in (("model", args.model), ("policy", args.policy), ("device", args.device),
                                       ("sim_model", args.sim_model)) if v}
     kafka, settings, engine_settings = KafkaSettings(**kafka_over), WorkerSettings(**worker_over), EngineSettings(**engine_over)
+    limit_arenas(settings.malloc_arena_max)  # before the threads that would each make an arena (worker/memory.py)
     try:  # before the model loads: a wrong password or a missing ACL is known in a second, not after a minute
         asyncio.run(check_access(kafka, Needs.of_worker(kafka)))
     except AccessDenied as exc:

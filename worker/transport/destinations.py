@@ -34,6 +34,10 @@ DEFAULT_MAX_MESSAGE_BYTES = 1_048_588
 """The broker's default `message.max.bytes`: used when a topic's own limit cannot be read."""
 RECORD_OVERHEAD_BYTES = 128
 """A record batch's header (61 bytes) and one record's framing, with room to spare."""
+MAX_TOPICS = 1024
+"""Topics whose state is kept: with reply topics allowed by a prefix, requests may name any number of distinct
+topics, and each would otherwise stay known for good. Past it the least recently set states are forgotten (a
+forgotten topic is looked up again at its next record)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -140,8 +144,10 @@ class Destinations:
             await asyncio.sleep(min(0.5, max(0.05, deadline - time.monotonic())))
 
     def _set(self, topic: str, state: TopicState) -> None:
-        before = self._states.get(topic)
-        self._states[topic] = state
+        before = self._states.pop(topic, None)
+        self._states[topic] = state  # at the end: the dict's order is the order states were set
+        while len(self._states) > MAX_TOPICS:
+            del self._states[next(iter(self._states))]
         if before is None or before.available != state.available:
             self.on_change(topic, state)
 

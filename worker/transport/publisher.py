@@ -125,6 +125,11 @@ class Publisher:
         await self._producer.stop()
 
     @property
+    def num_cached_keys(self) -> int:
+        """Keys whose partition is remembered now (at most KEY_PARTITIONS_MAX)."""
+        return len(self._key_partitions)
+
+    @property
     def num_unacked(self) -> int:
         return self._num_unacked
 

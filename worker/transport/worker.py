@@ -55,9 +55,11 @@ from worker.transport.kafka_clients import RebalanceListener, make_consumer
 from worker.transport.load_control import LoadControl
 from worker.transport.local_queue import LocalQueue
 from worker.transport.loop_watchdog import LoopWatchdog
+from worker.memory import trim as trim_heap
+from worker.transport.memory_metrics import MemoryCollector
 from worker.transport.metrics import WorkerMetrics
 from worker.transport.offsets import OffsetTracker
-from worker.transport.destinations import TopicState
+from worker.transport.destinations import MAX_TOPICS, TopicState
 from worker.transport.exactly_once import FinalLanes
 from worker.transport.publisher import Publisher
 from worker.transport.service_model import ServiceModel
@@ -104,6 +106,7 @@ class Worker:
         inside one of them swallowed its cancellation."""
         self.cancels = CancelledIds(settings.cancel_ttl_s, settings.cancel_max_ids)
         self.control = ControlReader(kafka, self.cancels, self._on_cancel, client_id=f"{settings.worker_id}-control")
+        self.memory = MemoryCollector(self.metrics.registry, self._tables())
         self.tracing = RequestTracing.from_env(getattr(getattr(engine, "settings", None), "model", ""))
         """Traces through Kafka headers (tracing.py); None when off."""
 
@@ -117,6 +120,18 @@ class Worker:
         intake = getattr(self, "intake", None)
         return (self.started.is_set() and not self.stopping.is_set() and intake is not None
                 and intake.group_generation >= 0)
+
+    def _tables(self) -> dict:
+        """What each per-request table and cache holds now (memory_metrics.py; bounds in docs/memory.md). Read on
+        the metrics thread; parts built at connect are read through self, so a reconnect's new ones count."""
+        return {
+            "streams": lambda: len(self.streamer),
+            "local_queue": lambda: len(self.queue),
+            "offsets_pending": lambda: self.tracker.num_pending(),
+            "cancelled_ids": lambda: len(self.cancels),
+            "publisher_keys": lambda: self.publisher.num_cached_keys,
+            "metric_children": lambda: len(self.metrics._children),
+        }
 
     # -- wiring --------------------------------------------------------------------------------------------
     def _build(self, consumer: AIOKafkaConsumer, publisher: Publisher) -> None:
@@ -162,16 +177,27 @@ class Worker:
             self.intake.tracing = self.tracing
             publisher.headers_for = self.tracing.headers_for
 
+    def _topic_label(self, topic: str) -> str:
+        """A topic as a metric label: its name when configured, one label for the reply topics a prefix allows
+        (requests may name any number of them, and each label value is a series kept for good)."""
+        kafka = self.kafka
+        if topic in (kafka.result_topic, kafka.dead_letter_topic, kafka.status_topic, *kafka.allowed_reply_topics):
+            return topic
+        return "reply_topic_by_prefix"
+
     def _on_topic_change(self, topic: str, state: TopicState) -> None:
         """A destination topic went missing or came back: requests naming it as their reply topic are answered
         at once meanwhile (admission), and the gauge shows it."""
         if topic == self.kafka.result_topic or not self.admission.allows_reply_topic(topic):
             return
-        if state.available:
-            self.admission.unavailable_reply_topics.pop(topic, None)
-        else:
-            self.admission.unavailable_reply_topics[topic] = state.message
-        self.metrics.reply_topic_available.labels(topic=topic).set(1 if state.available else 0)
+        unavailable = self.admission.unavailable_reply_topics
+        unavailable.pop(topic, None)
+        if not state.available:
+            unavailable[topic] = state.message
+            while len(unavailable) > MAX_TOPICS:  # as many as Destinations remembers (a prefix allows any number)
+                del unavailable[next(iter(unavailable))]
+        if topic in self.kafka.allowed_reply_topics:  # one series per listed topic; prefixed ones are unbounded
+            self.metrics.reply_topic_available.labels(topic=topic).set(1 if state.available else 0)
 
     async def _destination_loop(self) -> None:
         """Look the topics records go to up at start-up, and the allowed reply topics again now and then (their
@@ -267,7 +293,7 @@ class Worker:
         backoff = 0.5
         while not self.stopping.is_set():
             publisher = Publisher(self.kafka.client_kwargs(),
-                                  on_dropped=lambda topic: self.metrics.dropped_for(topic).inc(),
+                                  on_dropped=lambda topic: self.metrics.dropped_for(self._topic_label(topic)).inc(),
                                   gather_s=self.io_gather_s, topic_wait_s=self.settings.destination_wait_s,
                                   on_topic_change=self._on_topic_change)
             consumer = make_consumer(self.kafka, self.settings)
@@ -344,7 +370,8 @@ class Worker:
         self.engine_thread.start()
         self.watchdog = LoopWatchdog()
         tasks = [asyncio.create_task(coro) for coro in (self._output_loop(), self._commit_loop(), self._control_loop(),
-                                                        self._destination_loop(), self.watchdog.run())]
+                                                        self._destination_loop(), self.watchdog.run(),
+                                                        self._trim_loop())]
         await self._wait_for_cancels()
         intake_task = asyncio.create_task(self._intake_loop())
         self.started.set()
@@ -427,6 +454,14 @@ class Worker:
                 self.dispatcher.admit()
             except Exception:  # noqa: BLE001 - publishing must go on for the other requests
                 log.exception("output handling failed")
+
+    async def _trim_loop(self) -> None:
+        """Free heap pages back to the kernel now and then (worker/memory.py): what a burst freed stops counting
+        in the worker's resident size."""
+        interval = self.settings.malloc_trim_interval_s
+        while not self.closing and interval > 0:
+            await asyncio.sleep(interval)
+            trim_heap()
 
     async def _commit_loop(self) -> None:
         while not self.closing:

@@ -1,0 +1,60 @@
+"""worker/memory.py on this machine's glibc: the allocator's account follows what is allocated and freed,
+trimming hands free pages back, and the arena cap is accepted."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+from worker import memory
+
+pytestmark = pytest.mark.skipif(memory.native_heap() is None, reason="needs glibc >= 2.33 (mallinfo2)")
+
+MB = 2**20
+
+
+def test_the_native_heap_counts_a_block_while_it_is_held_and_not_after():
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    before = memory.native_heap().in_use_bytes
+    block = libc.malloc(64 * MB)
+    try:
+        assert memory.native_heap().in_use_bytes - before >= 64 * MB
+    finally:
+        libc.free(block)
+    assert memory.native_heap().in_use_bytes - before < 8 * MB
+
+
+def test_trim_gives_freed_small_blocks_back_to_the_kernel():
+    # Many small blocks live in the arena (not mmapped one by one): freeing them leaves free memory in the arena
+    # that only a trim returns.
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    blocks = [libc.malloc(4096) for _ in range(20_000)]  # ~80 MB in 4 KB blocks
+    for block in blocks[:-1]:  # the last one pins the top of the heap, so free() alone cannot shrink it
+        libc.free(block)
+    try:
+        held = memory.native_heap().free_bytes
+        assert held >= 60 * MB
+        rss_before = memory.resident_bytes()
+        assert memory.trim()
+        assert memory.resident_bytes() < rss_before - 40 * MB
+    finally:
+        libc.free(blocks[-1])
+
+
+def test_the_arena_cap_is_accepted_and_zero_leaves_the_default():
+    assert memory.limit_arenas(0) is False
+    assert memory.limit_arenas(8) is True
+
+
+def test_resident_size_and_python_blocks_are_read():
+    assert memory.resident_bytes() > 10 * MB
+    assert memory.resident_bytes(999_999_999) is None
+    before = memory.python_allocated_blocks()
+    kept = [object() for _ in range(10_000)]
+    assert memory.python_allocated_blocks() - before >= 9_000
+    del kept

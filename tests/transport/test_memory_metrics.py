@@ -1,0 +1,37 @@
+"""The memory gauges on the worker's metrics endpoint, read back the way the soak benchmark reads them."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from benchmarks.bench_soak import parse_metrics
+from worker.transport.memory_metrics import MemoryCollector
+
+
+def test_tables_and_heap_gauges_are_exposed_and_a_failing_table_is_left_out():
+    registry = CollectorRegistry()
+    streams: dict = {"a": 1, "b": 2}
+
+    def not_built_yet() -> int:
+        raise AttributeError("queue")
+
+    MemoryCollector(registry, {"streams": lambda: len(streams), "local_queue": not_built_yet})
+    parsed = parse_metrics(generate_latest(registry).decode())
+    assert parsed["tables"] == {"streams": 2.0}
+    assert parsed["resident_memory_bytes"] > 0
+    assert parsed["python_allocated_blocks"] > 0
+    streams.clear()
+    assert parse_metrics(generate_latest(registry).decode())["tables"] == {"streams": 0.0}
+
+
+def test_a_worker_exposes_every_per_request_table():
+    from tests.transport.kafka_helpers import worker_settings
+    from worker.config import KafkaSettings
+    from worker.engine.instant import InstantEngine
+    from worker.transport.worker import Worker
+
+    worker = Worker(KafkaSettings(), worker_settings(), InstantEngine())
+    names = set(worker._tables())
+    assert {"streams", "local_queue", "offsets_pending", "cancelled_ids", "publisher_keys", "metric_children"} <= names
+    # Before connecting, the parts do not exist: the tables built at connect are left out, the others are there.
+    assert worker.memory.table_sizes() == {"cancelled_ids": 0, "metric_children": 0}

@@ -1,0 +1,97 @@
+"""The process's memory: how glibc's allocator is set up, what it holds, and the Python heap (docs/memory.md).
+
+Why the allocator needs settings: glibc malloc gives each thread that allocates an arena of its own (up to
+8 x cores of them), and memory freed into an arena stays there for that arena's reuse. A worker allocates
+from many threads: the event loop, the engine thread, llguidance's compile threads (one per compile) and its
+mask pool, torch's. A compiled grammar is built on a compile thread, kept in the engine's cache, and freed on
+another thread when a newer one evicts it; each arena then holds holes between long-lived blocks that its own
+threads rarely fill. With a distinct schema per request that grew the process by ~35 KB per schema after the
+grammar cache was full (a 256-entry cache, 2,000 schemas compiled beside it), where two arenas kept the same
+run flat to the megabyte. So the worker caps the arenas (`WORKER_MALLOC_ARENA_MAX`, 2 by default) and hands
+free pages back to the kernel now and then (`malloc_trim`, every `WORKER_MALLOC_TRIM_INTERVAL_S`).
+
+Pure ctypes on the C library the process already has: on a libc without these calls (musl, macOS) every
+function here answers None or False and changes nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import os
+import sys
+from dataclasses import dataclass
+
+M_ARENA_MAX = -8
+"""mallopt's parameter number for the arena cap (glibc malloc.h)."""
+
+
+class _Mallinfo2(ctypes.Structure):
+    # glibc >= 2.33: every field a size_t (the older mallinfo's ints wrap past 2 GiB).
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+@dataclass(frozen=True, slots=True)
+class NativeHeap:
+    """What glibc malloc holds, over every arena."""
+
+    in_use_bytes: int
+    """Allocated and not freed: small blocks in the arenas plus blocks mmapped on their own."""
+    free_bytes: int
+    """Freed into the arenas and kept there (reused by later allocations; `trim` returns whole pages of it)."""
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+    if not hasattr(libc, "mallopt"):  # not glibc
+        return None
+    return libc
+
+
+def limit_arenas(max_arenas: int) -> bool:
+    """Cap glibc's malloc arenas at `max_arenas` (arenas made before the call stay): call it before threads
+    start. 0 leaves glibc's default. True when the cap was set."""
+    libc = _libc()
+    if libc is None or max_arenas <= 0:
+        return False
+    return bool(libc.mallopt(M_ARENA_MAX, max_arenas))
+
+
+def trim() -> bool:
+    """Return the free pages of every arena to the kernel (glibc's malloc_trim); True when any was."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        return False
+    return bool(libc.malloc_trim(0))
+
+
+def native_heap() -> NativeHeap | None:
+    """glibc's own account of its heap (mallinfo2); None where it has none."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallinfo2"):
+        return None
+    libc.mallinfo2.restype = _Mallinfo2
+    info = libc.mallinfo2()
+    return NativeHeap(in_use_bytes=info.uordblks + info.hblkhd, free_bytes=info.fordblks)
+
+
+def python_allocated_blocks() -> int:
+    """Python objects' memory blocks allocated now (sys.getallocatedblocks: a counter, no walk of the heap)."""
+    return sys.getallocatedblocks()
+
+
+def resident_bytes(pid: int | None = None) -> int | None:
+    """Resident set size of a process (this one by default), from /proc; None where /proc has no answer."""
+    try:
+        with open(f"/proc/{pid or 'self'}/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
