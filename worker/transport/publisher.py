@@ -177,6 +177,10 @@ class Publisher:
         except asyncio.TimeoutError:
             return False
 
+    async def partition_of(self, topic: str, key: bytes | None) -> int:
+        """The partition a record of this key goes to (Kafka's default partitioner, as any producer would)."""
+        return await self._partition_of(topic, key)
+
     async def _partition_of(self, topic: str, key: bytes | None) -> int:
         cached = self._partitions.get(topic)
         if cached is None or time.monotonic() - cached[0] > PARTITIONS_TTL_S:
