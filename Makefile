@@ -4,9 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALL_STAMP := $(VENV)/.install-stamp
 
-.PHONY: setup jars model test test-fast broker-start broker-stop broker-status bench bench-overload bench-sim demo
+.PHONY: setup jars model promtool test test-fast broker-start broker-stop broker-status bench bench-overload bench-sim demo
 
-setup: $(INSTALL_STAMP) jars model
+setup: $(INSTALL_STAMP) jars model promtool
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +15,14 @@ $(BIN)/python:
 $(INSTALL_STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -e '.[test,model,bench]'
 	touch $@
+
+# promtool and prometheus (Debian's package) for the alert-rule tests (tests/test_alerts.py, and a real Prometheus
+# scraping a worker): installed once where apt-get is there and we are root; elsewhere those tests skip.
+promtool:
+	@command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 \
+	  || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] \
+	       && (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus) \
+	       || echo "prometheus/promtool not installed: the alert-rule tests will skip"; }
 
 # Apache Kafka's jars from Maven Central, once (a stamp in the jar folder makes later runs a no-op).
 jars: $(INSTALL_STAMP)

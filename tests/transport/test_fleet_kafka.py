@@ -1,15 +1,22 @@
 """Running as a fleet, through the real broker with one model-free worker shared by every case: the
-autoscaling signal in its status records and metrics, readiness on the metrics port, and traces through
-Kafka headers (a librdkafka producer's traceparent continues into the worker's spans and its results)."""
+autoscaling signal in its status records and metrics, readiness on the metrics port, traces through Kafka
+headers (a librdkafka producer's traceparent continues into the worker's spans and its results), and a real
+Prometheus (Debian's package) scraping the worker with deploy/alerts.yaml loaded."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
+import subprocess
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
+from pathlib import Path
 
 import pytest
+import yaml
 
 from schemas.request import GenerationRequest
 from worker.broker.net import free_port
@@ -140,3 +147,58 @@ async def test_a_traceparent_continues_into_the_workers_spans_and_its_results(fl
     # A request without a traceparent: no spans, no headers.
     untraced = await _result_headers(kafka, "scale-0")
     assert untraced and all(headers == [] for _, headers in untraced)
+
+
+PROMETHEUS = shutil.which("prometheus")
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+def _query(prom_port: int, path: str, **params) -> dict:
+    url = f"http://127.0.0.1:{prom_port}{path}" + ("?" + urllib.parse.urlencode(params) if params else "")
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return json.loads(response.read())["data"]
+
+
+@pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not installed (Debian: apt-get install prometheus; "
+                    "`make setup` does it where apt is available)")
+async def test_a_real_prometheus_scrapes_the_worker_and_evaluates_the_rules(fleet, tmp_path):
+    _, _, _, port, _ = fleet
+    prom_port = free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(yaml.safe_dump({
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(DEPLOY / "alerts.yaml")],
+        "scrape_configs": [{"job_name": "llm-worker", "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]}],
+    }))
+    log = open(tmp_path / "prometheus.log", "wb")
+    proc = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{prom_port}"], stdout=log, stderr=log)
+    try:
+        desired = kv = []
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 40
+        while not (desired and kv):
+            assert loop.time() < deadline, (tmp_path / "prometheus.log").read_text()[-2000:]
+            await asyncio.sleep(0.5)
+            try:
+                # The KEDA trigger's query, and the KV alert's with its threshold lowered to match an idle worker.
+                desired = (await asyncio.to_thread(_query, prom_port, "/api/v1/query",
+                                                   query="avg(llm_worker:desired_workers)"))["result"]
+                kv = (await asyncio.to_thread(_query, prom_port, "/api/v1/query",
+                                              query="llm_worker:kv_cache_usage_perc > -1"))["result"]
+            except OSError:
+                continue  # not listening yet
+        assert kv[0]["metric"]["instance"] == f"127.0.0.1:{port}" and kv[0]["metric"]["job"] == "llm-worker"
+        assert float(desired[0]["value"][1]) >= 0.0
+        deadline = loop.time() + 20
+        while True:
+            rules = [r for g in (await asyncio.to_thread(_query, prom_port, "/api/v1/rules"))["groups"]
+                     for r in g["rules"]]
+            if len(rules) == 6 and all(r.get("lastEvaluation", "").startswith("2") for r in rules):
+                break
+            assert loop.time() < deadline, rules
+            await asyncio.sleep(0.5)
+        assert all(r["health"] == "ok" for r in rules), rules
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -166,7 +166,10 @@ class WorkerMetrics:
                 ok = ready is not None and ready()
                 start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain")])
                 return [b"ready\n" if ok else b"not ready\n"]
-            return metrics_app(environ, start_response)
+            # prometheus_client answers an OpenMetrics Accept header (Prometheus sends one) with the ':' of our
+            # names escaped to '_', so Prometheus would store names other than the ones documented and queried
+            # (deploy/alerts.yaml): the classic text format keeps them as they are.
+            return metrics_app(dict(environ, HTTP_ACCEPT="text/plain; version=0.0.4"), start_response)
 
         server = make_server(addr, port, app, _ThreadingServer, handler_class=_QuietHandler)
         threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
