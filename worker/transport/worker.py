@@ -461,7 +461,7 @@ class Worker:
         interval = self.settings.malloc_trim_interval_s
         while not self.closing and interval > 0:
             await asyncio.sleep(interval)
-            trim_heap()
+            await asyncio.to_thread(trim_heap)  # tens of ms with a fragmented heap: not on the loop
 
     async def _commit_loop(self) -> None:
         while not self.closing:
