@@ -106,7 +106,7 @@ class FinalLanes:
         self.interval_s = interval_s
         """A lane writes at most one transaction per interval: finals that come meanwhile wait for the next."""
         self.max_records = max_records
-        """A lane writes at once when this many records wait."""
+        """A lane writes at once when this many answers wait."""
         self._lanes: dict[TopicPartition, Lane] = {}
         self.num_fenced = 0
         self.num_aborted = 0
@@ -199,7 +199,7 @@ class FinalLanes:
             log.debug("answer for %s@%s dropped: no lane (partition not owned)", partition, offset)
             return
         lane.pending.append(_Pending(offset, records))
-        if len(lane.pending) == 1 or sum(len(p.records) for p in lane.pending) >= self.max_records:
+        if len(lane.pending) == 1 or len(lane.pending) >= self.max_records:
             lane.wake.set()
 
     async def _run(self, lane: Lane) -> None:
@@ -212,7 +212,7 @@ class FinalLanes:
             # At most one transaction per interval and lane: under load each carries many finals; after a
             # quiet spell the first final goes at once instead of waiting out an interval alone.
             since_last = time.monotonic() - lane.last_write_at
-            if since_last < self.interval_s and sum(len(p.records) for p in lane.pending) < self.max_records:
+            if since_last < self.interval_s and len(lane.pending) < self.max_records:
                 await asyncio.sleep(self.interval_s - since_last)
             lane.wake.clear()
             if not lane.pending:
@@ -274,14 +274,14 @@ class FinalLanes:
         # whose chunks the publisher still holds wait for the next transaction (their offsets with them).
         unsettled = self.publisher.has_unsettled
 
-        def chunks_pending() -> list[_Pending]:
-            return [p for p in batch if any(unsettled(key) for _, key, _, final in p.records if final is not None)]
+        def chunks_pending(answers: list[_Pending]) -> list[_Pending]:
+            return [p for p in answers if any(unsettled(key) for _, key, _, final in p.records if final is not None)]
 
-        waiting = chunks_pending()
+        waiting = chunks_pending(batch)
         deadline = time.monotonic() + self.interval_s / 2
         while waiting and time.monotonic() < deadline:  # the last chunks are usually a send away
             await asyncio.sleep(0.002)
-            waiting = chunks_pending()
+            waiting = chunks_pending(waiting)
         if waiting:
             held = {id(p) for p in waiting}
             batch = [p for p in batch if id(p) not in held]
