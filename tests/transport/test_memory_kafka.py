@@ -27,7 +27,7 @@ KINDS = ("plain", "schema", "n2", "logprobs", "stop", "cancel")
 
 
 async def test_tables_are_empty_after_a_mixed_load(kafka_topics, tiny_model_path):
-    kafka = kafka_topics.model_copy(update={"exactly_once": False})
+    kafka = kafka_topics
     engine = tiny_engine(tiny_model_path)
     settings = worker_settings(cancel_max_ids=16)
     requests = [make_request(i, KINDS[i % len(KINDS)], 6, uuid.uuid4().hex[:6]) for i in range(90)]
@@ -65,6 +65,7 @@ async def test_tables_are_empty_after_a_mixed_load(kafka_topics, tiny_model_path
 
         tables = worker.memory.table_sizes()
         assert tables["streams"] == tables["local_queue"] == tables["offsets_pending"] == 0, tables
+        assert tables["engine_in_flight"] == 0, tables
         assert tables["cancelled_ids"] <= 16
         assert tables["metric_children"] <= 8
         # The engine's own tables: nothing of a finished request stays.

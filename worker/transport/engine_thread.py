@@ -123,6 +123,11 @@ class EngineThread:
         return self._thread.is_alive()
 
     @property
+    def num_in_flight(self) -> int:
+        """Requests handed to the engine whose final output has not come back (their replay records)."""
+        return len(self._in_flight)
+
+    @property
     def stats(self) -> EngineStats:
         # Replaced wholesale by the engine thread, so the loop thread always reads one consistent snapshot.
         return self._stats

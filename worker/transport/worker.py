@@ -127,6 +127,7 @@ class Worker:
         return {
             "streams": lambda: len(self.streamer),
             "local_queue": lambda: len(self.queue),
+            "engine_in_flight": lambda: self.engine_thread.num_in_flight,
             "offsets_pending": lambda: self.tracker.num_pending(),
             "cancelled_ids": lambda: len(self.cancels),
             "publisher_keys": lambda: self.publisher.num_cached_keys,
