@@ -21,6 +21,7 @@ the embedding program (as the tests do). Off, nothing is imported and the hot pa
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -120,7 +121,13 @@ class RequestTracing:
             provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
             trace.set_tracer_provider(provider)
             log.info("tracing: OTLP export to %s", os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "the default"))
-        return cls(provider.get_tracer("kafka-llm-worker"), model)
+        tracing = cls(provider.get_tracer("kafka-llm-worker"), model)
+        # The SDK, its exporter and their imports (protobuf, requests) are tens of thousands of objects that
+        # live as long as the process: out of the collector's sight, as the engine's start-up objects are, so
+        # that full collections do not walk them again and again.
+        gc.collect()
+        gc.freeze()
+        return tracing
 
     # -- a request record read ------------------------------------------------------------------------------
     def begin(self, headers, key: bytes, queued) -> RequestTrace | None:
