@@ -180,7 +180,7 @@ class EngineSettings(BaseSettings):
     """Structured output: the most symbols a compiled grammar may have (llguidance's max_grammar_size)."""
     grammar_lexer_fuel: int = Field(1_000_000, ge=1)
     """Structured output: work allowed to build a grammar's lexer (llguidance's initial_lexer_fuel, about 50 per
-    microsecond); `a{1000000}` reaches it. A 50,000-value enum needs about 700,000."""
+    microsecond); `a{1000000}` reaches it. A 50,000-value enum of short strings needs 500,000 to 700,000."""
     grammar_step_lexer_fuel: int = Field(200_000, ge=1)
     """Structured output: lexer work allowed per request per step when computing its mask (llguidance's
     step_lexer_fuel, about 14 per microsecond: the default bounds a row at about 15 ms)."""

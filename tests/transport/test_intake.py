@@ -15,7 +15,7 @@ from worker.config import KafkaSettings, WorkerSettings
 from worker.engine.api import EngineStats
 from worker.transport.admission import Admission
 from worker.transport.answers import Answers
-from worker.transport.dispatcher import Dispatcher
+from worker.transport.dispatcher import COMPILING_CAPS, Dispatcher
 from worker.transport.intake import Intake
 from worker.transport.load_control import LoadControl
 from worker.transport.backpressure import Backpressure
@@ -348,3 +348,23 @@ async def test_an_urgent_request_enters_past_a_cap_filled_with_less_urgent_work(
     assert w.streamer.num_open_by_priority == [4, 0, 4]
     left = [q.request.id for q in w.queue]
     assert len(left) == 3 and left[0].startswith("urgent-") and sorted(left[1:]) == ["bulk-4", "bulk-5"]
+
+
+async def test_requests_whose_grammar_compiles_hold_no_seat_up_to_some_caps_worth():
+    w = build()  # max_in_engine=4
+    for i in range(12):
+        send(w, 1, f"r-{i}")
+    await w.intake.fetch_once()
+    w.dispatcher.admit()
+    assert len(w.streamer) == 4
+    w.engine.stats = EngineStats(num_compiling=3)  # three of them wait for their grammars outside the scheduler
+    w.dispatcher.admit()
+    assert len(w.streamer) == 7
+    w.engine.stats = EngineStats(num_compiling=7)
+    w.dispatcher.admit()
+    assert len(w.streamer) == 11 and len(w.queue) == 1
+    # Never more than COMPILING_CAPS caps' worth past the cap: at a cap of 1, eleven compiling count as eight.
+    w.dispatcher.max_in_engine = 1
+    w.engine.stats = EngineStats(num_compiling=11)
+    w.dispatcher.admit()
+    assert COMPILING_CAPS == 8 and len(w.streamer) == 11 and len(w.queue) == 1

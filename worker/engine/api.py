@@ -172,6 +172,9 @@ class EngineStats:
     num_waiting_by_priority: tuple[int, ...] = ()
     """Requests in the scheduler's waiting queue (not started, or preempted), by priority 0, 1, ...; () where
     an engine does not count them."""
+    num_compiling: int = 0
+    """Structured-output requests held outside the scheduler while their grammars compile (in num_waiting too):
+    they hold no seat yet, and most hostile formats end there."""
 
 
 class Engine(Protocol):

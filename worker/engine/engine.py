@@ -436,6 +436,7 @@ class LLMEngine:
             max_model_len=self.scheduler.max_model_len,
             protected_priorities=self.scheduler.protected_priorities,
             num_waiting_by_priority=self.scheduler.num_waiting_by_priority(),
+            num_compiling=self.structured.num_held,
         )
 
     def generate(self, requests: list[EngineRequest]) -> dict[str, Completion]:

@@ -31,6 +31,12 @@ SEED_STRIDE = 0x9E3779B97F4A7C15
 request's seed (n = 1 samples as before), the others get seeds far from it and from each other."""
 
 
+COMPILING_CAPS = 8
+"""Requests waiting in the engine for their grammars to compile do not count against max_in_engine, up to this
+many times it (1,024 at the default cap of 128): each costs its spec's memory and a place in the compile queue,
+not a seat; hostile formats at volume (most end there, refused) then cannot crowd out requests that could run."""
+
+
 def completion_seed(seed: int | None, index: int) -> int | None:
     return None if seed is None else (seed + index * SEED_STRIDE) % 2**63
 
@@ -144,7 +150,10 @@ class Dispatcher:
         """Below the cap, or past it while less urgent requests hold places in the engine: the engine's
         scheduler preempts them for this one, so a cap filled with less urgent work cannot make an urgent
         request wait (the cap bounds what can still be shed or reordered here, not who may run)."""
-        if len(self.streamer) < self.max_in_engine:
+        # Requests whose grammar still compiles hold no seat (up to COMPILING_CAPS caps' worth of them): a crowd
+        # of formats that are slow to refuse must not keep requests that could run out of the engine.
+        num_compiling = min(self.engine.stats.num_compiling, COMPILING_CAPS * self.max_in_engine)
+        if len(self.streamer) - num_compiling < self.max_in_engine:
             return True
         num_open = self.streamer.num_open_by_priority
         return sum(num_open[priority + 1:]) > 0 and sum(num_open[:priority + 1]) < self.max_in_engine
