@@ -20,6 +20,9 @@ from gateway.door import Door
 from gateway.openai_api import Tiers, load_token_text
 from worker.config import GatewaySettings, KafkaSettings, PathSettings
 
+HELP = "run an OpenAI batch file (JSONL) through the workers, resumably"
+"""The one-line help of `llm-worker --help` (worker/cli.py finds this command by its entry point)."""
+
 BAR_WIDTH = 30
 REDRAW_S = 0.2
 

@@ -7,6 +7,9 @@ import logging
 
 from worker.config import GatewaySettings, KafkaSettings, PathSettings
 
+HELP = "the OpenAI-compatible HTTP gateway (chat, completions, files, batches)"
+"""The one-line help of `llm-worker --help` (worker/cli.py finds this command by its entry point)."""
+
 log = logging.getLogger(__name__)
 
 

@@ -27,6 +27,9 @@ from producer_examples.generate import summary_line
 from schemas.request import ChatMessage, GenerationRequest
 from worker.config import KafkaSettings, PathSettings
 
+HELP = "start a broker and a worker, stream a few answers, then overload it"
+"""The one-line help of `llm-worker --help` (worker/cli.py finds this command by its entry point)."""
+
 PROMPTS = [  # (priority, question): one per priority, answered side by side
     (0, "In two sentences, what is Apache Kafka used for?"),
     (1, "Give me three tips for writing clear code."),

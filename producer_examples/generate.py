@@ -29,6 +29,9 @@ from schemas.request import ChatMessage, GenerationRequest, JsonSchemaFormat, Js
 from schemas.result import FinalRecord
 from worker.config import KafkaSettings
 
+HELP = "send one prompt and stream the answer (example client)"
+"""The one-line help of `llm-worker --help` (worker/cli.py finds this command by its entry point)."""
+
 CANCEL_WAIT_S = 5.0
 INTERRUPTED = 130
 """Exit status after Ctrl-C (128 + SIGINT, as shells report it)."""

@@ -28,6 +28,9 @@ from producer_examples.loadstats import (
 from schemas.request import GenerationRequest
 from worker.config import KafkaSettings
 
+HELP = "Poisson load by priority; throughput and latency percentiles"
+"""The one-line help of `llm-worker --help` (worker/cli.py finds this command by its entry point)."""
+
 WORDS = ("river", "mountain", "engine", "garden", "signal", "harbor", "lantern", "market", "orbit", "thread",
          "valley", "compass", "meadow", "circuit", "glacier", "library")
 

@@ -162,3 +162,32 @@ def test_transport_speaks_to_the_engine_only_through_its_api():
     ]
     assert engine_imports == []
     assert violations(transport, ("worker.model", "kernels", "torch", "llguidance")) == []
+
+
+def test_the_worker_never_names_its_clients():
+    """No import of the client side from worker/, and no module name of it in a string either (an importlib
+    call is an import all the same): client commands reach `llm-worker` through the `llm_worker.commands`
+    entry points that pyproject.toml declares."""
+    clients = ("producer_examples", "gateway")
+    found = violations(modules_under("worker"), clients)
+    for name, path in source_files().items():
+        if not is_under(name, "worker"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            # A dotted module path ("gateway.cli"), or the client package's own name; a folder called "gateway"
+            # (the gateway's data directory) is no import.
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and (
+                    node.value == "producer_examples" or any(node.value.startswith(c + ".") for c in clients)):
+                found.append(f"{name}: {node.value!r}")
+    assert found == []
+
+
+def test_every_client_command_is_registered_as_an_entry_point():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    commands = project["project"]["entry-points"]["llm_worker.commands"]
+    for name, module in commands.items():
+        path = ROOT / (module.replace(".", "/") + ".py")
+        source = path.read_text()
+        assert "def configure_parser(" in source and "def run(" in source and "\nHELP = " in source, name

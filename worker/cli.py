@@ -2,7 +2,9 @@
 
 Subcommands live in their own modules and are imported only when run, so `llm-worker --help` and the
 Kafka-only commands never import torch. Each module provides `configure_parser(parser)` and
-`run(args) -> int`.
+`run(args) -> int`. The worker's own commands are listed here; the clients' (the example producers, the
+gateway) register themselves as entry points of the group `llm_worker.commands` (pyproject.toml), so the
+worker package never names, let alone imports, its clients.
 """
 
 from __future__ import annotations
@@ -20,12 +22,16 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "model": ("worker.model.pull", "provision the default model (SmolLM2-135M-Instruct) or list models"),
     "config": ("worker.config_cli", "print the effective configuration or the settings table"),
     "serve": ("worker.serve", "consume requests from Kafka, generate, stream results (the worker)"),
-    "generate": ("producer_examples.generate", "send one prompt and stream the answer (example client)"),
-    "loadgen": ("producer_examples.loadgen", "Poisson load by priority; throughput and latency percentiles"),
-    "demo": ("producer_examples.demo", "start a broker and a worker, stream a few answers, then overload it"),
-    "gateway": ("gateway.cli", "the OpenAI-compatible HTTP gateway (chat, completions, files, batches)"),
-    "batch": ("gateway.batch_cli", "run an OpenAI batch file (JSONL) through the workers, resumably"),
 }
+COMMANDS_GROUP = "llm_worker.commands"
+"""Entry-point group of commands that other packages add (`name = "module"`; the module has a HELP line)."""
+
+
+def registered_commands() -> dict[str, str]:
+    """name -> module of the commands other installed packages register (the clients' commands)."""
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep.value.split(":")[0] for ep in entry_points(group=COMMANDS_GROUP) if ep.name not in SUBCOMMANDS}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
+    for name, module in sorted(registered_commands().items()):
+        sub.add_parser(name, help=f"(from {module})", add_help=False)
     return parser
 
 
@@ -60,8 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     ours = [h for h in logging.getLogger().handlers if h not in root_handlers]
     install_transient_downgrade(ours)
     limiters = install_repeat_limits(ours)
-    module_name, help_text = SUBCOMMANDS[top.command]
+    if top.command in SUBCOMMANDS:
+        module_name, help_text = SUBCOMMANDS[top.command]
+    else:
+        module_name = registered_commands()[top.command]
+        help_text = None
     module = importlib.import_module(module_name)
+    help_text = help_text or getattr(module, "HELP", None) or (module.__doc__ or "").strip().split("\n")[0]
     sub_parser = argparse.ArgumentParser(prog=f"llm-worker {top.command}", description=help_text)
     module.configure_parser(sub_parser)
     args = sub_parser.parse_args(rest)
