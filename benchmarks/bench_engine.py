@@ -104,7 +104,7 @@ class _Replay:
 
 def run_engine(engine: LLMEngine, trace: Trace, system: str) -> RunResult:
     """Replays `trace` in real time through the Engine contract (worker/engine/api.py), as the worker's engine
-    thread drives it (worker/transport/engine_thread.py): add what has arrived, step while wake_time() is
+    thread drives it (worker/transport/requests/engine_thread.py): add what has arrived, step while wake_time() is
     due, otherwise sleep until the earlier of wake_time() and the next arrival. A request arriving while a
     step runs is added after it, with its arrival time, so queueing counts in latency (open loop)."""
     replay = _Replay(engine, trace)

@@ -300,7 +300,7 @@ class Soak:
     async def rebalance_midway(self, at_s: float) -> None:
         """A second member of the group for `rebalance_hold_s`: it takes half the partitions, reads nothing,
         commits nothing, and leaves; the worker gets them back and serves what waited there."""
-        from worker.transport.kafka_clients import make_consumer
+        from worker.transport.kafka.kafka_clients import make_consumer
 
         await asyncio.sleep(max(0.0, self.t0 + at_s - time.monotonic()))
         member = make_consumer(self.kafka, WorkerSettings(worker_id=f"soak-member-{self.run_id}", metrics_port=0))

@@ -3,7 +3,7 @@ KEDA drives it) sizes from the workers' `desired_workers`, and how fast and how 
 
 No broker, no engine: offered load arrives as Poisson requests over three priorities, the ready workers serve
 the backlog most urgent first at a fixed capacity each, and every worker runs the real estimator
-(worker/transport/autoscale.py: ArrivalRate and workers_needed) on its share of the partitions at every
+(worker/transport/load/autoscale.py: ArrivalRate and workers_needed) on its share of the partitions at every
 control tick. The autoscaler polls every 15 s, asks for ceil(average estimate) within a 10 % tolerance,
 scales up at once and down only to the largest recommendation of its stabilization window (the HPA's rules);
 a new worker is ready only after it loaded its model and joined the group.
@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from worker.transport.autoscale import TARGET_UTILIZATION, ScaleSignal
+from worker.transport.load.autoscale import TARGET_UTILIZATION, ScaleSignal
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

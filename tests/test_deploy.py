@@ -15,7 +15,7 @@ import yaml
 
 from tests.test_compose import _settings_by_prefix
 from worker.transport.metrics import WorkerMetrics
-from worker.transport.tracing import OTEL_ENV
+from worker.transport.requests.tracing import OTEL_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -105,7 +105,7 @@ def test_every_env_name_is_a_worker_setting() -> None:
     spec = _kind("Deployment")["spec"]["template"]["spec"]
     for container in spec["containers"] + spec.get("initContainers", []):
         for name in _env(container):
-            if name.startswith("OTEL_"):  # the OpenTelemetry SDK's own, read by worker/transport/tracing.py
+            if name.startswith("OTEL_"):  # the OpenTelemetry SDK's own, read by worker/transport/requests/tracing.py
                 assert name in OTEL_ENV, name
                 continue
             prefix = max((p for p in by_prefix if name.startswith(p)), key=len, default=None)

@@ -121,6 +121,28 @@ def test_engine_never_imports_the_transport():
     assert violations(modules_under("worker.engine"), ("worker.transport",)) == []
 
 
+# The transport's rooms, and what each may import of the others: the load policy is pure, the Kafka plumbing
+# knows no policy and no request, the request path uses both; worker.py (and its status reporter) wire them.
+TRANSPORT_TOP = ("worker.transport.worker", "worker.transport.status_report")
+
+
+@pytest.mark.parametrize("room, forbidden", [
+    ("worker.transport.load", ("worker.transport.kafka", "worker.transport.requests", *TRANSPORT_TOP, "aiokafka")),
+    ("worker.transport.kafka", ("worker.transport.load", "worker.transport.requests", *TRANSPORT_TOP)),
+    ("worker.transport.requests", TRANSPORT_TOP),
+])
+def test_transport_rooms_import_one_way(room: str, forbidden: tuple[str, ...]):
+    assert len(modules_under(room)) >= 5, f"{room}: moved or emptied; update this test"
+    assert violations(modules_under(room), forbidden) == []
+
+
+def test_the_transport_keeps_few_modules_outside_its_rooms():
+    loose = {m for m in modules_under("worker.transport") if m.count(".") == 2}
+    rooms = {"worker.transport.kafka", "worker.transport.load", "worker.transport.requests"}
+    assert loose - rooms == {"worker.transport.loop_watchdog", "worker.transport.memory_metrics",
+                             "worker.transport.metrics", *TRANSPORT_TOP}, loose
+
+
 def closure(name: str) -> list[str]:
     """Every module of ours that importing `name` runs besides itself (parent packages included)."""
     seen: list[str] = []

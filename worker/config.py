@@ -274,7 +274,7 @@ class WorkerSettings(BaseSettings):
     between reads, and the publisher lets records gather as long before a send: fewer wake-ups of the worker's
     loop, each of which takes the core from the forward on a CPU worker. 0 reads and sends at once."""
     engine_process: bool = False
-    """Run the engine core in a process of its own (worker/transport/engine_process.py), as vLLM v1 and SGLang
+    """Run the engine core in a process of its own (worker/transport/requests/engine_process.py), as vLLM v1 and SGLang
     do, so the transport's Python never holds the engine's GIL; the worker joins its group once the engine in
     the child is built. Off: the engine runs in a thread of the worker's process."""
     drain_timeout_s: float = Field(30.0, ge=0)

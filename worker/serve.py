@@ -17,8 +17,8 @@ from worker.config import EngineSettings, KafkaSettings, WorkerSettings
 from worker.config_cli import masked_dump
 from worker.engine.api import Engine
 from worker.memory import limit_arenas
-from worker.transport.access_check import AccessDenied, Needs, check_access
-from worker.transport.engine_process import EngineProcess
+from worker.transport.kafka.access_check import AccessDenied, Needs, check_access
+from worker.transport.requests.engine_process import EngineProcess
 from worker.transport.worker import ACCESS_DENIED_EXIT, Worker
 
 log = logging.getLogger(__name__)

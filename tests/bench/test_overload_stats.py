@@ -228,7 +228,7 @@ def test_the_worker_cpu_reading_tells_the_engine_thread_from_the_others():
     import time
 
     from benchmarks.bench_overload import worker_thread_cpu
-    from worker.transport.engine_thread import name_os_thread
+    from worker.transport.requests.engine_thread import name_os_thread
 
     done = threading.Event()
 

@@ -2,7 +2,7 @@
 
 from schemas.request import ChatMessage
 from worker.engine.api import EngineStats
-from worker.transport.admission import DEADLINE_SAFETY_FACTOR, DEADLINE_SAFETY_S, Admission, estimate_prompt_tokens
+from worker.transport.load.admission import DEADLINE_SAFETY_FACTOR, DEADLINE_SAFETY_S, Admission, estimate_prompt_tokens
 
 
 def make(itl=(50.0, 0.0, 0.0)) -> Admission:

@@ -1,4 +1,4 @@
-"""aiokafka's private state that worker/transport/aiokafka_compat.py reads: these fail when a new aiokafka
+"""aiokafka's private state that worker/transport/kafka/aiokafka_compat.py reads: these fail when a new aiokafka
 release moves it, before a worker would fail in production."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
-from worker.transport.aiokafka_compat import fail_unsent_batches, group_generation
+from worker.transport.kafka.aiokafka_compat import fail_unsent_batches, group_generation
 
 
 async def test_an_unstarted_consumer_has_no_group_coordinator_yet():

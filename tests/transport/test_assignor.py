@@ -11,8 +11,8 @@ from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment, Cons
 from aiokafka.protocol.metadata import MetadataResponse_v0
 
 from schemas.priority import priority_of_partition
-from worker.transport.aiokafka_compat import group_generation
-from worker.transport.assignor import (
+from worker.transport.kafka.aiokafka_compat import group_generation
+from worker.transport.kafka.assignor import (
     PriorityRoundRobinAssignor,
     assign_by_priority,
     assign_sticky,

@@ -19,7 +19,7 @@ from aiokafka.protocol.metadata import MetadataResponse_v0
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from worker.transport.assignor import (
+from worker.transport.kafka.assignor import (
     PriorityRoundRobinAssignor,
     assign_sticky,
     decode_user_data,

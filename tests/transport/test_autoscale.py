@@ -1,4 +1,4 @@
-"""The autoscaling signal (worker/transport/autoscale.py): workers needed from backlog, budgets, offered load
+"""The autoscaling signal (worker/transport/load/autoscale.py): workers needed from backlog, budgets, offered load
 and capacity, and the offered load measured from tokens read and unread."""
 
 import pytest
@@ -6,10 +6,10 @@ import pytest
 from schemas.decode import encode
 from schemas.status import WorkerStatus
 from worker.engine.api import EngineStats
-from worker.transport.autoscale import TARGET_UTILIZATION, ArrivalRate, ScaleSignal, workers_needed
-from worker.transport.load_control import LoadDecision
+from worker.transport.load.autoscale import TARGET_UTILIZATION, ArrivalRate, ScaleSignal, workers_needed
+from worker.transport.load.load_control import LoadDecision
 from worker.transport.metrics import WorkerMetrics
-from worker.transport.shedding import ShedDecision
+from worker.transport.load.shedding import ShedDecision
 from worker.transport.status_report import LoadView, StatusReporter
 
 

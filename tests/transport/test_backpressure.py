@@ -2,7 +2,7 @@
 urgent first one level per dwell period, hysteresis between watermarks."""
 
 from worker.config import WorkerSettings
-from worker.transport.backpressure import Backpressure, LoadSnapshot
+from worker.transport.load.backpressure import Backpressure, LoadSnapshot
 
 
 def make(**overrides) -> Backpressure:

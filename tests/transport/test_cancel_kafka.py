@@ -259,7 +259,7 @@ async def test_a_cancelled_request_redelivered_after_a_restart_stays_cancelled(k
 
 async def test_a_missing_control_topic_holds_nothing_up_and_is_read_once_created(kafka_settings, monkeypatch):
     from worker.broker.topics import ensure_topics
-    from worker.transport import control
+    from worker.transport.requests import control
 
     monkeypatch.setattr(control, "MISSING_TOPIC_RETRY_S", 0.5)
     kafka = kafka_settings

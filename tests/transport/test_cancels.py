@@ -13,9 +13,9 @@ import pytest
 from schemas import CancelRecord, FinalRecord, decode_control, decode_result, encode
 from schemas.export import JSON_DIR, schema_path
 from worker.engine.api import RequestOutput
-from worker.transport.cancels import CancelledIds
-from worker.transport.local_queue import LocalQueue
-from worker.transport.offsets import OffsetTracker
+from worker.transport.requests.cancels import CancelledIds
+from worker.transport.requests.local_queue import LocalQueue
+from worker.transport.kafka.offsets import OffsetTracker
 from tests.transport.fakes import FakePublisher
 from tests.transport.test_intake import build, send
 from tests.transport.test_streamer import make_streamer, output, queued
@@ -220,7 +220,7 @@ async def test_an_aborts_final_reaches_the_loop_before_the_next_step_ends():
 
     from worker.engine.api import EngineRequest, SamplingParams
     from worker.engine.instant import InstantEngine
-    from worker.transport.engine_thread import EngineThread
+    from worker.transport.requests.engine_thread import EngineThread
 
     step_s = 0.4
     outputs: asyncio.Queue = asyncio.Queue()

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from schemas.request import GenerationRequest, SamplingSpec
-from worker.transport.dispatcher import to_engine_requests
-from worker.transport.local_queue import QueuedRequest
+from worker.transport.requests.dispatcher import to_engine_requests
+from worker.transport.requests.local_queue import QueuedRequest
 from tests.transport.kafka_helpers import Collector, produce_requests, running_worker, worker_settings
 from tests.transport.test_stream_kafka import direct_texts, tiny_engine
 

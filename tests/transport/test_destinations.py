@@ -10,10 +10,10 @@ from aiokafka.errors import KafkaConnectionError
 
 from schemas import FinalRecord, decode_result
 from schemas.result import TokenLogprob, TopLogprob, Usage
-from worker.transport.answers import Answers
-from worker.transport.destinations import DEFAULT_MAX_MESSAGE_BYTES, Destinations
+from worker.transport.requests.answers import Answers
+from worker.transport.kafka.destinations import DEFAULT_MAX_MESSAGE_BYTES, Destinations
 from worker.transport.metrics import WorkerMetrics
-from worker.transport.offsets import OffsetTracker
+from worker.transport.kafka.offsets import OffsetTracker
 from tests.transport.fakes import FakePublisher
 
 

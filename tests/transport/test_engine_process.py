@@ -1,4 +1,4 @@
-"""The engine core in its own process (worker/transport/engine_process.py): EngineThread's interface across a
+"""The engine core in its own process (worker/transport/requests/engine_process.py): EngineThread's interface across a
 pipe, a child that cannot build its engine reported at spawn, and the whole worker on Kafka with
 WORKER_ENGINE_PROCESS (the same streamed texts as the engine run directly, a clean stop)."""
 
@@ -15,7 +15,7 @@ from tests.transport.test_stream_kafka import as_engine_request, direct_texts, t
 from worker.config import EngineSettings
 from worker.engine.api import EngineRequest, SamplingParams
 from worker.serve import build_engine
-from worker.transport.engine_process import EngineProcess
+from worker.transport.requests.engine_process import EngineProcess
 
 pytestmark = pytest.mark.slow  # starts engine processes: in the full suite, not the fast subset
 

@@ -9,7 +9,7 @@ import pytest
 
 from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.instant import InstantEngine, expected_text
-from worker.transport.engine_thread import MAX_FAILED_STEPS, EngineThread
+from worker.transport.requests.engine_thread import MAX_FAILED_STEPS, EngineThread
 
 
 async def collect(outputs: asyncio.Queue, ids: set[str], timeout=10.0) -> dict:

@@ -28,7 +28,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from schemas.decode import encode
 from schemas.priority import partition_for
-from worker.transport.tracing import RequestTracing
+from worker.transport.requests.tracing import RequestTracing
 from worker.transport.worker import Worker
 from tests.transport.kafka_helpers import Collector, produce_requests, worker_settings
 

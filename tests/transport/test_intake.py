@@ -13,18 +13,18 @@ from aiokafka import TopicPartition
 from schemas.limits import DEFAULT_LIMITS
 from worker.config import KafkaSettings, WorkerSettings
 from worker.engine.api import EngineStats
-from worker.transport.admission import Admission
-from worker.transport.answers import Answers
-from worker.transport.dispatcher import COMPILING_CAPS, Dispatcher
-from worker.transport.intake import Intake
-from worker.transport.load_control import LoadControl
-from worker.transport.backpressure import Backpressure
-from worker.transport.local_queue import LocalQueue
+from worker.transport.load.admission import Admission
+from worker.transport.requests.answers import Answers
+from worker.transport.requests.dispatcher import COMPILING_CAPS, Dispatcher
+from worker.transport.requests.intake import Intake
+from worker.transport.load.load_control import LoadControl
+from worker.transport.load.backpressure import Backpressure
+from worker.transport.requests.local_queue import LocalQueue
 from worker.transport.metrics import WorkerMetrics
-from worker.transport.offsets import OffsetTracker
-from worker.transport.service_model import ServiceModel
-from worker.transport.shedding import Shedder
-from worker.transport.streamer import Streamer
+from worker.transport.kafka.offsets import OffsetTracker
+from worker.transport.load.service_model import ServiceModel
+from worker.transport.load.shedding import Shedder
+from worker.transport.requests.streamer import Streamer
 from tests.transport.fakes import TOPIC, FakeConsumer, FakeEngineThread, FakePublisher, request_bytes, request_partition
 
 KAFKA = KafkaSettings(num_priorities=3, partitions_per_priority=2, allowed_reply_topics=["replies.ok"])
@@ -256,8 +256,8 @@ async def test_stop_fetching_pauses_everything_and_later_decisions_do_not_resume
 
 def test_the_engine_request_carries_sampling_deadline_and_arrival_on_the_monotonic_clock():
     from schemas.request import GenerationRequest, SamplingSpec
-    from worker.transport.dispatcher import to_engine_requests
-    from worker.transport.local_queue import QueuedRequest
+    from worker.transport.requests.dispatcher import to_engine_requests
+    from worker.transport.requests.local_queue import QueuedRequest
 
     now_ms = int(time.time() * 1000)
     request = GenerationRequest(id="x", prompt="hi", max_new_tokens=7,
@@ -276,8 +276,8 @@ def test_the_engine_request_carries_sampling_deadline_and_arrival_on_the_monoton
 
 def test_n_completions_are_engine_requests_with_derived_seeds_that_wait_for_the_first_ones_prompt():
     from schemas.request import GenerationRequest, SamplingSpec
-    from worker.transport.dispatcher import completion_seed, to_engine_requests
-    from worker.transport.local_queue import QueuedRequest
+    from worker.transport.requests.dispatcher import completion_seed, to_engine_requests
+    from worker.transport.requests.local_queue import QueuedRequest
 
     def engine_requests(**fields):
         request = GenerationRequest(id="x", prompt="hi", max_new_tokens=7, **fields)

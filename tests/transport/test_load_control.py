@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from worker.config import WorkerSettings
-from worker.transport.backpressure import Backpressure
-from worker.transport.load_control import LoadControl
+from worker.transport.load.backpressure import Backpressure
+from worker.transport.load.load_control import LoadControl
 from worker.engine.api import EngineStats
-from worker.transport.service_model import ServiceModel
-from worker.transport.shedding import Shedder
+from worker.transport.load.service_model import ServiceModel
+from worker.transport.load.shedding import Shedder
 
 
 def make(rate_per_s: float = 0.0, **overrides) -> LoadControl:

@@ -9,11 +9,11 @@ from pathlib import Path
 
 from worker.config import KafkaSettings
 from worker.engine.instant import InstantEngine
-from worker.transport import publisher as publisher_module
-from worker.transport.admission import Admission
-from worker.transport.cancels import CancelledIds
-from worker.transport.destinations import MAX_TOPICS, Destinations, TopicState
-from worker.transport.publisher import Publisher
+from worker.transport.kafka import publisher as publisher_module
+from worker.transport.load.admission import Admission
+from worker.transport.requests.cancels import CancelledIds
+from worker.transport.kafka.destinations import MAX_TOPICS, Destinations, TopicState
+from worker.transport.kafka.publisher import Publisher
 from worker.transport.worker import Worker
 from tests.transport.kafka_helpers import worker_settings
 

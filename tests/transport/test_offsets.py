@@ -3,7 +3,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from worker.transport.offsets import OffsetTracker
+from worker.transport.kafka.offsets import OffsetTracker
 
 
 def test_watermark_waits_for_the_lowest_pending_offset():

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from aiokafka import AIOKafkaConsumer
 
-from worker.transport.publisher import Publisher
+from worker.transport.kafka.publisher import Publisher
 
 pytestmark = pytest.mark.kafka
 

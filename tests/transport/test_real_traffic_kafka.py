@@ -34,7 +34,7 @@ from tests.transport.kafka_helpers import Collector, running_worker, worker_sett
 from tests.transport.real_producers import CODECS, request_partition, wait_until_committed_to_end
 from tests.transport.test_stream_kafka import tiny_engine
 from worker.config import KafkaSettings
-from worker.transport.answers import MAX_DEAD_LETTER_KEY
+from worker.transport.requests.answers import MAX_DEAD_LETTER_KEY
 
 pytestmark = pytest.mark.kafka
 

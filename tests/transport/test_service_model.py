@@ -4,7 +4,7 @@ saturated, request costs corrected by what finished requests really used."""
 import pytest
 
 from worker.engine.api import EngineStats
-from worker.transport.service_model import ServiceModel
+from worker.transport.load.service_model import ServiceModel
 
 STEP = EngineStats(step_time_base_s=0.05, step_time_per_token_s=0.001)
 

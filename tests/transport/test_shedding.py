@@ -2,7 +2,7 @@
 
 import pytest
 
-from worker.transport.shedding import CompletionRate, Shedder
+from worker.transport.load.shedding import CompletionRate, Shedder
 
 
 def rate_of(per_s: float) -> CompletionRate:
@@ -62,7 +62,7 @@ def test_hysteresis_keeps_shedding_until_well_below_the_limit():
 
 
 def test_a_priority_not_read_yet_borrows_the_share_of_valid_records_seen_at_the_others():
-    from worker.transport.shedding import ReachFraction
+    from worker.transport.load.shedding import ReachFraction
 
     reach = ReachFraction(3)
     assert reach.fractions() == [1.0, 1.0, 1.0]  # nothing seen: every unread record counts

@@ -10,8 +10,8 @@ import pytest
 from schemas.request import GenerationRequest, SamplingSpec
 from worker.engine.api import EngineRequest
 from worker.engine.instant import InstantEngine
-from worker.transport.dispatcher import to_engine_requests
-from worker.transport.local_queue import QueuedRequest
+from worker.transport.requests.dispatcher import to_engine_requests
+from worker.transport.requests.local_queue import QueuedRequest
 from tests.transport.kafka_helpers import Collector, produce_requests, running_worker, worker_settings
 
 pytestmark = pytest.mark.kafka

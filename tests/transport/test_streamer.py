@@ -9,13 +9,13 @@ from aiokafka import TopicPartition
 
 from schemas.request import GenerationRequest
 from worker.engine.api import RequestOutput
-from worker.transport.answers import Answers
-from worker.transport.local_queue import QueuedRequest
+from worker.transport.requests.answers import Answers
+from worker.transport.requests.local_queue import QueuedRequest
 from worker.transport.metrics import WorkerMetrics
-from worker.transport.offsets import OffsetTracker
+from worker.transport.kafka.offsets import OffsetTracker
 from worker.engine.api import EngineStats
-from worker.transport.service_model import ServiceModel
-from worker.transport.streamer import Streamer
+from worker.transport.load.service_model import ServiceModel
+from worker.transport.requests.streamer import Streamer
 from tests.transport.fakes import TOPIC, FakePublisher
 
 

@@ -13,8 +13,8 @@ from aiokafka import TopicPartition
 
 from schemas.decode import decode_request
 from worker.engine.api import StructuredOutput
-from worker.transport.dispatcher import structured_output, to_engine_requests
-from worker.transport.local_queue import QueuedRequest
+from worker.transport.requests.dispatcher import structured_output, to_engine_requests
+from worker.transport.requests.local_queue import QueuedRequest
 
 SCHEMA = {"type": "object", "properties": {"zeta": {"type": "integer"}, "alpha": {"enum": ["a", "b"]}},
           "required": ["zeta", "alpha"]}

@@ -1,4 +1,4 @@
-"""Tracing off costs nothing, and a record without a traceparent is not traced (worker/transport/tracing.py);
+"""Tracing off costs nothing, and a record without a traceparent is not traced (worker/transport/requests/tracing.py);
 the spans through the real broker are in test_fleet_kafka.py."""
 
 from opentelemetry.sdk.trace import TracerProvider
@@ -8,8 +8,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from schemas.decode import encode
 from schemas.request import GenerationRequest
 from schemas.result import FinalRecord, Usage
-from worker.transport.local_queue import QueuedRequest
-from worker.transport.tracing import OTEL_ENV, RequestTracing
+from worker.transport.requests.local_queue import QueuedRequest
+from worker.transport.requests.tracing import OTEL_ENV, RequestTracing
 
 
 def _queued(request_id: str = "r1") -> QueuedRequest:

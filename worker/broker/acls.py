@@ -85,7 +85,7 @@ async def _send_each(admin_settings: KafkaSettings, requests: list, results_fiel
     from aiokafka.admin import AIOKafkaAdminClient
     from aiokafka.errors import for_code
 
-    from worker.transport.aiokafka_compat import send_admin_request
+    from worker.transport.kafka.aiokafka_compat import send_admin_request
 
     admin = AIOKafkaAdminClient(**admin_settings.client_kwargs())
     await admin.start()

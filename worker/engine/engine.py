@@ -1,7 +1,7 @@
 """`LLMEngine`: the scheduler, the model runner, the sampler and the detokenizer in one synchronous loop.
 
 `step()` is schedule → run → sample → update → postprocess. It runs in its own thread
-(worker/transport/engine_thread.py) and speaks only the plain objects of worker/engine/api.py to the outside.
+(worker/transport/requests/engine_thread.py) and speaks only the plain objects of worker/engine/api.py to the outside.
 With async scheduling (ENGINE_ASYNC_SCHEDULING, on for GPUs and simulated devices) one step stays in flight
 between calls: each call schedules and prepares the next step while the previous one's forward runs, samples
 the previous step, launches the next, and applies and detokenizes the previous one's tokens while the next

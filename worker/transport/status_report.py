@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from schemas.decode import encode
 from schemas.status import PriorityStatus, Throughput, WorkerStatus
 from worker.engine.api import EngineStats
-from worker.transport.load_control import LoadDecision
+from worker.transport.load.load_control import LoadDecision
 from worker.transport.metrics import WorkerMetrics
-from worker.transport.publisher import Publisher
+from worker.transport.kafka.publisher import Publisher
 
 log = logging.getLogger(__name__)
 

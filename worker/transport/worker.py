@@ -39,34 +39,34 @@ from schemas.limits import DEFAULT_LIMITS, Limits
 from worker.config import KafkaSettings, WorkerSettings
 from worker.config_cli import masked_dump
 from worker.engine.api import Engine, EngineStats
-from worker.transport.access_check import AccessDenied, Needs, check_access
-from worker.transport.admission import Admission
-from worker.transport.aiokafka_compat import group_generation
-from worker.transport.answers import Answers
-from worker.transport.autoscale import ScaleSignal
-from worker.transport.backpressure import Backpressure
-from worker.transport.cancels import Cancel, CancelledIds
-from worker.transport.control import ControlReader
-from worker.transport.dispatcher import Dispatcher
-from worker.transport.engine_process import EngineProcess
-from worker.transport.engine_thread import EngineThread
-from worker.transport.intake import Intake
-from worker.transport.kafka_clients import RebalanceListener, make_consumer
-from worker.transport.load_control import LoadControl
-from worker.transport.local_queue import LocalQueue
+from worker.transport.kafka.access_check import AccessDenied, Needs, check_access
+from worker.transport.load.admission import Admission
+from worker.transport.kafka.aiokafka_compat import group_generation
+from worker.transport.requests.answers import Answers
+from worker.transport.load.autoscale import ScaleSignal
+from worker.transport.load.backpressure import Backpressure
+from worker.transport.requests.cancels import Cancel, CancelledIds
+from worker.transport.requests.control import ControlReader
+from worker.transport.requests.dispatcher import Dispatcher
+from worker.transport.requests.engine_process import EngineProcess
+from worker.transport.requests.engine_thread import EngineThread
+from worker.transport.requests.intake import Intake
+from worker.transport.kafka.kafka_clients import RebalanceListener, make_consumer
+from worker.transport.load.load_control import LoadControl
+from worker.transport.requests.local_queue import LocalQueue
 from worker.transport.loop_watchdog import LoopWatchdog
 from worker.memory import trim as trim_heap
 from worker.transport.memory_metrics import MemoryCollector
 from worker.transport.metrics import WorkerMetrics
-from worker.transport.offsets import OffsetTracker
-from worker.transport.destinations import MAX_TOPICS, TopicState
-from worker.transport.exactly_once import FinalLanes
-from worker.transport.publisher import Publisher
-from worker.transport.service_model import ServiceModel
-from worker.transport.shedding import Shedder
+from worker.transport.kafka.offsets import OffsetTracker
+from worker.transport.kafka.destinations import MAX_TOPICS, TopicState
+from worker.transport.kafka.exactly_once import FinalLanes
+from worker.transport.kafka.publisher import Publisher
+from worker.transport.load.service_model import ServiceModel
+from worker.transport.load.shedding import Shedder
 from worker.transport.status_report import LoadView, StatusReporter
-from worker.transport.streamer import Streamer
-from worker.transport.tracing import RequestTracing
+from worker.transport.requests.streamer import Streamer
+from worker.transport.requests.tracing import RequestTracing
 
 log = logging.getLogger(__name__)
 CONTROL_INTERVAL_S = 0.1

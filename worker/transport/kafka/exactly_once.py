@@ -37,10 +37,10 @@ from aiokafka.structs import TopicPartition
 
 from schemas.decode import encode
 from schemas.result import FinalRecord
-from worker.transport.aiokafka_compat import fail_unsent_batches
-from worker.transport.destinations import DEFAULT_MAX_MESSAGE_BYTES, RECORD_OVERHEAD_BYTES
-from worker.transport.offsets import OffsetTracker
-from worker.transport.publisher import Publisher
+from worker.transport.kafka.aiokafka_compat import fail_unsent_batches
+from worker.transport.kafka.destinations import DEFAULT_MAX_MESSAGE_BYTES, RECORD_OVERHEAD_BYTES
+from worker.transport.kafka.offsets import OffsetTracker
+from worker.transport.kafka.publisher import Publisher
 
 log = logging.getLogger(__name__)
 

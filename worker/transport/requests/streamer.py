@@ -26,13 +26,13 @@ import msgspec
 from schemas.decode import encode
 from schemas.result import FinalRecord, StreamChunk, TokenLogprob, TopLogprob
 from worker.engine.api import RequestOutput
-from worker.transport.answers import Answers
-from worker.transport.local_queue import QueuedRequest
+from worker.transport.requests.answers import Answers
+from worker.transport.requests.local_queue import QueuedRequest
 from worker.transport.metrics import WorkerMetrics
-from worker.transport.offsets import OffsetTracker
-from worker.transport.publisher import Publisher
-from worker.transport.records import final_for_output, group_final
-from worker.transport.service_model import ServiceModel
+from worker.transport.kafka.offsets import OffsetTracker
+from worker.transport.kafka.publisher import Publisher
+from worker.transport.requests.records import final_for_output, group_final
+from worker.transport.load.service_model import ServiceModel
 
 log = logging.getLogger(__name__)
 

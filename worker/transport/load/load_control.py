@@ -15,9 +15,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from worker.transport.backpressure import Backpressure, LoadSnapshot
-from worker.transport.service_model import ServiceModel
-from worker.transport.shedding import ShedDecision, Shedder
+from worker.transport.load.backpressure import Backpressure, LoadSnapshot
+from worker.transport.load.service_model import ServiceModel
+from worker.transport.load.shedding import ShedDecision, Shedder
 
 log = logging.getLogger(__name__)
 

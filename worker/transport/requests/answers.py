@@ -17,12 +17,12 @@ import msgspec
 from schemas.dead_letter import DeadLetterRecord
 from schemas.decode import RequestError, encode
 from schemas.result import FinalRecord
-from worker.transport.admission import Verdict
-from worker.transport.local_queue import QueuedRequest
+from worker.transport.load.admission import Verdict
+from worker.transport.requests.local_queue import QueuedRequest
 from worker.transport.metrics import WorkerMetrics
-from worker.transport.offsets import OffsetTracker
-from worker.transport.publisher import OnFailed, Publisher
-from worker.transport.records import answer_record, cancel_message, slimmed
+from worker.transport.kafka.offsets import OffsetTracker
+from worker.transport.kafka.publisher import OnFailed, Publisher
+from worker.transport.requests.records import answer_record, cancel_message, slimmed
 
 log = logging.getLogger(__name__)
 

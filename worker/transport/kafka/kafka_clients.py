@@ -8,8 +8,8 @@ from collections.abc import Awaitable, Callable
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 
 from worker.config import KafkaSettings, WorkerSettings
-from worker.transport.aiokafka_compat import group_generation
-from worker.transport.assignor import PriorityRoundRobinAssignor
+from worker.transport.kafka.aiokafka_compat import group_generation
+from worker.transport.kafka.assignor import PriorityRoundRobinAssignor
 
 
 def make_consumer(kafka: KafkaSettings, settings: WorkerSettings) -> AIOKafkaConsumer:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
-from worker.transport.aiokafka_compat import describe_topic_max_message_bytes
+from worker.transport.kafka.aiokafka_compat import describe_topic_max_message_bytes
 
 log = logging.getLogger(__name__)
 

@@ -17,13 +17,13 @@ import msgspec
 
 from schemas.request import GrammarFormat, JsonObjectFormat, JsonSchemaFormat, RegexFormat, ResponseFormat
 from worker.engine.api import EngineRequest, EngineStats, SamplingParams, StructuredOutput
-from worker.transport.admission import Admission, Verdict
-from worker.transport.answers import Answers
-from worker.transport.cancels import Cancel
-from worker.transport.engine_thread import EngineThread
-from worker.transport.local_queue import LocalQueue, QueuedRequest
-from worker.transport.service_model import ServiceModel
-from worker.transport.streamer import Streamer
+from worker.transport.load.admission import Admission, Verdict
+from worker.transport.requests.answers import Answers
+from worker.transport.requests.cancels import Cancel
+from worker.transport.requests.engine_thread import EngineThread
+from worker.transport.requests.local_queue import LocalQueue, QueuedRequest
+from worker.transport.load.service_model import ServiceModel
+from worker.transport.requests.streamer import Streamer
 
 
 SEED_STRIDE = 0x9E3779B97F4A7C15

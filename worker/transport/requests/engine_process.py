@@ -34,7 +34,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from worker.engine.api import Engine, EngineRequest, EngineStats, RequestOutput
-from worker.transport.engine_thread import EngineThread
+from worker.transport.requests.engine_thread import EngineThread
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from worker.engine.api import MIN_BUDGET_FRACTION, EngineStats
-from worker.transport.shedding import CompletionRate
+from worker.transport.load.shedding import CompletionRate
 
 
 MIN_MEASURED_FRACTION = 0.25

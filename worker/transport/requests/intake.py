@@ -40,14 +40,14 @@ from aiokafka.errors import CorruptRecordException, KafkaError, RecordTooLargeEr
 from schemas.decode import RequestError, decode_request
 from schemas.limits import Limits
 from schemas.priority import priority_of_partition
-from worker.transport.admission import Admission, Verdict, estimate_prompt_tokens
-from worker.transport.answers import Answers
-from worker.transport.cancels import Cancel
-from worker.transport.load_control import LoadDecision
-from worker.transport.local_queue import LocalQueue, QueuedRequest
-from worker.transport.offsets import OffsetTracker
-from worker.transport.service_model import ServiceModel
-from worker.transport.shedding import ReachFraction
+from worker.transport.load.admission import Admission, Verdict, estimate_prompt_tokens
+from worker.transport.requests.answers import Answers
+from worker.transport.requests.cancels import Cancel
+from worker.transport.load.load_control import LoadDecision
+from worker.transport.requests.local_queue import LocalQueue, QueuedRequest
+from worker.transport.kafka.offsets import OffsetTracker
+from worker.transport.load.service_model import ServiceModel
+from worker.transport.load.shedding import ReachFraction
 
 log = logging.getLogger(__name__)
 

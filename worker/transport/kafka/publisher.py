@@ -35,8 +35,8 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError, RecordTooLargeError, TopicAuthorizationFailedError
 from aiokafka.partitioner import DefaultPartitioner
 
-from worker.transport.aiokafka_compat import fail_unsent_batches, stop_tracking_topic
-from worker.transport.destinations import RECORD_OVERHEAD_BYTES, BrokerProbe, Destinations, TopicState
+from worker.transport.kafka.aiokafka_compat import fail_unsent_batches, stop_tracking_topic
+from worker.transport.kafka.destinations import RECORD_OVERHEAD_BYTES, BrokerProbe, Destinations, TopicState
 
 log = logging.getLogger(__name__)
 

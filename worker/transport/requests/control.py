@@ -25,7 +25,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from schemas.decode import decode_control
 from worker.config import KafkaSettings
-from worker.transport.cancels import Cancel, CancelledIds
+from worker.transport.requests.cancels import Cancel, CancelledIds
 
 log = logging.getLogger(__name__)
 
