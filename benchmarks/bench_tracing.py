@@ -49,14 +49,14 @@ class _Sink(BaseHTTPRequestHandler):
 
     received = 0
 
-    def do_POST(self):  # noqa: N802 - http.server's name
+    def do_POST(self):  # http.server's name
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
         type(self).received += 1
         self.send_response(200)
         self.send_header("Content-Type", "application/x-protobuf")
         self.end_headers()
 
-    def log_message(self, format, *args):  # noqa: A002
+    def log_message(self, format, *args):
         pass
 
 

@@ -41,18 +41,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the GPU machine has the tree, not an install
 
-from benchmarks.bench_engine import run_engine  # noqa: E402
-from benchmarks.check_parts import PartTimeout, Report  # noqa: E402
-from benchmarks.random_model import build_random_model  # noqa: E402
-from benchmarks.run_result import compute_metrics  # noqa: E402
-from benchmarks.settings import engine_settings, set_threads  # noqa: E402
-from benchmarks.trace import TraceConfig, generate_trace, max_request_len  # noqa: E402
-from worker.config import EngineSettings  # noqa: E402
-from worker.engine.api import EngineRequest, SamplingParams  # noqa: E402
-from worker.engine.engine import LLMEngine  # noqa: E402
-from worker.model.runner import ModelRunner  # noqa: E402
-from worker.model.sim import DEVICES, ModelShape, step_cost  # noqa: E402
-from worker.model.tiny import TINY_CONFIG  # noqa: E402
+from benchmarks.bench_engine import run_engine
+from benchmarks.check_parts import PartTimeout, Report
+from benchmarks.random_model import build_random_model
+from benchmarks.run_result import compute_metrics
+from benchmarks.settings import engine_settings, set_threads
+from benchmarks.trace import TraceConfig, generate_trace, max_request_len
+from worker.config import EngineSettings
+from worker.engine.api import EngineRequest, SamplingParams
+from worker.engine.engine import LLMEngine
+from worker.model.runner import ModelRunner
+from worker.model.sim import DEVICES, ModelShape, step_cost
+from worker.model.tiny import TINY_CONFIG
 
 log = logging.getLogger("gpu_engine_check")
 BLOCK_SIZE = 16

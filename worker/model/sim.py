@@ -300,7 +300,7 @@ class SimRunner(PersistentInputRunner):
         rows = model_input.logits_indices.numpy()
         num_rows = rows.shape[0]
         if self._logits is None or self._logits.shape[0] < num_rows:
-            self.tokenizer  # noqa: B018 (loads it and builds the background)
+            self.tokenizer  # (loads it and builds the background)
             self._build_background(max(num_rows, self.settings.max_num_seqs))
         logits = self._logits.numpy()
         if self._spikes is not None:  # back to the background where the last step put its spikes

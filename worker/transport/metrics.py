@@ -60,7 +60,7 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
 
 
 class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format, *args):  # noqa: A002 - the base class's signature
+    def log_message(self, format, *args):  # the base class's signature
         """Probes and scrapes every few seconds would flood the log."""
 
 

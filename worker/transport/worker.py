@@ -441,7 +441,7 @@ class Worker:
                 backoff = min(backoff * 2, 5.0)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - the loop must outlive any one bad record or state
+            except Exception:  # the loop must outlive any one bad record or state
                 log.exception("intake error; continuing")
                 await asyncio.sleep(0.1)
 
@@ -453,7 +453,7 @@ class Worker:
             try:
                 await self.streamer.handle(batch)
                 self.dispatcher.admit()
-            except Exception:  # noqa: BLE001 - publishing must go on for the other requests
+            except Exception:  # publishing must go on for the other requests
                 log.exception("output handling failed")
 
     async def _trim_loop(self) -> None:
@@ -484,7 +484,7 @@ class Worker:
                     next_status = loop.time() + self.settings.status_interval_s
                     published_state = state
                     await self.reporter.publish(view)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("load control failed")
             await asyncio.sleep(CONTROL_INTERVAL_S)
 

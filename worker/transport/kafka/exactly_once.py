@@ -181,7 +181,7 @@ class FinalLanes:
             return
         try:
             await asyncio.wait_for(lane.producer.stop(), 5.0)
-        except Exception:  # noqa: BLE001 - a fenced or broken producer may fail to stop; nothing to keep
+        except Exception:  # a fenced or broken producer may fail to stop; nothing to keep
             log.debug("stopping the lane producer of %s failed", lane.partition, exc_info=True)
 
     def owned(self) -> set[TopicPartition]:
@@ -245,7 +245,7 @@ class FinalLanes:
                 except FENCED as fenced:
                     self._fence(lane, batch, fenced)
                     return
-                except Exception:  # noqa: BLE001 - the broker away: the next attempt begins anew
+                except Exception:  # the broker away: the next attempt begins anew
                     log.debug("recovering the lane of %s failed", lane.partition, exc_info=True)
                 lane.pending = batch + lane.pending
                 await asyncio.sleep(backoff)
@@ -266,7 +266,7 @@ class FinalLanes:
             await asyncio.wait_for(lane.producer.abort_transaction(), 10.0)
         except FENCED:
             raise
-        except Exception:  # noqa: BLE001 - not in a transaction, or the broker away: the next begin tells
+        except Exception:  # not in a transaction, or the broker away: the next begin tells
             log.debug("abort of %s failed", lane.partition, exc_info=True)
 
     async def _write(self, lane: Lane, batch: list[_Pending]) -> None:
@@ -361,7 +361,7 @@ class FinalLanes:
         old = lane.producer
         try:
             await asyncio.wait_for(old.stop(), 1.0)
-        except Exception:  # noqa: BLE001 - stuck by definition; what it holds is failed below
+        except Exception:  # stuck by definition; what it holds is failed below
             log.debug("stopping the stuck lane producer of %s failed", lane.partition, exc_info=True)
         fail_unsent_batches(old, KafkaError("lane producer replaced"))
         replacement = await self._start_producer(lane.partition)

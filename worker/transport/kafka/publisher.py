@@ -383,7 +383,7 @@ class Publisher:
         for record in chunk:
             try:
                 record[3]()
-            except Exception:  # noqa: BLE001 - a bookkeeping bug must not break the producer's callbacks
+            except Exception:  # a bookkeeping bug must not break the producer's callbacks
                 log.exception("ack callback failed")
         self._settle(chunk)
 
@@ -397,7 +397,7 @@ class Publisher:
             # sent again, in order, by the new one (a batch for a deleted topic would hold a longer wait to its
             # full length, and every other record with it).
             await asyncio.wait_for(old.stop(), 1.0)
-        except Exception:  # noqa: BLE001 - nothing of the old producer is needed any more
+        except Exception:  # nothing of the old producer is needed any more
             log.debug("stopping the old producer failed", exc_info=True)
         # A dead sender leaves its batches unresolved; failing them sends their records back to the buffer.
         fail_unsent_batches(old, KafkaError("producer replaced"))
@@ -427,7 +427,7 @@ class Publisher:
                 self.num_dropped_records += 1
                 log.debug("a %d-byte record for %s dropped: %s", len(value), topic, message)
                 on_acked()
-        except Exception:  # noqa: BLE001 - a bookkeeping bug must not break the producer's callbacks
+        except Exception:  # a bookkeeping bug must not break the producer's callbacks
             log.exception("undeliverable-record callback failed")
         self._settle([record])
 

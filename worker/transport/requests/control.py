@@ -130,7 +130,7 @@ class ControlReader:
             return  # older than the TTL (read back at start): its request is long answered or forgotten
         try:
             self.on_cancel(cancel)
-        except Exception:  # noqa: BLE001 - one cancel's failure must not stop the reader
+        except Exception:  # one cancel's failure must not stop the reader
             log.exception("handling the cancel of %s failed", record.id)
 
     async def _close(self) -> None:
@@ -138,7 +138,7 @@ class ControlReader:
         if consumer is not None:
             try:
                 await consumer.stop()
-            except Exception:  # noqa: BLE001 - a half-started consumer may fail to stop; nothing to keep
+            except Exception:  # a half-started consumer may fail to stop; nothing to keep
                 log.debug("control consumer stop failed", exc_info=True)
 
     async def stop(self, task: asyncio.Task | None) -> None:

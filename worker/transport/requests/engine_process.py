@@ -75,7 +75,7 @@ def _child_main(conn: Connection, build: Callable[[], Engine], log_level: int) -
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine-core]: %(message)s")
     try:
         engine = build()
-    except BaseException as exc:  # noqa: BLE001 - the parent reports why the engine could not start
+    except BaseException as exc:  # the parent reports why the engine could not start
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         raise
     thread = _PipeEngineThread(engine, conn)

@@ -159,7 +159,7 @@ class EngineThread:
             self._deliver(outputs)
             try:
                 self._stats = self.engine.stats()
-            except Exception:  # noqa: BLE001 - stats are advisory; a broken stats() must not stop serving
+            except Exception:  # stats are advisory; a broken stats() must not stop serving
                 log.exception("engine.stats() failed")
             else:
                 self._stats_updated(self._stats)
@@ -171,7 +171,7 @@ class EngineThread:
         """0.0 when a step has work now; else how long until it may (None: until a command arrives)."""
         try:
             wake = self.engine.wake_time()
-        except Exception:  # noqa: BLE001 - a broken wake_time must not stop serving: step and let step() fail
+        except Exception:  # a broken wake_time must not stop serving: step and let step() fail
             log.exception("engine.wake_time() failed")
             return 0.0 if self.engine.has_unfinished() else None
         if wake is None:
@@ -195,7 +195,7 @@ class EngineThread:
         request = flight.request
         try:
             outputs = self.engine.add_request(request)
-        except Exception as exc:  # noqa: BLE001 - one bad request must not stop the others
+        except Exception as exc:  # one bad request must not stop the others
             log.exception("engine.add_request failed for %s: poison", request.request_id)
             self.num_engine_errors += 1
             self.num_poison_requests += 1
@@ -206,7 +206,7 @@ class EngineThread:
     def _abort(self, request_ids: list[str]) -> list[RequestOutput]:
         try:
             return self._settle(self.engine.abort(request_ids))
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("engine.abort failed")
             self.num_engine_errors += 1
             flights = [self._in_flight.pop(rid) for rid in request_ids if rid in self._in_flight]
@@ -215,13 +215,13 @@ class EngineThread:
     def _tell_input_ended(self, ended: bool) -> None:
         try:
             self.engine.set_input_ended(ended)
-        except Exception:  # noqa: BLE001 - the end of input is a batching hint; losing it must not stop serving
+        except Exception:  # the end of input is a batching hint; losing it must not stop serving
             log.exception("engine.set_input_ended(%s) failed", ended)
 
     def _step(self) -> list[RequestOutput]:
         try:
             return self._settle(self.engine.step())
-        except Exception as exc:  # noqa: BLE001 - a failed step fails its poison requests, not the worker
+        except Exception as exc:  # a failed step fails its poison requests, not the worker
             log.exception("engine.step failed with %d requests in flight; probing each alone", len(self._in_flight))
             self.num_engine_errors += 1
             step_error = f"engine step failed: {exc!r}"
@@ -291,7 +291,7 @@ class EngineThread:
                     break  # finished, or nothing more can run
                 time.sleep(min(max(0.0, wake - time.monotonic()), PROBE_MAX_WAIT_S))
                 self.engine.step()
-        except Exception as exc:  # noqa: BLE001 - the failure is the finding
+        except Exception as exc:  # the failure is the finding
             log.exception("probe of %s failed: poison", request.request_id)
             return exc
         finally:
@@ -302,7 +302,7 @@ class EngineThread:
         """Aborts in the engine and drops the outputs: for requests the thread already answers otherwise."""
         try:
             self.engine.abort(request_ids)
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("engine.abort of %d requests after a failed step also failed", len(request_ids))
 
     def _settle(self, outputs: list[RequestOutput]) -> list[RequestOutput]:

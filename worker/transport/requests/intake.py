@@ -384,7 +384,7 @@ class Intake:
             if to_resume:
                 self.consumer.resume(*to_resume)
                 log.info("resumed %s", sorted(tp.partition for tp in to_resume))
-        except Exception:  # noqa: BLE001 - e.g. a partition revoked in between; the next tick retries
+        except Exception:  # e.g. a partition revoked in between; the next tick retries
             log.debug("pause/resume failed", exc_info=True)
             return
         self.paused = set(want)
@@ -395,5 +395,5 @@ class Intake:
         if self.assigned:
             try:
                 self.consumer.pause(*self.assigned)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.debug("pause at shutdown failed", exc_info=True)
