@@ -105,7 +105,8 @@ class PhaseTimer:
         self.active = False
         self._wrapped: list[tuple[object, str, object]] = []
         for phase, owner_name, method in self.PHASES:
-            owner = {"engine": engine, "sampler_numpy": sampler_numpy}.get(owner_name) or getattr(engine, owner_name, None)
+            owner = ({"engine": engine, "sampler_numpy": sampler_numpy}.get(owner_name)
+                     or getattr(engine, owner_name, None))
             if owner is None or not hasattr(owner, method) or phase in self.totals:
                 continue
             self.totals[phase] = 0.0

@@ -453,7 +453,8 @@ def render_report(results: dict) -> str:
     out = [f"# Overload control ({env['date']})", "",
            f"`{results['command']}`", "",
            f"One `llm-worker serve` per phase (default settings, {env['torch_threads']} torch thread(s)), "
-           f"{env['num_cpus']} CPUs ({env.get('cpu_model', 'model not recorded')}) shared with the broker and this client"
+           f"{env['num_cpus']} CPUs ({env.get('cpu_model', 'model not recorded')}) shared with the broker and "
+           "this client"
            + (f" (they at niceness {env['others_nice']}, the worker at 0)" if env.get("others_nice") else "")
            + (f"; the worker pinned to CPU(s) {env['worker_cpus']}, the others to the rest"
               if env.get("worker_cpus") else "")
@@ -464,7 +465,8 @@ def render_report(results: dict) -> str:
            f"Workload: prompts of {PROMPT_WORDS[0]}-{PROMPT_WORDS[1]} words, max_new_tokens {MAX_NEW_TOKENS} "
            f"(ignore_eos), stream false; priorities 0/1/2 drawn "
            f"{'/'.join(f'{100 * w:g}' for w in cfg['priority_mix'].values())} %, timeout_ms "
-           f"{'/'.join(f'{t:g}' for t in cfg['timeout_s'].values())} s; backoff {'on' if cfg['backoff'] else 'off'}; seed {cfg['seed']}. Deadlines and "
+           f"{'/'.join(f'{t:g}' for t in cfg['timeout_s'].values())} s; backoff {'on' if cfg['backoff'] else 'off'}; "
+           f"seed {cfg['seed']}. Deadlines and "
            f"e2e count from the submit call. Worker settings from the environment: {cfg['worker_env'] or 'none'}."
            + (f" **Deadlines scaled × {cfg['deadline_scale']:g} (--deadline-scale): not the issue's workload.**"
               if cfg.get("deadline_scale", 1.0) != 1.0 else ""),
@@ -620,13 +622,13 @@ def main(argv: list[str] | None = None) -> int:
         "command": command,
         "environment": {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpu_model": cpu_model(),
                         "num_cpus": os.cpu_count(), "torch_threads": threads, "others_nice": args.others_nice,
-                        "worker_cpus": sorted(args.worker_cpus), "load_start": load_start, "load_end": list(os.getloadavg()),
-                        "python": sys.version.split()[0]},
-        "config": {"factors": args.factors, "duration_s": args.duration, "capacity_concurrency": args.capacity_concurrency,
-                   "capacity_duration_s": args.capacity_duration,
+                        "worker_cpus": sorted(args.worker_cpus), "load_start": load_start,
+                        "load_end": list(os.getloadavg()), "python": sys.version.split()[0]},
+        "config": {"factors": args.factors, "duration_s": args.duration,
+                   "capacity_concurrency": args.capacity_concurrency, "capacity_duration_s": args.capacity_duration,
                    "capacity_given": args.capacity, "seed": args.seed, "backoff": not args.no_backoff,
-                   "priority_mix": PRIORITY_MIX, "timeout_s": timeouts(args), "deadline_scale": args.deadline_scale, "prompt_words": PROMPT_WORDS,
-                   "max_new_tokens": MAX_NEW_TOKENS, "worker_env": worker_env},
+                   "priority_mix": PRIORITY_MIX, "timeout_s": timeouts(args), "deadline_scale": args.deadline_scale,
+                   "prompt_words": PROMPT_WORDS, "max_new_tokens": MAX_NEW_TOKENS, "worker_env": worker_env},
         "capacity_per_s": capacity, "phases": phases, "floors": floors,
         "all_pass": all(f["pass"] for f in floors),
     }

@@ -46,7 +46,8 @@ async def preload(kafka: KafkaSettings, num_requests: int, max_new_tokens: int, 
         futures = []
         for i in range(num_requests):
             rid = f"b-{i}"
-            req = GenerationRequest(id=rid, prompt=f"benchmark prompt {i}", max_new_tokens=max_new_tokens, stream=stream)
+            req = GenerationRequest(id=rid, prompt=f"benchmark prompt {i}", max_new_tokens=max_new_tokens,
+                                    stream=stream)
             partition = partition_for(i % kafka.num_priorities, rid, kafka.num_request_partitions, kafka.num_priorities)
             futures.append(await producer.send(kafka.request_topic, encode(req), key=rid.encode(), partition=partition))
         await asyncio.gather(*futures)

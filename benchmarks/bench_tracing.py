@@ -84,7 +84,8 @@ async def _scrape(port: int, stop: asyncio.Event) -> int:
     n = 0
     while not stop.is_set():
         try:
-            await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read())
+            await asyncio.to_thread(
+                lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read())
             n += 1
         except OSError:
             pass  # not listening yet

@@ -64,8 +64,8 @@ def main() -> None:
             start = time.perf_counter()
             draw()
             times[name].append(time.perf_counter() - start)
-    record = {"rows": args.rows, "vocab": args.vocab, "draws": args.draws, "sampling": args.sampling, "loadavg_before": load_before,
-              "loadavg_after": os.getloadavg(), "cpu_count": os.cpu_count(),
+    record = {"rows": args.rows, "vocab": args.vocab, "draws": args.draws, "sampling": args.sampling,
+              "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "cpu_count": os.cpu_count(),
               "trees": {"before": args.before, "after": args.after}, "ms": {}}
     for name, values in times.items():
         median, p10 = 1e3 * float(np.median(values)), 1e3 * float(np.percentile(values, 10))

@@ -130,7 +130,8 @@ def build_random_model(out_dir: str | Path, shape: str | dict, seed: int = 0, de
     raw["torch_dtype"] = str(dtype).removeprefix("torch.")
     config = parse_config(raw)
     (out_dir / "config.json").write_text(json.dumps(raw, indent=1))
-    save_file(random_weights(config, seed, device, dtype), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_file(random_weights(config, seed, device, dtype), str(out_dir / "model.safetensors"),
+              metadata={"format": "pt"})
     write_synthetic_tokenizer(out_dir, config.vocab_size, config.bos_token_id, config.eos_token_ids,
                               config.max_position_embeddings)
     return out_dir

@@ -46,7 +46,8 @@ class Gateway:
         self.tiers = Tiers(door.num_priorities, settings.default_priority)
         self.tokens = tokens
         self.files = FileStore(settings.data_dir)
-        self.batches = BatchJobs(settings.data_dir, self.files, door.client, Translator(self.models, self.tiers, tokens),
+        self.batches = BatchJobs(settings.data_dir, self.files, door.client,
+                                 Translator(self.models, self.tiers, tokens),
                                  priority=door.bulk_priority, concurrency=settings.batch_concurrency,
                                  max_lines=settings.max_batch_lines, refusal=door.refusal)
         self.num_requests = 0

@@ -96,7 +96,7 @@ class Door:
                 await admin.delete_topics([self.reply_topic])
             finally:
                 await admin.close()
-        except Exception as exc:  # a leftover topic costs disk, not correctness
+        except Exception as exc:  # noqa: BLE001 - a leftover topic costs disk, not correctness
             log.warning("could not delete reply topic %s: %r", self.reply_topic, exc)
 
     def refusal(self, priority: int) -> tuple[str, int] | None:

@@ -127,13 +127,13 @@ def _merge_splits_kernel(
     row = (b.to(tl.int64) * num_q_heads + h) * NUM_SPLITS + s  # [BLOCK_S]
     # Empty splits (short contexts) carry m = -inf, l = 0, acc = 0 and drop out with weight 0.
     m = tl.load(part_m_ptr + row, mask=s_mask, other=float("-inf"))
-    l = tl.load(part_l_ptr + row, mask=s_mask, other=0.0)
+    l_split = tl.load(part_l_ptr + row, mask=s_mask, other=0.0)
     acc = tl.load(part_acc_ptr + row[:, None] * head_dim + d[None, :],
                   mask=s_mask[:, None] & (d[None, :] < head_dim), other=0.0)  # [BLOCK_S, BLOCK_D]
     m_max = tl.max(m, axis=0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # all splits empty: seq_len 0
     w = tl.exp2(m - m_max)  # [BLOCK_S]
-    l_sum = tl.sum(l * w, axis=0)
+    l_sum = tl.sum(l_split * w, axis=0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.where(l_sum == 0.0, 1.0, l_sum)  # [BLOCK_D]
     tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
              mask=d < head_dim)

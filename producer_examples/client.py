@@ -223,7 +223,13 @@ class LLMClient:
         self._status_listeners.append(listener)
 
     # -- submitting ------------------------------------------------------------------------------------
-    async def submit(self, request: GenerationRequest, priority: int, *, timeout_s: float | None = None) -> RequestHandle:
+    async def submit(
+        self,
+        request: GenerationRequest,
+        priority: int,
+        *,
+        timeout_s: float | None = None,
+    ) -> RequestHandle:
         """Send a request to a partition of `priority` (key = request id); returns once Kafka acknowledged it.
 
         timeout_s: default wait of the handle's stream() and result(), from now. Unset, it is the request's

@@ -124,7 +124,8 @@ class FinalRecord(WireRecord, kw_only=True, tag_field="kind", tag="final"):
             min_length=1,
             description="completed: the finish reason. rejected: deadline, shed, overloaded, queue_full. "
             "error: invalid_request, too_large, prompt_too_long, reply_topic_not_allowed, "
-            "reply_topic_unavailable, result_too_large, decode_error, poison_request, internal. cancelled: cancelled (text and token_ids hold the output so far). "
+            "reply_topic_unavailable, result_too_large, decode_error, poison_request, internal. "
+            "cancelled: cancelled (text and token_ids hold the output so far). "
             "Treat an unknown code like internal.",
         ),
     ]
@@ -143,8 +144,8 @@ class FinalRecord(WireRecord, kw_only=True, tag_field="kind", tag="final"):
     metadata: dict[str, str] | None = None
     worker_id: str = ""
     omitted: Annotated[list[Literal["logprobs", "token_ids"]], Meta(description=(
-        "Parts of the output left out of this record because with them it would exceed the topic's record "
-        "limit (max.message.bytes); the stream's chunks carried them. Text and usage are never omitted."))] | None = None
+        "Parts of the output left out of this record because with them it would exceed the topic's record limit "
+        "(max.message.bytes); the stream's chunks carried them. Text and usage are never omitted."))] | None = None
     index: Annotated[int, Meta(ge=0, le=MAX_COMPLETIONS - 1, description=(
         "Set on the final of one completion of a request with n > 1 or best_of > 1; that request ends with "
         "one more final without index (its usage and num_chunks count every completion). A final without "

@@ -100,7 +100,7 @@ def test_different_templates_loggers_and_levels_do_not_interfere(
     clock.now += 10.0
     assert limiter_of(handler).flush_expired() == 4
     assert sorted(r.getMessage() for r in handler.records[-4:]) == sorted(
-        [f"first template 19 (message repeated 15 more times in the last 10 s)"] * 3
+        ["first template 19 (message repeated 15 more times in the last 10 s)"] * 3
         + ["second template 19 (message repeated 15 more times in the last 10 s)"]
     )
 

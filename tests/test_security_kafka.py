@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import os
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -26,7 +24,14 @@ from worker.broker.secure import Security, settings_for
 from worker.broker.topics import ensure_topics
 from worker.config import KafkaSettings
 from worker.engine.instant import InstantEngine
-from tests.transport.kafka_helpers import REPO, Collector, produce_requests, running_worker, subprocess_env, worker_settings
+from tests.transport.kafka_helpers import (
+    REPO,
+    Collector,
+    produce_requests,
+    running_worker,
+    subprocess_env,
+    worker_settings,
+)
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 SERVE_DEADLINE_S = 30.0

@@ -79,7 +79,8 @@ def ssl_context(kafka: "KafkaSettings") -> ssl.SSLContext:
         try:
             context.load_cert_chain(kafka.ssl_certfile, kafka.ssl_keyfile or None, password)
         except (OSError, ssl.SSLError) as exc:
-            hint = " (wrong KAFKA_SSL_KEY_PASSWORD, or a key that does not match)" if isinstance(exc, ssl.SSLError) else ""
+            hint = (" (wrong KAFKA_SSL_KEY_PASSWORD, or a key that does not match)"
+                    if isinstance(exc, ssl.SSLError) else "")
             raise SecuritySettingsError(f"KAFKA_SSL_CERTFILE {kafka.ssl_certfile} / KAFKA_SSL_KEYFILE "
                                         f"{kafka.ssl_keyfile or '(in the certfile)'}: cannot load the client "
                                         f"certificate{hint}") from None

@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
                    if v is not None}
     engine_over = {k: v for k, v in (("model", args.model), ("policy", args.policy), ("device", args.device),
                                       ("sim_model", args.sim_model)) if v}
-    kafka, settings, engine_settings = KafkaSettings(**kafka_over), WorkerSettings(**worker_over), EngineSettings(**engine_over)
+    kafka, settings, engine_settings = (KafkaSettings(**kafka_over), WorkerSettings(**worker_over),
+                                        EngineSettings(**engine_over))
     limit_arenas(settings.malloc_arena_max)  # before the threads that would each make an arena (worker/memory.py)
     try:  # before the model loads: a wrong password or a missing ACL is known in a second, not after a minute
         asyncio.run(check_access(kafka, Needs.of_worker(kafka)))

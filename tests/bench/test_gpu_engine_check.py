@@ -79,4 +79,5 @@ def test_gpu_check_script_rehearses_on_the_cpu(tmp_path: Path) -> None:
     assert "engine check exit 0, kernel tests exit -, kernel benchmark exit -" in summary
     assert "no GPU (rehearsal)" in (tmp_path / "env.txt").read_text()
     data = json.loads((tmp_path / "engine_check.json").read_text())
-    assert data["ok"] and data["plan"]["smoke"] and {"tiny-2-layers/systems", "tiny-3-layers/systems"} <= set(data["parts"])
+    assert (data["ok"] and data["plan"]["smoke"]
+            and {"tiny-2-layers/systems", "tiny-3-layers/systems"} <= set(data["parts"]))

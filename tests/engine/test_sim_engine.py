@@ -157,7 +157,8 @@ def test_async_scheduling_schedules_the_next_step_while_the_forward_runs(tiny_mo
     assert engine.async_scheduling
     events: list[str] = []
     runner, scheduler = engine.runner, engine.scheduler
-    launch, wait, schedule, postprocess = runner.launch, runner._wait_until, scheduler.schedule, engine._postprocess_step
+    launch, wait, schedule = runner.launch, runner._wait_until, scheduler.schedule
+    postprocess = engine._postprocess_step
     runner.launch = lambda model_input: (launch(model_input), events.append("launch"))[0]
     runner._wait_until = lambda ready_at: (events.append("wait"), wait(ready_at))[1]
     scheduler.schedule = lambda *a, **k: (events.append("schedule"), schedule(*a, **k))[1]

@@ -325,8 +325,8 @@ def test_ties_are_broken_by_token_id_and_the_tied_tokens_kept_are_drawn_evenly()
 def test_the_cpu_draws_exp_gives_a_row_the_same_bits_wherever_it_sits(width, threads):
     """sampler_numpy._exp and the whole-row draw's block sums run through torch; the draw stays a function of
     its row only if torch's exp rounds an element, and its sum adds a block, the same whatever its offset in the
-    batch and however the threads split it (the last partial vector included). A torch whose kernels finish a chunk with scalar code that rounds differently fails
-    here."""
+    batch and however the threads split it (the last partial vector included). A torch whose kernels finish a
+    chunk with scalar code that rounds differently fails here."""
     from worker.model.sampler_numpy import _BLOCK, _block_cdf, _exp
 
     rows = 40 if width > 10_000 else 300

@@ -96,7 +96,8 @@ def test_decode_rows_of_very_different_lengths_split_into_groups(seed):
     run_case([
         [Chunk([0] * n, 0, t) for n, t in zip(lengths, tables)],
         [Chunk([0], n, t) for n, t in zip(lengths, tables)],
-        [Chunk([0], n + 1, t) for n, t in zip(lengths[:-1], tables[:-1])] + [Chunk([0, 0], lengths[-1] + 1, tables[-1])],
+        [Chunk([0], n + 1, t) for n, t in zip(lengths[:-1], tables[:-1])]
+        + [Chunk([0, 0], lengths[-1] + 1, tables[-1])],
     ], seed)
     step = [Chunk([0], n + 2, t) for n, t in zip(lengths[:-1], tables[:-1])]
     assert len(TorchAttention()._plan(make_input(step, BLOCK).attn, len(step), BLOCK).decode_groups) > 1

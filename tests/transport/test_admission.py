@@ -35,7 +35,8 @@ def test_deadline_passed_or_unreachable_is_rejected():
     assert (passed.status, passed.reason) == ("rejected", "deadline")
     # 0.9 s fits in the 1.0 s left, but not with the margin: refused before it costs compute.
     unreachable = admission.check_deadline(2000, 1000.0, 0.5, 0.4, 1)
-    assert unreachable.reason == "deadline" and "900 ms" in unreachable.message and "queue 500 ms" in unreachable.message
+    assert (unreachable.reason == "deadline" and "900 ms" in unreachable.message
+            and "queue 500 ms" in unreachable.message)
     # The most urgent priority is refused only past a tighter margin: 6 s of 7.1 s left fit 6 × 1.1 + 0.25,
     # not 6 × 1.2 + 0.25.
     assert admission.check_deadline(8100, 1000.0, 1.0, 5.0, priority=0) is None

@@ -1,8 +1,9 @@
 """Exactly one visible final per request (KAFKA_EXACTLY_ONCE, on by default), against the real broker: a
 read_committed consumer of the results sees one final per request id across attempts when a worker is
-SIGKILLed mid-stream, when a worker joins while finals are in flight, when a worker frozen (SIGSTOP) past its session timeout resumes and writes its late
-finals (fenced: never visible), and when the broker restarts mid-stream. Every request still ends with a final.
-A read_uncommitted consumer beside it shows what the transactions hide."""
+SIGKILLed mid-stream, when a worker joins while finals are in flight, when a worker frozen (SIGSTOP) past its
+session timeout resumes and writes its late finals (fenced: never visible), and when the broker restarts
+mid-stream. Every request still ends with a final. A read_uncommitted consumer beside it shows what the
+transactions hide."""
 
 from __future__ import annotations
 

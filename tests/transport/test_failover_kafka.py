@@ -74,7 +74,8 @@ async def wait_assigned(collector, worker_ids: set[str] | None, num_partitions: 
             latest[s.worker_id] = s
         if worker_ids is not None and not worker_ids <= set(latest):
             return False
-        owned = [p for wid, s in latest.items() if worker_ids is None or wid in worker_ids for p in s.assigned_partitions]
+        owned = [p for wid, s in latest.items() if worker_ids is None or wid in worker_ids
+                 for p in s.assigned_partitions]
         return sorted(owned) == list(range(num_partitions))
     await collector.wait_until(ready, timeout_s)
 

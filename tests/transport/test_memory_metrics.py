@@ -32,6 +32,7 @@ def test_a_worker_exposes_every_per_request_table():
 
     worker = Worker(KafkaSettings(), worker_settings(), InstantEngine())
     names = set(worker._tables())
-    assert {"streams", "local_queue", "engine_in_flight", "offsets_pending", "cancelled_ids", "publisher_keys", "metric_children"} <= names
+    assert {"streams", "local_queue", "engine_in_flight", "offsets_pending", "cancelled_ids", "publisher_keys",
+            "metric_children"} <= names
     # Before connecting, the parts do not exist: the tables built at connect are left out, the others are there.
     assert worker.memory.table_sizes() == {"cancelled_ids": 0, "metric_children": 0}

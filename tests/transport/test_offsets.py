@@ -70,7 +70,9 @@ def test_done_after_revoke_is_ignored_and_commit_only_moves_forward():
 
 
 @given(
-    st.lists(st.integers(0, 3), min_size=1, max_size=60).map(lambda gaps: [sum(gaps[: i + 1]) + i for i in range(len(gaps))]),
+    st.lists(st.integers(0, 3), min_size=1, max_size=60).map(
+        lambda gaps: [sum(gaps[: i + 1]) + i for i in range(len(gaps))]
+    ),
     st.randoms(use_true_random=False),
 )
 def test_watermark_is_lowest_undone_under_any_completion_order(offsets, rng):

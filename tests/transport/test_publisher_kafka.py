@@ -35,7 +35,8 @@ async def test_order_acks_and_recovery_after_a_refused_batch(kafka_topics):
     acked: list[int] = []
     try:
         for i in range(100):
-            publisher.publish_nowait(kafka.result_topic, f"k{i % 7}".encode(), f"{i}".encode(), lambda i=i: acked.append(i))
+            publisher.publish_nowait(kafka.result_topic, f"k{i % 7}".encode(), f"{i}".encode(),
+                                     lambda i=i: acked.append(i))
         # Bigger than the topic's max.message.bytes (about 1 MiB, as the broker reports it): never sent, dropped;
         # its callback still runs (settled, not delivered), so the request offset it answers cannot wait forever.
         publisher.publish_nowait(kafka.result_topic, b"k0", b"x" * (2 * 1024 * 1024), lambda: acked.append(-1))
@@ -44,7 +45,8 @@ async def test_order_acks_and_recovery_after_a_refused_batch(kafka_topics):
         publisher.publish_group_nowait([(kafka.result_topic, b"k1", f"{100 + j}".encode(), None) for j in range(3)],
                                        lambda: group_done.append(True))
         for i in range(103, 200):
-            publisher.publish_nowait(kafka.result_topic, f"k{i % 7}".encode(), f"{i}".encode(), lambda i=i: acked.append(i))
+            publisher.publish_nowait(kafka.result_topic, f"k{i % 7}".encode(), f"{i}".encode(),
+                                     lambda i=i: acked.append(i))
         assert await publisher.wait_acked(30)
     finally:
         await publisher.stop()

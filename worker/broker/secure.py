@@ -147,7 +147,8 @@ class Security:
                 # Kafka's unsecured validator: it accepts unsigned JWTs, enough to exercise a client's OAUTHBEARER
                 # path; a real cluster validates signed tokens against its identity provider's keys.
                 f"{prefix}oauthbearer.sasl.jaas.config": "org.apache.kafka.common.security.oauthbearer."
-                                                         'OAuthBearerLoginModule required unsecuredLoginStringClaim_sub="admin";',
+                                                         "OAuthBearerLoginModule required "
+                                                         'unsecuredLoginStringClaim_sub="admin";',
             })  # fmt: skip
             for mechanism in SCRAM_MECHANISMS:
                 props[f"{prefix}{mechanism.lower()}.sasl.jaas.config"] = (

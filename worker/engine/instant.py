@@ -94,7 +94,8 @@ class InstantEngine:
     def step(self) -> list[RequestOutput]:
         now = time.monotonic()
         outputs: list[RequestOutput] = []
-        expired = [rid for rid, s in self._running.items() if s.request.deadline is not None and now > s.request.deadline]
+        expired = [rid for rid, s in self._running.items()
+                   if s.request.deadline is not None and now > s.request.deadline]
         for rid in expired:
             outputs.append(self._finish(self._running.pop(rid), "deadline"))  # it stops with what it generated
         self._preempt_for_more_urgent()

@@ -185,7 +185,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:  # [head_dim // 2] float
     high_wavelen = old_len / scaling["high_freq_factor"]
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - scaling["low_freq_factor"]) / (scaling["high_freq_factor"] - scaling["low_freq_factor"])
+    smooth = ((old_len / wavelen - scaling["low_freq_factor"])
+              / (scaling["high_freq_factor"] - scaling["low_freq_factor"]))
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
     return torch.where(is_medium, smoothed, scaled)

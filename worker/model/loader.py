@@ -85,7 +85,8 @@ def load_weights(model: LlamaModel, model_path: str | Path) -> None:
                 tensor = f.get_tensor(name)
                 target = param.data.narrow(0, start, rows)
                 if tensor.shape != target.shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(target.shape)}")
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} "
+                                     f"!= expected {tuple(target.shape)}")
                 target.copy_(tensor)
                 loaded.add(name)
     missing = sorted(set(dest) - loaded)

@@ -174,7 +174,8 @@ class ModelRunner(PersistentInputRunner):
             budget = self.settings.kv_cache_bytes
         num_blocks = budget // self.bytes_per_block
         if num_blocks < 1:
-            raise ValueError(f"KV-cache budget of {budget} bytes is smaller than one block ({self.bytes_per_block} bytes)")
+            raise ValueError(f"KV-cache budget of {budget} bytes is smaller than one block "
+                             f"({self.bytes_per_block} bytes)")
         return num_blocks
 
     @property

@@ -176,7 +176,8 @@ class TorchAttention(AttentionBackend):
             return self._decode(q, k_cache, v_cache, groups[0], scale)
         out = torch.empty_like(q)
         for group in groups:
-            out.index_copy_(0, group.tokens, self._decode(q.index_select(0, group.tokens), k_cache, v_cache, group, scale))
+            out.index_copy_(0, group.tokens,
+                            self._decode(q.index_select(0, group.tokens), k_cache, v_cache, group, scale))
         gqa = num_heads != num_kv_heads
         for p in plan.prefills:
             q_b = q[p.q_start : p.q_end].transpose(0, 1)  # [Hq, n, D]

@@ -14,9 +14,9 @@ owner as possible: it chooses which members get each class's extra partition (a 
 x members) so that the most owners stay within their quota, keeps the partitions each member has held longest
 up to its quota (members report when they got each one; ties: the lowest-numbered), and deals out the rest.
 Longest held first makes a rolling restart cheap: when a worker leaves, its partitions go to the others; when
-it comes back, they give back those newest ones, not work they had long before (whose requests would restart). Without claims (a fresh group) this is round-robin over
-the sorted members, the member cursor carried from one class to the next. The same input always gives the
-same assignment.
+it comes back, they give back those newest ones, not work they had long before (whose requests would
+restart). Without claims (a fresh group) this is round-robin over the sorted members, the member cursor
+carried from one class to the next. The same input always gives the same assignment.
 
 Generations. The leader stamps every assignment with a generation: the group's generation when it is told
 one (`group_generation`, which the worker reads from its consumer; Kafka raises it at every rebalance and
@@ -32,12 +32,12 @@ decides who keeps which partition, never the balance.
 
 User data: JSON, `{"v": 1, "generation": g, "owned": {topic: [partitions]}, "since": {topic: [generations]}}`
 from a member (`since` aligned with `owned`; absent or misaligned: every partition dates from `generation`),
-and the same with `owned` empty in an assignment. Empty or unreadable user data (a member on the previous version, which sent
-none) counts as owning nothing at generation 0; an assignment without a generation (made by such a leader)
-leaves the member's generation as it was, or takes the group's when `group_generation` is given. Readers
-take any `v` >= 1 and ignore fields they do not know, so later versions may add fields. The protocol name
-stays "priority-roundrobin", so old and new workers share a group while a deployment rolls: either may lead,
-and every assignment balances each priority.
+and the same with `owned` empty in an assignment. Empty or unreadable user data (a member on the previous
+version, which sent none) counts as owning nothing at generation 0; an assignment without a generation (made
+by such a leader) leaves the member's generation as it was, or takes the group's when `group_generation` is
+given. Readers take any `v` >= 1 and ignore fields they do not know, so later versions may add fields. The
+protocol name stays "priority-roundrobin", so old and new workers share a group while a deployment rolls:
+either may lead, and every assignment balances each priority.
 """
 
 from __future__ import annotations
@@ -298,7 +298,7 @@ class PriorityRoundRobinAssignor(AbstractPartitionAssignor):
             return 0
         try:
             return self.group_generation()
-        except Exception as e:  # the stamp falls back to the claims; an assignment must still come out
+        except Exception as e:  # noqa: BLE001 - the stamp falls back to the claims; an assignment must still come out
             log.warning("cannot read the group generation, stamping from the claims alone: %r", e)
             return 0
 

@@ -133,7 +133,8 @@ class Publisher:
     def num_unacked(self) -> int:
         return self._num_unacked
 
-    async def publish(self, topic: str, key: bytes | None, value: bytes, on_acked: Callable[[], None] | None = None) -> None:
+    async def publish(self, topic: str, key: bytes | None, value: bytes,
+                      on_acked: Callable[[], None] | None = None) -> None:
         self.publish_nowait(topic, key, value, on_acked)
         await self.wait_room()
 
@@ -229,7 +230,8 @@ class Publisher:
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # noqa: BLE001 - broker away: _send put the records back; try later
-                    log.warning("cannot hand records to the producer (%r); retrying in %.1fs", exc, self.retry_backoff_s)
+                    log.warning("cannot hand records to the producer (%r); retrying in %.1fs", exc,
+                                self.retry_backoff_s)
                     await asyncio.sleep(self.retry_backoff_s)
 
     async def _send(self, records: list[_BufferedRecord]) -> None:

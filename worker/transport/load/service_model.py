@@ -10,9 +10,10 @@ finished requests actually produced (EOS ends most chat answers early).
 
 Capacity, in tokens per second when the engine is saturated:
 - measured: prompt + output tokens of finished requests per second, an EWMA folded only over intervals during
-  which the engine was saturated at both ends (requests waiting inside it, or every seat taken). An idle or lightly loaded worker finishes what it is given, which says nothing about what it could
-  do, so such intervals are skipped instead of pulling the estimate down. Never taken below a quarter of the
-  step-time model's capacity (MIN_MEASURED_FRACTION).
+  which the engine was saturated at both ends (requests waiting inside it, or every seat taken). An idle or
+  lightly loaded worker finishes what it is given, which says nothing about what it could do, so such
+  intervals are skipped instead of pulling the estimate down. Never taken below a quarter of the step-time
+  model's capacity (MIN_MEASURED_FRACTION).
 - before that (a cold worker): the engine's step-time model, calibrated at start-up (worker/engine/
   calibrate.py), at the step size a saturated engine runs for the average request of the backlog (P prompt
   and O output tokens): each request holds a seat for O steps (its prefill, which samples the first output

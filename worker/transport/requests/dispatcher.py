@@ -1,11 +1,13 @@
 """Into the engine: move requests from the local queue to the engine thread, most urgent first, while fewer
-than `max_in_engine` are in it (or past that, while less urgent ones are in it: see `_has_room`); convert each wire request to the engine's `EngineRequest` on the way; tell the
-engine when input has ended for now (the consumer caught up), so a static batch may start partial.
+than `max_in_engine` are in it (or past that, while less urgent ones are in it: see `_has_room`); convert
+each wire request to the engine's `EngineRequest` on the way; tell the engine when input has ended for now
+(the consumer caught up), so a static batch may start partial.
 
 A request whose deadline passed while it waited locally, or that can no longer finish before it (its predicted
 service, with admission's safety margin), is answered here instead (`rejected`/`deadline`): handing it over
-would only spend compute on an answer nobody can use. A less urgent request is held back while admitting it would slow a more urgent running one past its
-inter-token latency target (admission.py); the ones behind it wait too, so priorities hold.
+would only spend compute on an answer nobody can use. A less urgent request is held back while admitting it
+would slow a more urgent running one past its inter-token latency target (admission.py); the ones behind it
+wait too, so priorities hold.
 """
 
 from __future__ import annotations

@@ -109,7 +109,8 @@ class RequestTracing:
             return None
         provider = trace.get_tracer_provider()
         if not isinstance(provider, TracerProvider):
-            if not (os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+            if not (os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+                    or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
                     or os.environ.get("OTEL_TRACES_EXPORTER") == "otlp"):
                 return None
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
