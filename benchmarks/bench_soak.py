@@ -19,7 +19,8 @@ partitions, their requests wait, and come back to it when that consumer leaves.
 Every `--sample-s` the worker's resident size is read from /proc and its metrics endpoint is scraped for the
 Python heap (allocated blocks), glibc's heap (in use, free) and each per-request table's entries
 (worker/transport/memory_metrics.py). Growth per 1,000 requests after warm-up is the least-squares slope of
-each against the finals received. The floor (issue #35): RSS grows by no more than 1 MB per 10,000 requests
+each against the finals received; it is also given before the rebalance and from 30 s after it, since the
+requests it held back come back as one burst, a one-off rise to a larger batch's high-water mark. The floor (issue #35): RSS grows by no more than 1 MB per 10,000 requests
 (100 KB per 1,000) after warm-up, and the finals/s of the last minute equals minute 5's.
 
 Writes summary-<kind>.json and memory-<kind>.png under benchmarks/results/<date>-soak[-label]/ and the raw
@@ -145,9 +146,10 @@ def parse_metrics(text: str) -> dict:
     return out
 
 
-def growth(samples: list[Sample], warmup_s: float) -> dict:
-    """Per 1,000 finals after warm-up: RSS and glibc in-use in KB, Python blocks; and RSS at both ends (MB)."""
-    after = [s for s in samples if s.t >= warmup_s and s.rss_bytes is not None]
+def growth(samples: list[Sample], warmup_s: float, end_s: float = float("inf")) -> dict:
+    """Per 1,000 finals from warmup_s to end_s: RSS and glibc in-use in KB, Python blocks; and RSS at both ends
+    (MB)."""
+    after = [s for s in samples if warmup_s <= s.t < end_s and s.rss_bytes is not None]
     xs = [float(s.num_finals) for s in after]
 
     def slope(values: list[float | None], scale: float) -> float | None:
@@ -376,6 +378,10 @@ class Soak:
             "warmup_s": warmup, "num_sent": self.num_sent, "num_finals": len(self.final_times),
             "num_missing": len(self.sent_at), "statuses": self.statuses, "rebalance": self.rebalance,
             "growth": growth(self.samples, warmup),
+            # A rebalance hands a burst of requests back at once: a one-off rise to a larger batch's high-water
+            # mark, which the windows on either side of it leave out.
+            "growth_before_rebalance": growth(self.samples, warmup, self.rebalance.get("joined_s", 0.0)),
+            "growth_after_rebalance": growth(self.samples, self.rebalance.get("left_s", float("inf")) + 30.0),
             "floor_kb_per_1000": FLOOR_KB_PER_1000,
             "finals_per_s": {"minute_5_window": list(minute5), "minute_5": round(window_rate(self.final_times, *minute5), 3),
                              "last_minute": round(window_rate(self.final_times, *last), 3)},
@@ -397,6 +403,10 @@ def plot(samples: list[Sample], summary: dict, path: Path) -> None:
     top.plot(minutes, [(s.rss_bytes or 0) / 2**20 for s in samples], label="RSS")
     top.plot(minutes, [(s.native_in_use_bytes or 0) / 2**20 for s in samples], label="glibc heap in use")
     top.axvline(summary["warmup_s"] / 60, color="grey", linestyle=":", label="end of warm-up")
+    rebalance = summary.get("rebalance") or {}
+    if "left_s" in rebalance:
+        top.axvspan(rebalance["joined_s"] / 60, rebalance["left_s"] / 60, color="orange", alpha=0.2,
+                    label="second group member")
     top.set_ylabel("MB")
     top.legend(loc="center right")
     g = summary["growth"]
@@ -480,10 +490,12 @@ def main(argv: list[str] | None = None) -> int:
     summary = asyncio.run(amain(args))
     g, f = summary["growth"], summary["finals_per_s"]
     print(json.dumps(summary, indent=2))
+    after = summary["growth_after_rebalance"]
     print(f"\n{summary['kind']}: {summary['num_finals']}/{summary['num_sent']} finals, RSS {g['rss_mb_at_warmup']} -> "
           f"{g['rss_mb_at_end']} MB after warm-up; growth per 1,000 requests: RSS {g['rss_kb_per_1000']} KB "
           f"(floor {FLOOR_KB_PER_1000:.0f}), glibc in use {g['native_in_use_kb_per_1000']} KB, Python blocks "
-          f"{g['python_blocks_per_1000']}; finals/s minute 5 {f['minute_5']} vs last minute {f['last_minute']}")
+          f"{g['python_blocks_per_1000']}; after the rebalance: RSS {after['rss_kb_per_1000']} KB, glibc in use "
+          f"{after['native_in_use_kb_per_1000']} KB; finals/s minute 5 {f['minute_5']} vs last minute {f['last_minute']}")
     return 0 if not summary["num_missing"] else 1
 
 
