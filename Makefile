@@ -32,6 +32,10 @@ jars: $(INSTALL_STAMP)
 model: $(INSTALL_STAMP)
 	$(BIN)/llm-worker model pull
 
+# ruff with the rules in pyproject.toml ([tool.ruff]); CI runs it before the tests.
+lint: $(INSTALL_STAMP)
+	$(BIN)/ruff check .
+
 # All tests; the Kafka ones start a local broker unless KAFKA_BOOTSTRAP_SERVERS names one.
 # pytest's exit status passes through, so "no tests collected" (5) fails too.
 test: setup

@@ -20,8 +20,9 @@ Every `--sample-s` the worker's resident size is read from /proc and its metrics
 Python heap (allocated blocks), glibc's heap (in use, free) and each per-request table's entries
 (worker/transport/memory_metrics.py). Growth per 1,000 requests after warm-up is the least-squares slope of
 each against the finals received; it is also given before the rebalance and from 30 s after it, since the
-requests it held back come back as one burst, a one-off rise to a larger batch's high-water mark. The floor (issue #35): RSS grows by no more than 1 MB per 10,000 requests
-(100 KB per 1,000) after warm-up, and the finals/s of the last minute equals minute 5's.
+requests it held back come back as one burst, a one-off rise to a larger batch's high-water mark. The floor:
+RSS grows by no more than 1 MB per 10,000 requests (100 KB per 1,000) after warm-up, and the finals/s of the
+last minute equals minute 5's.
 
 Writes summary-<kind>.json and memory-<kind>.png under benchmarks/results/<date>-soak[-label]/ and the raw
 samples under benchmarks/results/raw/<date>-soak[-label]/. The 30-minute run of the issue:
@@ -313,7 +314,8 @@ class Soak:
         while not member.assignment() and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         member.pause(*member.assignment())
-        self.rebalance = {"joined_s": round(started, 1), "partitions": sorted(tp.partition for tp in member.assignment())}
+        self.rebalance = {"joined_s": round(started, 1),
+                          "partitions": sorted(tp.partition for tp in member.assignment())}
         await asyncio.sleep(self.args.rebalance_hold_s)
         await member.stop()
         self.rebalance["left_s"] = round(time.monotonic() - self.t0, 1)
@@ -383,7 +385,8 @@ class Soak:
             "growth_before_rebalance": growth(self.samples, warmup, self.rebalance.get("joined_s", 0.0)),
             "growth_after_rebalance": growth(self.samples, self.rebalance.get("left_s", float("inf")) + 30.0),
             "floor_kb_per_1000": FLOOR_KB_PER_1000,
-            "finals_per_s": {"minute_5_window": list(minute5), "minute_5": round(window_rate(self.final_times, *minute5), 3),
+            "finals_per_s": {"minute_5_window": list(minute5),
+                             "minute_5": round(window_rate(self.final_times, *minute5), 3),
                              "last_minute": round(window_rate(self.final_times, *last), 3)},
             "e2e_p50_s": {"minute_5": latency_p50(minute5), "last_minute": latency_p50(last)},
             "tables_at_end": self.samples[-1].tables if self.samples else {},
@@ -495,7 +498,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{g['rss_mb_at_end']} MB after warm-up; growth per 1,000 requests: RSS {g['rss_kb_per_1000']} KB "
           f"(floor {FLOOR_KB_PER_1000:.0f}), glibc in use {g['native_in_use_kb_per_1000']} KB, Python blocks "
           f"{g['python_blocks_per_1000']}; after the rebalance: RSS {after['rss_kb_per_1000']} KB, glibc in use "
-          f"{after['native_in_use_kb_per_1000']} KB; finals/s minute 5 {f['minute_5']} vs last minute {f['last_minute']}")
+          f"{after['native_in_use_kb_per_1000']} KB; finals/s minute 5 {f['minute_5']} vs last minute "
+          f"{f['last_minute']}")
     return 0 if not summary["num_missing"] else 1
 
 
