@@ -54,6 +54,8 @@ class StructuredOutputManager:
         self._compiler: GrammarCompiler | None = None
         """Created by the first structured-output request (its tokenizer view costs about 0.4 s)."""
         self._held: dict[str, _Held] = {}
+        self._poll_at: float | None = None
+        """When the held requests are looked at next: fixed once asked for, until a step looks (take_ready)."""
         self._matchers: dict[str, Matcher] = {}
 
     @property
@@ -82,6 +84,7 @@ class StructuredOutputManager:
     def take_ready(self, now: float) -> list[Ready]:
         """Held requests whose grammar compiled, was refused, or ran past the compile budget (which counts
         from the compile's start, not from the request's arrival: GrammarCompiler.expire)."""
+        self._poll_at = None
         self.compiler.expire(now)
         ready = []
         for request_id, held in list(self._held.items()):
@@ -105,7 +108,13 @@ class StructuredOutputManager:
         return len(self._held)
 
     def wake_time(self, now: float) -> float | None:
-        return now + GRAMMAR_POLL_S if self._held else None
+        """A fixed time, not `now` + the poll interval: asked again after waiting, that would move away each time
+        and an engine thread with only compiling requests would never step (its wait never came due)."""
+        if not self._held:
+            return None
+        if self._poll_at is None:
+            self._poll_at = now + GRAMMAR_POLL_S
+        return self._poll_at
 
     # ---- a step -----------------------------------------------------------------------------------
 
