@@ -60,6 +60,12 @@ async def commits_reach_the_log_end(kafka, timeout_s: float = 15.0) -> None:
         await consumer.stop()
 
 
+async def send_to(kafka, request_id: str, reply_topic: str) -> None:
+    """One short request at priority 1 whose answers go to `reply_topic`."""
+    await produce_requests(kafka, [(1, GenerationRequest(id=request_id, prompt="p", max_new_tokens=4,
+                                                         reply_topic=reply_topic))])
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -118,21 +124,18 @@ async def test_missing_and_deleted_reply_topics_answer_on_the_result_topic_and_s
 
             # Missing from the start: known at start-up, answered at once on the result topic.
             sent = time.monotonic()
-            await produce_requests(kafka, [(1, GenerationRequest(id="to-missing", prompt="p", max_new_tokens=4,
-                                                                 reply_topic=missing))])
+            await send_to(kafka, "to-missing", missing)
             with_missing = await ordinary_stream(kafka, collector, "missing", 30, 0.05)
             await collector.wait_until(lambda r: r.finals.get("to-missing"), 10, "the missing topic's final")
             missing_final_s = time.monotonic() - sent
 
             # A reply topic that works, then is deleted while the worker writes to it.
-            await produce_requests(kafka, [(1, GenerationRequest(id="to-doomed-ok", prompt="p", max_new_tokens=4,
-                                                                 reply_topic=doomed))])
+            await send_to(kafka, "to-doomed-ok", doomed)
             await on_doomed.wait_until(lambda r: r.finals.get("to-doomed-ok"), 20, "the doomed topic's first final")
             await delete_topic(kafka, doomed)
             await asyncio.sleep(0.5)
             sent = time.monotonic()
-            await produce_requests(kafka, [(1, GenerationRequest(id="to-doomed", prompt="p", max_new_tokens=4,
-                                                                 reply_topic=doomed))])
+            await send_to(kafka, "to-doomed", doomed)
             with_deleted = await ordinary_stream(kafka, collector, "deleted", 60, 0.1)
             await collector.wait_until(lambda r: r.finals.get("to-doomed"), 30, "the deleted topic's final")
             deleted_final_s = time.monotonic() - sent
@@ -244,13 +247,11 @@ async def test_a_reply_topic_the_worker_may_not_write_gets_an_error_final_and_th
             future.result(timeout=30)
         async with Collector(kafka) as collector:
             async with running_worker(kafka, worker_settings(destination_wait_s=2.0), InstantEngine(max_num_seqs=16)):
-                await produce_requests(kafka, [(1, GenerationRequest(id="to-denied", prompt="p", max_new_tokens=4,
-                                                                     reply_topic=denied))])
+                await send_to(kafka, "to-denied", denied)
                 ordinary = await ordinary_stream(kafka, collector, "beside", 30, 0.05)
                 await collector.wait_until(lambda r: r.finals.get("to-denied"), 30, "the denied topic's final")
-                later = GenerationRequest(id="to-denied-later", prompt="p", max_new_tokens=4, reply_topic=denied)
-                await produce_requests(kafka, [(1, later)])
-                await collector.wait_until(lambda r: r.finals.get(later.id), 30, "a later request's final")
+                await send_to(kafka, "to-denied-later", denied)
+                await collector.wait_until(lambda r: r.finals.get("to-denied-later"), 30, "a later request's final")
                 await commits_reach_the_log_end(kafka)
         print(report("ordinary requests beside the denied topic", ordinary))
         for request_id in ("to-denied", "to-denied-later"):

@@ -59,10 +59,10 @@ async def test_the_publishers_key_memory_stays_under_its_bound(monkeypatch):
     seen = {}
     for i in range(1000):
         key = f"request-{i}".encode()
-        seen[key] = await publisher._partition_of("results", key)
+        seen[key] = await publisher.partition_of("results", key)
         assert publisher.num_cached_keys <= 100
     # The bound only forgets: a key hashes to the same partition whether remembered or not.
-    assert all([await publisher._partition_of("results", key) == p for key, p in seen.items()])
+    assert all([await publisher.partition_of("results", key) == p for key, p in seen.items()])
 
 
 def test_a_flood_of_distinct_cancels_keeps_max_ids():

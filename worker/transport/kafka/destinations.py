@@ -49,6 +49,23 @@ class TopicState:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 
 
+def record_size(key: bytes | None, value: bytes) -> int:
+    """What a record adds to a batch, framing included: what a topic's record limit is compared with."""
+    return len(value) + len(key or b"") + RECORD_OVERHEAD_BYTES
+
+
+def record_problem(state: TopicState, topic: str, key: bytes | None, value: bytes,
+                   max_request_size: int | None = None) -> tuple[str, str] | None:
+    """Why a record cannot go to a topic in this state, as (reason code, message); None when it can."""
+    if not state.available:
+        return "reply_topic_unavailable", state.message
+    limit = state.max_message_bytes if max_request_size is None else min(state.max_message_bytes, max_request_size)
+    if record_size(key, value) > limit:
+        return "result_too_large", (f"a {len(value)}-byte record exceeds the {limit}-byte record limit of topic "
+                                    f"{topic!r} (max.message.bytes)")
+    return None
+
+
 class Destinations:
     """What is known of each destination topic; `resolve` looks one up in the background."""
 

@@ -38,9 +38,9 @@ from aiokafka.structs import TopicPartition
 from schemas.decode import encode
 from schemas.result import FinalRecord
 from worker.transport.kafka.aiokafka_compat import fail_unsent_batches
-from worker.transport.kafka.destinations import DEFAULT_MAX_MESSAGE_BYTES, RECORD_OVERHEAD_BYTES
+from worker.transport.kafka.destinations import DEFAULT_MAX_MESSAGE_BYTES, record_problem
 from worker.transport.kafka.offsets import OffsetTracker
-from worker.transport.kafka.publisher import Publisher
+from worker.transport.kafka.publisher import Publisher, fill_batch
 
 log = logging.getLogger(__name__)
 
@@ -329,22 +329,8 @@ class FinalLanes:
             start = 0
             while start < len(group):
                 batch = producer.create_batch()
-                end, size = start, 0
-                while end < len(group):
-                    key, value = group[end]
-                    # A batch is refused whole when it exceeds the topic's limit, which would abort the
-                    # transaction: fill it to the limit at most.
-                    size += len(value) + len(key or b"") + RECORD_OVERHEAD_BYTES
-                    if end > start and size > limit:
-                        break
-                    headers = headers_for(key, value) if headers_for else None
-                    if headers:
-                        appended = batch.append(key=key, value=value, timestamp=None, headers=headers)
-                    else:
-                        appended = batch.append(key=key, value=value, timestamp=None)
-                    if appended is None:
-                        break
-                    end += 1
+                # Within the topic's limit: a batch the broker refuses would abort the whole transaction.
+                end = fill_batch(batch, group, start, limit, headers_for)
                 if end == start:  # larger than a batch alone (its topic's limit was checked): aiokafka's own path
                     key, value = group[start]
                     futures.append(await producer.send(topic, value, key=key, partition=partition,
@@ -399,13 +385,7 @@ class FinalLanes:
             state = destinations.state(topic)
             if state is None:
                 return None  # looked up but already stale: let the broker judge
-        if not state.available:
-            return "reply_topic_unavailable", state.message
-        limit = state.max_message_bytes
-        if len(value) + len(key or b"") + RECORD_OVERHEAD_BYTES > limit:
-            return "result_too_large", (f"a {len(value)}-byte record exceeds the {limit}-byte record limit of "
-                                        f"topic {topic!r} (max.message.bytes)")
-        return None
+        return record_problem(state, topic, key, value)
 
     def stats(self) -> dict[str, int]:
         return {"lanes": len(self._lanes), "fenced": self.num_fenced, "aborted": self.num_aborted,

@@ -36,7 +36,7 @@ from aiokafka.errors import KafkaError, MessageSizeTooLargeError, RecordTooLarge
 from aiokafka.partitioner import DefaultPartitioner
 
 from worker.transport.kafka.aiokafka_compat import fail_unsent_batches, stop_tracking_topic
-from worker.transport.kafka.destinations import RECORD_OVERHEAD_BYTES, BrokerProbe, Destinations, TopicState
+from worker.transport.kafka.destinations import BrokerProbe, Destinations, TopicState, record_problem, record_size
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,28 @@ MAX_BUFFERED = 50_000
 PARTITIONS_TTL_S = 30.0
 KEY_PARTITIONS_MAX = 100_000
 """Keys whose partition is remembered (a request's id while it streams); the memory is cleared when full."""
+
+
+def fill_batch(batch, items: list[tuple[bytes | None, bytes]], start: int, limit: int,
+               headers_for: Callable[[bytes | None, bytes], list | None] | None) -> int:
+    """Append (key, value) items from `start` to a producer batch, up to the topic's record limit (a batch is
+    refused whole when it exceeds it) and the batch's own size; returns the index after the last one appended
+    (`start` when not even the first fits a batch)."""
+    end, size = start, 0
+    while end < len(items):
+        key, value = items[end]
+        size += record_size(key, value)
+        if end > start and size > limit:
+            break
+        headers = headers_for(key, value) if headers_for else None
+        if headers:
+            appended = batch.append(key=key, value=value, timestamp=None, headers=headers)
+        else:
+            appended = batch.append(key=key, value=value, timestamp=None)
+        if appended is None:
+            break
+        end += 1
+    return end
 
 
 def _nothing() -> None:
@@ -180,9 +202,6 @@ class Publisher:
 
     async def partition_of(self, topic: str, key: bytes | None) -> int:
         """The partition a record of this key goes to (Kafka's default partitioner, as any producer would)."""
-        return await self._partition_of(topic, key)
-
-    async def _partition_of(self, topic: str, key: bytes | None) -> int:
         cached = self._partitions.get(topic)
         if cached is None or time.monotonic() - cached[0] > PARTITIONS_TTL_S:
             cached = (time.monotonic(), sorted(await self._producer.partitions_for(topic)))
@@ -244,18 +263,12 @@ class Publisher:
             if state is None or topic in self._parked:
                 handed.add(record[4])
                 self._park(record)
-            elif not state.available:
+            elif (problem := record_problem(state, topic, record[1], record[2], self._max_request_size)) is not None:
                 handed.add(record[4])
-                self._undeliverable(record, "reply_topic_unavailable", state.message)
-            elif len(record[2]) + len(record[1] or b"") + RECORD_OVERHEAD_BYTES > (
-                    limit := min(state.max_message_bytes, self._max_request_size)):
-                handed.add(record[4])
-                self._undeliverable(record, "result_too_large", (
-                    f"a {len(record[2])}-byte record exceeds the {limit}-byte record limit of topic {topic!r} "
-                    "(max.message.bytes)"))
+                self._undeliverable(record, *problem)
             else:
                 limits[topic] = min(state.max_message_bytes, self._max_request_size)
-                groups[(topic, await self._partition_of(topic, record[1]))].append(record)
+                groups[(topic, await self.partition_of(topic, record[1]))].append(record)
         try:
             for (topic, partition), group in groups.items():
                 if topic in self._parked:  # an earlier group of this topic found it stuck: keep the order
@@ -263,25 +276,11 @@ class Publisher:
                         handed.add(record[4])
                         self._park(record)
                     continue
+                items = [(r[1], r[2]) for r in group]
                 start = 0
                 while start < len(group):
                     batch = self._producer.create_batch()
-                    end, size = start, 0
-                    headers_for = self.headers_for
-                    # A batch is refused whole when it exceeds the topic's limit: fill it to the limit at most.
-                    while end < len(group):
-                        size += len(group[end][2]) + len(group[end][1] or b"") + RECORD_OVERHEAD_BYTES
-                        if end > start and size > limits[topic]:
-                            break
-                        headers = headers_for(group[end][1], group[end][2]) if headers_for else None
-                        if headers:
-                            appended = batch.append(key=group[end][1], value=group[end][2], timestamp=None,
-                                                    headers=headers)
-                        else:
-                            appended = batch.append(key=group[end][1], value=group[end][2], timestamp=None)
-                        if appended is None:
-                            break
-                        end += 1
+                    end = fill_batch(batch, items, start, limits[topic], self.headers_for)
                     if end == start:
                         handed.add(group[start][4])
                         self._undeliverable(group[start], "result_too_large", "does not fit a producer batch")
