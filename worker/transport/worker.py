@@ -434,6 +434,7 @@ class Worker:
                     log.warning("the broker refuses what the worker needs (%s); fetching stops until it is allowed "
                                 "again, retried every %.0f s", denied, ACCESS_RETRY_S)
                     self.metrics.kafka_access_denied.set(1)
+                await self._refetch_assigned()
                 await asyncio.sleep(ACCESS_RETRY_S)
             except KafkaError as exc:
                 log.warning("fetch failed (%r); retrying in %.1fs", exc, backoff)
@@ -444,6 +445,19 @@ class Worker:
             except Exception:  # the loop must outlive any one bad record or state
                 log.exception("intake error; continuing")
                 await asyncio.sleep(0.1)
+
+    async def _refetch_assigned(self) -> None:
+        """Drop what the consumer holds for each assigned partition, refused reads included, by seeking it to its
+        own position (nothing read is skipped or read twice), so the next read shows the broker's answer of now.
+        aiokafka keeps one refused read per partition, refetches a partition only once that error was raised, and
+        raises one error per read: without this, after the ACL came back each partition's stale refusal cost a
+        retry round (minutes with many partitions) before anything was fetched again."""
+        for tp in sorted(self.intake.assigned):
+            try:
+                position = await asyncio.wait_for(self.consumer.position(tp), ACCESS_RETRY_S)
+                self.consumer.seek(tp, position)
+            except (KafkaError, asyncio.TimeoutError):
+                continue  # not assigned any more, or no position yet: the next read finds out
 
     async def _output_loop(self) -> None:
         while not self.closing:

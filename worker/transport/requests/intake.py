@@ -99,6 +99,8 @@ class Intake:
         self.load: LoadDecision | None = None
         """The last load decision applied: which priorities are shed, and why."""
         self.fetching_stopped = False
+        self._failed: KafkaError | None = None
+        """A fetch error raised after records were drained: fetch_once handles those records, then raises it."""
         self._suspended: set[TopicPartition] = set()
         """Revoked in the rebalance under way; kept or given up at its assignment."""
         self._held: list[QueuedRequest] = []
@@ -185,12 +187,17 @@ class Intake:
         # (partition, records, generation when getmany returned them): the generation read after the call,
         # since a rebalance inside getmany resets positions and the records then belong to the new one.
         batches: list[tuple[TopicPartition, list, int]] = []
-        for priority in priorities:
-            parts = [tp for tp in self.partitions_of(priority) if tp not in self.paused]
-            if parts and budget > 0:
-                for tp, msgs in (await self._fetch(parts, 0, budget)).items():
-                    batches.append((tp, msgs, self.group_generation))
-                    budget -= len(msgs)
+        try:
+            for priority in priorities:
+                parts = [tp for tp in self.partitions_of(priority) if tp not in self.paused]
+                if parts and budget > 0 and self._failed is None:
+                    for tp, msgs in (await self._fetch(parts, 0, budget)).items():
+                        batches.append((tp, msgs, self.group_generation))
+                        budget -= len(msgs)
+        except KafkaError as exc:
+            if not batches:
+                raise
+            self._failed = exc  # the records already drained are handled first; then it is raised
         if not batches:
             if not room:
                 try:
@@ -214,17 +221,31 @@ class Intake:
                 num_invalid += self.handle(tp, msg, generation) == "invalid"
             if num_seen:
                 self.reach.observe(self.priority_of(tp), num_seen, num_invalid)
+        failed, self._failed = self._failed, None
+        if failed is not None:
+            raise failed
 
     async def _fetch(self, parts: list[TopicPartition], timeout_ms: int, budget: int) -> dict:
         """Records of `parts`, up to `budget`, waiting up to timeout_ms for the first. One getmany per partition:
         aiokafka moves a partition's position as it drains it, so a multi-partition call that fails on a later
         partition would lose the records it had drained from the earlier ones; a failing single-partition call
-        loses nothing (its position stays). A partition whose batch failed is then read record by record."""
+        loses nothing (its position stays). A partition whose batch failed is then read record by record.
+        A broker error (an ACL withdrawn) after records were drained is kept in self._failed and the records
+        returned: their positions have moved, so dropping them would lose them until a rebalance."""
         got: dict = {}
+        try:
+            return await self._fetch_into(got, parts, timeout_ms, budget)
+        except KafkaError as exc:
+            if not got:
+                raise
+            self._failed = exc
+            return got
+
+    async def _fetch_into(self, got: dict, parts: list[TopicPartition], timeout_ms: int, budget: int) -> dict:
         waitable = [tp for tp in parts if tp not in self._suspects]
         if timeout_ms and waitable:
             try:  # wait for data; max_records=1 drains one partition at most, so a failure here loses nothing
-                got = await self.consumer.getmany(*waitable, timeout_ms=timeout_ms, max_records=1)
+                got.update(await self.consumer.getmany(*waitable, timeout_ms=timeout_ms, max_records=1))
             except UNREADABLE_BATCH_ERRORS as exc:
                 # aiokafka does not say which partition failed, and the failed read is spent (the next read of
                 # that partition refetches it): read all of them record by record for a while, each on its
