@@ -128,7 +128,8 @@ class Gateway:
         request_id = f"{self.door.instance_id}-{uuid.uuid4().hex[:16]}"
         wire, priority, options = to_request(
             body, endpoint, request_id, self.models, self.tiers,
-            priority_header=request.headers.get("x-priority"), timeout_header=request.headers.get("x-timeout-ms"))
+            priority_header=request.headers.get("x-priority"), timeout_header=request.headers.get("x-timeout-ms"),
+            tenant_header=request.headers.get("x-tenant"), session_header=request.headers.get("x-session-id"))
         refused = self.door.refusal(priority)
         if refused is not None:
             why, retry_s = refused

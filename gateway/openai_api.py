@@ -199,9 +199,14 @@ def _logprobs(body: dict, endpoint: str) -> tuple[bool, int]:
 
 def to_request(body: Any, endpoint: str, request_id: str, models: list[str], tiers: Tiers, *,
                priority_header: str | None = None, timeout_header: str | None = None,
-               reply_topic: str | None = None, default_timeout_ms: int | None = None
+               reply_topic: str | None = None, default_timeout_ms: int | None = None,
+               tenant_header: str | None = None, session_header: str | None = None,
                ) -> tuple[GenerationRequest, int, Options]:
-    """(the wire request, its priority, how to shape its answer); raises ApiError for what cannot be served."""
+    """(the wire request, its priority, how to shape its answer); raises ApiError for what cannot be served.
+
+    Tenants and sessions: the tenant comes from the X-Tenant header (set by whatever authenticates the caller
+    in front of the gateway, never by the body); the session from `prompt_cache_key` (OpenAI's key for
+    requests that share a prefix) or the X-Session-Id header; `cache_salt` as vLLM takes it."""
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object")
     model = body.get("model")
@@ -256,6 +261,14 @@ def to_request(body: Any, endpoint: str, request_id: str, models: list[str], tie
         record["timeout_ms"] = timeout_ms
     if reply_topic is not None:
         record["reply_topic"] = reply_topic
+    if tenant_header:
+        record["tenant"] = tenant_header
+    session = _opt(body, "prompt_cache_key", str) or session_header
+    if session:
+        record["session_id"] = session
+    cache_salt = _opt(body, "cache_salt", str)
+    if cache_salt:
+        record["cache_salt"] = cache_salt
     decoded = decode_request(msgspec.json.encode(record))
     if not isinstance(decoded, GenerationRequest):
         raise bad_request(decoded.message, code=decoded.code)
@@ -405,7 +418,12 @@ def final_error(final: FinalRecord, retry_after_s: float | None = None) -> ApiEr
     if final.status == "rejected":
         if final.reason == "deadline":
             return ApiError(504, f"the request's deadline passed: {text}", "timeout", "deadline_exceeded")
+        if final.retry_after_ms is not None:
+            retry_after_s = final.retry_after_ms / 1000
         retry = str(max(1, math.ceil(retry_after_s or 1.0)))
+        if final.reason == "quota_exceeded":
+            return ApiError(429, f"over quota: {text}", "rate_limit_error", "rate_limit_exceeded",
+                            headers={"Retry-After": retry})
         return ApiError(429, f"the workers are shedding this priority: {text}", "rate_limit_error",
                         "rate_limit_exceeded", headers={"Retry-After": retry})
     if final.status == "cancelled":

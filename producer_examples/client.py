@@ -230,7 +230,8 @@ class LLMClient:
         *,
         timeout_s: float | None = None,
     ) -> RequestHandle:
-        """Send a request to a partition of `priority` (key = request id); returns once Kafka acknowledged it.
+        """Send a request to a partition of `priority` (key = request id; the partition is chosen by its session id
+        when it has one, else its id: schemas.priority); returns once Kafka acknowledged it.
 
         timeout_s: default wait of the handle's stream() and result(), from now. Unset, it is the request's
         own deadline plus DEADLINE_GRACE_S, or the client's default_timeout_s when the request has none.
@@ -252,7 +253,7 @@ class LLMClient:
         if timeout_s is None:
             timeout_s = (self.default_timeout_s if deadline_at is None
                          else max(0.0, deadline_at - time.monotonic()) + DEADLINE_GRACE_S)
-        partition = partition_for(priority, request.id, self.settings.num_request_partitions,
+        partition = partition_for(priority, request.routing_key, self.settings.num_request_partitions,
                                   self.settings.num_priorities)
         handle = RequestHandle(request.id, priority, partition, timeout_s, self._forget,
                                send_cancel=self._start_cancel, cancel_on_abandon=self.cancel_on_abandon)

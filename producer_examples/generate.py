@@ -66,6 +66,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         help="completions of the prompt (default 1); above 1 each is printed when all are done")
     parser.add_argument("--json-schema", default=None, metavar="FILE",
                         help="structured output: the answer is JSON that validates against this JSON Schema file")
+    parser.add_argument("--tenant", default=None, help="who the request is for: fair share, quotas, cache namespace")
+    parser.add_argument("--session-id", default=None,
+                        help="a conversation's id: it picks the partition, so every turn reaches the same worker")
+    parser.add_argument("--cache-salt", default=None, help="share prefix-cache blocks only with this salt")
     parser.add_argument("--cancel-wait-s", type=float, default=CANCEL_WAIT_S,
                         help=f"after Ctrl-C, how long to wait for the cancelled final (default {CANCEL_WAIT_S:g})")
 
@@ -96,6 +100,9 @@ def build_request(args: argparse.Namespace) -> GenerationRequest:
         stream=args.n == 1,  # several completions are printed one after the other at the end
         deadline_ms=args.deadline_ms,
         timeout_ms=None if args.timeout_s is None else max(1, int(args.timeout_s * 1000)),
+        tenant=args.tenant,
+        session_id=args.session_id,
+        cache_salt=args.cache_salt,
         **prompt_fields,
     )
     try:

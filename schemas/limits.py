@@ -19,6 +19,9 @@ version is higher than the one it knows."""
 
 MAX_ID_CHARS = 128
 """Protocol bound on request ids: an id is a Kafka key, a log field and is echoed in every result record."""
+MAX_TENANT_CHARS = 64
+"""Protocol bound on tenant names: a tenant is a metric label and a status field."""
+MAX_CACHE_SALT_CHARS = 256
 
 MAX_SAFE_INT = 2**53 - 1
 """Largest integer every JSON reader keeps exactly (JavaScript numbers are doubles): the bound of counts and

@@ -9,8 +9,11 @@ least urgent priority, so every urgent priority keeps exactly K. The worker's se
 
 Within a priority, `partition_for` picks a partition by CRC-32 (zlib, IEEE 802.3 polynomial, the one in
 Java's java.util.zip.CRC32, Go's hash/crc32.ChecksumIEEE and Node's zlib.crc32) of the key's UTF-8 bytes,
-taken modulo the priority's partition count. Kafka's own default partitioner (murmur2 over all partitions)
-would ignore priority, so producers must name the partition themselves.
+taken modulo the priority's partition count: partition p·K + crc32(key) mod K. The key is the request's
+`session_id` when it has one, else its `id` (GenerationRequest.routing_key): the turns of a conversation then
+share a partition, and through the sticky assignor a worker and its prefix cache. Kafka's own default
+partitioner (murmur2 over all partitions) would ignore priority, so producers must name the partition
+themselves.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ def partitions_for_priority(priority: int, num_partitions: int, num_priorities: 
 
 
 def partition_for(priority: int, key: str | bytes, num_partitions: int, num_priorities: int) -> int:
-    """The partition a producer writes a request of this priority and key (the request id) to.
+    """The partition a producer writes a request of this priority and key (its session id, else its id) to.
 
     Stable across processes and languages: crc32(utf8(key)) mod len(partitions) picks among the priority's
     partitions.

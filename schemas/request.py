@@ -17,8 +17,8 @@ import msgspec
 from msgspec import Meta
 
 from schemas.limits import DEFAULT_LIMITS as _L
-from schemas.limits import (MAX_COMPLETIONS, MAX_ID_CHARS, MAX_INT32, MAX_SAFE_INT, MAX_SEED, MAX_TOP_LOGPROBS,
-                            SCHEMA_VERSION)
+from schemas.limits import (MAX_CACHE_SALT_CHARS, MAX_COMPLETIONS, MAX_ID_CHARS, MAX_INT32, MAX_SAFE_INT, MAX_SEED,
+                            MAX_TENANT_CHARS, MAX_TOP_LOGPROBS, SCHEMA_VERSION)
 
 # Visible ASCII only: an id becomes a Kafka key, a log field and a metric label, where spaces, control
 # characters and look-alike Unicode cause more trouble than they are worth.
@@ -29,6 +29,11 @@ TOPIC_PATTERN = "^[a-zA-Z0-9._-]{1,249}$"
 RequestId = Annotated[
     str,
     Meta(min_length=1, max_length=MAX_ID_CHARS, pattern=ID_PATTERN, description="Visible ASCII, 1 to 128 chars."),
+]
+TenantId = Annotated[
+    str,
+    Meta(min_length=1, max_length=MAX_TENANT_CHARS, pattern=ID_PATTERN,
+         description=f"Visible ASCII, 1 to {MAX_TENANT_CHARS} chars."),
 ]
 SchemaVersion = Annotated[int, Meta(ge=1, le=MAX_INT32, description="Wire schema version; absent means 1.")]
 TokenId = Annotated[int, Meta(ge=0, le=MAX_INT32)]
@@ -292,6 +297,28 @@ class GenerationRequest(WireRecord, kw_only=True):
         | None
     ) = None
 
+    tenant: (
+        Annotated[TenantId, Meta(description=(
+            "Who the request is for (a team, a customer). Within a priority, tenants share the worker fairly by "
+            "tokens served; quotas apply per tenant; prefix-cache blocks are shared only within a tenant. Absent: "
+            "the requests without a tenant form one tenant of their own."))]
+        | None
+    ) = None
+    session_id: (
+        Annotated[RequestId, Meta(description=(
+            "A conversation's id. When given, it (not the request id) picks the partition within the priority "
+            "(schemas.priority.partition_for), so the turns of a conversation reach the same worker and find "
+            "their history in its prefix cache."))]
+        | None
+    ) = None
+    cache_salt: (
+        Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT_CHARS, description=(
+            "Prefix-cache blocks are shared only among requests of the same tenant and the same cache_salt (as "
+            "vLLM's): a salt known only to some clients hides their prompts' cache state from the rest of the "
+            "tenant. The completions of one request (n > 1) always share."))]
+        | None
+    ) = None
+
     def __post_init__(self) -> None:
         # Checked here rather than in decode.py so that a request built in Python is held to it too.
         given = [name for name in PROMPT_FIELDS if getattr(self, name) is not None]
@@ -302,6 +329,11 @@ class GenerationRequest(WireRecord, kw_only=True):
                              f"({self.max_new_tokens})")
         if self.best_of is not None and self.best_of < self.n:
             raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+
+    @property
+    def routing_key(self) -> str:
+        """What picks the request's partition within its priority: the session id, else the request id."""
+        return self.session_id if self.session_id is not None else self.id
 
     @property
     def num_completions(self) -> int:

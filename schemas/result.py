@@ -122,7 +122,8 @@ class FinalRecord(WireRecord, kw_only=True, tag_field="kind", tag="final"):
         str,
         Meta(
             min_length=1,
-            description="completed: the finish reason. rejected: deadline, shed, overloaded, queue_full. "
+            description="completed: the finish reason. rejected: deadline, shed, overloaded, queue_full, "
+            "quota_exceeded (the tenant's token quota; the message says when it refills). "
             "error: invalid_request, too_large, prompt_too_long, reply_topic_not_allowed, "
             "reply_topic_unavailable, result_too_large, decode_error, poison_request, internal. "
             "cancelled: cancelled (text and token_ids hold the output so far). "
@@ -143,6 +144,9 @@ class FinalRecord(WireRecord, kw_only=True, tag_field="kind", tag="final"):
     ] = 0
     metadata: dict[str, str] | None = None
     worker_id: str = ""
+    retry_after_ms: Annotated[int, Meta(ge=0, le=MAX_SAFE_INT, description=(
+        "On a rejection that waiting cures (quota_exceeded): how long until the same request would be "
+        "accepted."))] | None = None
     omitted: Annotated[list[Literal["logprobs", "token_ids"]], Meta(description=(
         "Parts of the output left out of this record because with them it would exceed the topic's record limit "
         "(max.message.bytes); the stream's chunks carried them. Text and usage are never omitted."))] | None = None

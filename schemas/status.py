@@ -44,6 +44,23 @@ class Throughput(msgspec.Struct, kw_only=True, frozen=True):
     requests_per_s: Annotated[float, Meta(ge=0.0, description="Final records per second.")] = 0.0
 
 
+class TenantStatus(msgspec.Struct, kw_only=True, frozen=True):
+    """One tenant's traffic at this worker: the top tenants by traffic each, the rest summed as "other", requests
+    without a tenant as "none"."""
+
+    tenant: Annotated[str, Meta(description="The tenant, \"other\" or \"none\".")]
+    tokens_per_s: Annotated[float, Meta(ge=0.0, description="Tokens (prompt and output) served per second.")] = 0.0
+    prompt_tokens: Annotated[float, Meta(ge=0.0, description="Prompt tokens served since the worker started.")] = 0.0
+    output_tokens: Annotated[float, Meta(ge=0.0, description="Output tokens served since the worker started.")] = 0.0
+    num_waiting: Annotated[int, Meta(ge=0, le=MAX_SAFE_INT, description="In the worker's local queue now.")] = 0
+    num_over_quota: Annotated[int, Meta(ge=0, le=MAX_SAFE_INT, description=(
+        "Requests found over the tenant's quota since the worker started (rejected with quota_exceeded, or "
+        "deferred)."))] = 0
+    over_quota: Annotated[bool, Meta(description=(
+        "The tenant's token bucket is empty now: its new requests are rejected (or deferred) until it refills. "
+        "A producer for this tenant should slow down."))] = False
+
+
 class WorkerStatus(WireRecord, kw_only=True):
     """One worker's load at one moment."""
 
@@ -73,3 +90,5 @@ class WorkerStatus(WireRecord, kw_only=True):
         "within each priority's queue-time budget, from its own partitions scaled by its share of them (an "
         "autoscaler averages it over the workers). Absent before the worker has a capacity estimate or "
         "partitions."))] | None = None
+    tenants: Annotated[list[TenantStatus], Meta(description=(
+        "Per tenant, most traffic first (bounded: WORKER_TENANT_MAX_LABELS named ones, then other and none)."))] = []

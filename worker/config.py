@@ -7,10 +7,11 @@ table in docs/configuration.md is generated from them (`llm-worker config --mark
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_HOME = Path.home() / ".cache" / "kafka-llm-worker"
@@ -223,6 +224,13 @@ def _default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
+class TenantQuota(BaseModel):
+    """One tenant's token bucket: sustained rate and burst size, in tokens (prompt and output)."""
+
+    rate_tokens_per_s: float = Field(ge=0)
+    burst_tokens: float = Field(gt=0)
+
+
 class WorkerSettings(BaseSettings):
     """Admission, shedding, backpressure, streaming and shutdown of `llm-worker serve`."""
 
@@ -321,8 +329,30 @@ class WorkerSettings(BaseSettings):
     """How often free heap pages are handed back to the kernel (glibc malloc_trim, on a thread: 7-40 ms on the
     2-core machine with 250 MB free in 30,000 holes); 0 never."""
 
+    tenant_weights: dict[str, float] = {}
+    """Fair share among the tenants of a priority, by tokens served: a tenant's weight (default 1), e.g.
+    {"search": 2}: backlogged, it gets twice the tokens of a tenant of weight 1 (docs/tenants.md)."""
+    tenant_max_credit_tokens: float = Field(2048.0, ge=0)
+    """The most service (tokens) an idle tenant banks: back with requests, it starts at most this far below the
+    counters of the tenants that kept the worker busy, so it cannot take the engine over for long."""
+    tenant_contention_window_s: float = Field(30.0, gt=0)
+    """Two or more tenants read at a priority within this window make a full local queue keep reading and shed
+    the newest request of the tenant holding most of it (over its share), instead of pausing the priority."""
+    tenant_quotas: dict[str, TenantQuota] = {}
+    """Token rates per tenant: {"team-a": {"rate_tokens_per_s": 500, "burst_tokens": 4000}}; "*" is the
+    default for tenants not named (requests without a tenant included). A request takes its expected tokens
+    (prompt and max_new_tokens) and is corrected to those served when it ends. Empty: no quotas."""
+    tenant_quota_action: Literal["reject", "defer"] = "reject"
+    """Over quota: reject (rejected/quota_exceeded at once, with when the bucket refills) or defer (the request
+    waits in the local queue until its bucket holds its tokens; its deadline still applies)."""
+    tenant_max_labels: int = Field(10, ge=0, le=1000)
+    """Tenants with a label of their own in metrics and on the status topic: the top ones by tokens read; the
+    rest share "other", requests without a tenant "none"."""
+
     @model_validator(mode="after")
     def _check(self) -> "WorkerSettings":
+        if any(not (w > 0 and math.isfinite(w)) for w in self.tenant_weights.values()):
+            raise ValueError("tenant_weights must be positive and finite")
         if self.resume_waiting > self.max_waiting:
             raise ValueError("resume_waiting must not exceed max_waiting")
         if self.kv_resume_threshold > self.kv_pause_threshold:

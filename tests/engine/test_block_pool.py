@@ -1,6 +1,6 @@
 import pytest
 
-from worker.engine.block_pool import BlockPool, hash_block
+from worker.engine.block_pool import BlockPool, hash_block, salt_key
 from worker.engine.request import Request
 
 BS = 4
@@ -192,3 +192,13 @@ def test_check_invariants_catches_a_missing_holder_and_a_double_free():
     a.block_ids.append(0)
     with pytest.raises(AssertionError):
         pool.free(a)  # ref would go below zero
+
+
+def test_a_cache_salt_is_a_namespace_of_its_own():
+    pool = BlockPool(num_blocks=16, block_size=BS)
+    prompt = list(range(9))
+    compute_all(pool, Request("a", prompt, cache_salt=salt_key("tenant-a")))
+    assert pool.get_computed_blocks(Request("b", prompt, cache_salt=salt_key("tenant-b"))) == []
+    assert pool.get_computed_blocks(Request("plain", prompt)) == []  # the shared namespace is another one
+    assert len(pool.get_computed_blocks(Request("a2", prompt, cache_salt=salt_key("tenant-a")))) == 2
+    assert salt_key(None) == b"" and salt_key("x") != salt_key("y")

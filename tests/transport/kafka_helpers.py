@@ -30,14 +30,16 @@ def worker_settings(**overrides) -> WorkerSettings:
     return WorkerSettings(**values)
 
 
-async def produce(kafka: KafkaSettings, items: list[tuple[int, bytes, str]]) -> None:
-    """items: (priority, value bytes, key); each to the partition its priority and key give."""
+async def produce(kafka: KafkaSettings, items: list[tuple]) -> None:
+    """items: (priority, value bytes, key[, routing key]); each to the partition its priority and routing key
+    (default: the key) give."""
     producer = AIOKafkaProducer(**kafka.client_kwargs(), enable_idempotence=True, max_request_size=4 * 1024 * 1024)
     await producer.start()
     try:
         futures = []
-        for priority, value, key in items:
-            partition = partition_for(priority, key, kafka.num_request_partitions, kafka.num_priorities)
+        for priority, value, key, *route in items:
+            partition = partition_for(priority, route[0] if route else key, kafka.num_request_partitions,
+                                      kafka.num_priorities)
             futures.append(await producer.send(kafka.request_topic, value=value, key=key.encode(), partition=partition))
         await asyncio.gather(*futures)
     finally:
@@ -45,7 +47,7 @@ async def produce(kafka: KafkaSettings, items: list[tuple[int, bytes, str]]) -> 
 
 
 async def produce_requests(kafka: KafkaSettings, requests: list[tuple[int, GenerationRequest]]) -> None:
-    await produce(kafka, [(p, encode(r), r.id) for p, r in requests])
+    await produce(kafka, [(p, encode(r), r.id, r.routing_key) for p, r in requests])
 
 
 @dataclass

@@ -57,7 +57,7 @@ async def test_abort_ends_a_long_request():
 
 
 def ids_in(engine: InstantEngine) -> list[str]:
-    return list(engine._running) + [item[2].request.request_id for item in engine._waiting]
+    return list(engine._running) + [item[-1].request.request_id for item in engine._waiting]
 
 
 class ExplodingEngine(InstantEngine):

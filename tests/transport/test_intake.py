@@ -16,7 +16,7 @@ from worker.engine.api import EngineStats
 from worker.transport.load.admission import Admission
 from worker.transport.requests.answers import Answers
 from worker.transport.requests.dispatcher import COMPILING_CAPS, Dispatcher
-from worker.transport.requests.intake import Intake
+from worker.transport.requests.intake import Intake, IntakeLayout
 from worker.transport.load.load_control import LoadControl
 from worker.transport.load.backpressure import Backpressure
 from worker.transport.requests.local_queue import LocalQueue
@@ -25,33 +25,36 @@ from worker.transport.kafka.offsets import OffsetTracker
 from worker.transport.load.service_model import ServiceModel
 from worker.transport.load.shedding import Shedder
 from worker.transport.requests.streamer import Streamer
+from worker.transport.load.tenant_book import TenantBook
 from tests.transport.fakes import TOPIC, FakeConsumer, FakeEngineThread, FakePublisher, request_bytes, request_partition
 
 KAFKA = KafkaSettings(num_priorities=3, partitions_per_priority=2, allowed_reply_topics=["replies.ok"])
 
 
-def build(**settings_overrides) -> SimpleNamespace:
+def build(max_in_engine: int = 4, **settings_overrides) -> SimpleNamespace:
     """The parts as Worker._build wires them, around fake clients and a fake engine thread."""
     settings = WorkerSettings(metrics_port=0, worker_id="w-test", **settings_overrides)
     consumer, publisher, engine = FakeConsumer(), FakePublisher(), FakeEngineThread()
     tracker, metrics = OffsetTracker(), WorkerMetrics.create()
     service = ServiceModel(KAFKA.num_priorities, 64, 512, lambda: engine.stats)
-    queue = LocalQueue(KAFKA.num_priorities, settings.max_waiting)
+    tenants = TenantBook.from_settings(settings, KAFKA.num_priorities)
+    queue = LocalQueue(KAFKA.num_priorities, settings.max_waiting, tenants.fair)
     answers = Answers(publisher, tracker, metrics, settings.worker_id, KAFKA.result_topic, KAFKA.dead_letter_topic)
+    answers.tenants = tenants
     admission = Admission(KAFKA.result_topic, frozenset(KAFKA.allowed_reply_topics), list(settings.itl_target_ms))
-    streamer = Streamer(publisher, tracker, answers, metrics, service, settings.worker_id, KAFKA.num_priorities, 0.0)
-    dispatcher = Dispatcher(queue, streamer, engine, admission, answers, service, max_in_engine=4)
+    streamer = Streamer(publisher, tracker, answers, metrics, service, settings.worker_id, KAFKA.num_priorities, 0.0,
+                        tenants)
+    dispatcher = Dispatcher(queue, streamer, engine, admission, answers, service, max_in_engine=max_in_engine,
+                            tenants=tenants)
     intake = Intake(consumer, tracker, queue, answers, admission, service,
-                    num_priorities=KAFKA.num_priorities, num_partitions=KAFKA.num_request_partitions,
-                    result_topic=KAFKA.result_topic, max_poll_records=settings.max_poll_records, limits=DEFAULT_LIMITS,
-                    max_clock_skew_ms=settings.max_clock_skew_ms)
+                    IntakeLayout.from_settings(KAFKA, settings, DEFAULT_LIMITS), tenants)
     load_control = LoadControl(Shedder(list(settings.max_queue_time_s), KAFKA.num_priorities),
                                Backpressure.from_settings(settings, KAFKA.num_priorities), service)
     all_partitions = {TopicPartition(TOPIC, p) for p in range(KAFKA.num_request_partitions)}
     intake.on_assigned(all_partitions, group_generation=7)
     return SimpleNamespace(consumer=consumer, publisher=publisher, engine=engine, tracker=tracker, queue=queue,
                            intake=intake, dispatcher=dispatcher, streamer=streamer, load_control=load_control,
-                           service=service, answers=answers)
+                           service=service, answers=answers, tenants=tenants)
 
 
 def send(w, priority: int, request_id: str, value: bytes | None = None, timestamp_ms: int | None = None, **fields):

@@ -116,6 +116,12 @@ class EngineRequest:
     prefix_leader: str | None = None
     """Another request with the same prompt (a sibling completion of n > 1): this one starts only once that
     one's prompt is computed, so its full blocks come from the prefix cache instead of being computed twice."""
+    cache_salt: str | None = None
+    """Prefix-cache namespace: blocks are shared only among requests with the same salt (None: the shared
+    namespace). The transport makes it from the tenant and the request's cache_salt."""
+    fair_tag: float = 0.0
+    """Order among the waiting requests of one priority, before arrival time: the tenant's virtual token counter
+    when the request entered the engine (fair share, transport/load/tenants.py); 0 for all when unused."""
 
 
 @dataclass(slots=True)

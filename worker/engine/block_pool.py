@@ -8,8 +8,10 @@ Blocks have one size and any block serves any position, so there is no fragmenta
 `n` tokens needs exactly ceil(n / block_size) blocks, wherever they are.
 
 Prefix caching: the key of a full block is sha256(parent block's key + the block's token ids), so one key
-names the whole prefix up to the block's end. A 256-bit hash makes collisions negligible, so the tokens are
-not stored. Keys cover output tokens too, so a preempted request finds its own blocks again on resume.
+names the whole prefix up to the block's end. The first block's parent key is the request's cache salt
+(salt_key: empty for the shared namespace), so requests of different tenants or salts never share a block.
+A 256-bit hash makes collisions negligible, so the tokens are not stored. Keys cover output tokens too, so a
+preempted request finds its own blocks again on resume.
 """
 
 from __future__ import annotations
@@ -20,6 +22,14 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Sequence
 
 from worker.engine.request import Request
+
+
+def salt_key(cache_salt: str | None) -> bytes:
+    """The parent key of a request's first block: b"" for the shared namespace, else a key of the salt, so the
+    same tokens under two salts never share a block (a tenant cannot time another's prompts)."""
+    if cache_salt is None:
+        return b""
+    return hashlib.sha256(b"salt\0" + cache_salt.encode("utf-8", "surrogatepass")).digest()
 
 
 def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
@@ -216,7 +226,7 @@ class BlockPool:
             i = len(hashes)
             token_ids = request.token_slice(i * self.block_size, (i + 1) * self.block_size)
             assert len(token_ids) == self.block_size, (request.request_id, i)
-            hashes.append(hash_block(hashes[-1] if hashes else b"", token_ids))
+            hashes.append(hash_block(hashes[-1] if hashes else request.cache_salt, token_ids))
         return hashes[index]
 
     def _touch(self, block_id: int) -> None:

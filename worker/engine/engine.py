@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from worker.config import EngineSettings
 from worker.engine.api import EngineRequest, EngineStats, RequestOutput, SamplingParams, TokenLogprobs
 from worker.engine.batch_builder import build_step_requests
+from worker.engine.block_pool import salt_key
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.request import Request, RequestStatus
 from worker.engine.scheduler import Scheduler
@@ -169,6 +170,8 @@ class LLMEngine:
             deadline=request.deadline,
             eos_token_ids=() if sampling.ignore_eos else tuple(self.runner.eos_token_ids),
             prefix_leader=request.prefix_leader,
+            cache_salt=salt_key(request.cache_salt),
+            fair_tag=request.fair_tag,
         )
         live = _Live(
             IncrementalDetokenizer(self.tokenizer, token_ids, stop=sampling.stop),

@@ -73,7 +73,7 @@ class InstantEngine:
                                   num_prompt_tokens=len(prompt), arrival_time=arrival, finish_time=now)]
         self._counter += 1
         state = _Running(request, zlib.crc32(prompt), max(1, len(prompt)), arrival, order=self._counter)
-        heapq.heappush(self._waiting, (request.priority, self._counter, state))
+        heapq.heappush(self._waiting, (request.priority, request.fair_tag, self._counter, state))
         return []
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
@@ -83,8 +83,8 @@ class InstantEngine:
             self._running.pop(rid, None)
         kept = []
         for item in self._waiting:
-            if item[2].request.request_id in ids:
-                outputs.append(self._finish(item[2], "abort"))
+            if item[-1].request.request_id in ids:
+                outputs.append(self._finish(item[-1], "abort"))
             else:
                 kept.append(item)
         heapq.heapify(kept)
@@ -100,7 +100,7 @@ class InstantEngine:
             outputs.append(self._finish(self._running.pop(rid), "deadline"))  # it stops with what it generated
         self._preempt_for_more_urgent()
         while self._waiting and len(self._running) < self.max_num_seqs:
-            _, _, state = heapq.heappop(self._waiting)
+            *_, state = heapq.heappop(self._waiting)
             deadline = state.request.deadline
             if deadline is not None and now > deadline:
                 outputs.append(self._finish(state, "deadline"))
@@ -135,11 +135,11 @@ class InstantEngine:
         least urgent running one, which waits again and resumes where it was (outputs are a function of the
         token index, so nothing is recomputed)."""
         while self._waiting and len(self._running) >= self.max_num_seqs:
-            victim = max(self._running.values(), key=lambda s: (s.request.priority, s.order))
+            victim = max(self._running.values(), key=lambda s: (s.request.priority, s.request.fair_tag, s.order))
             if victim.request.priority <= self._waiting[0][0]:
                 return
             del self._running[victim.request.request_id]
-            heapq.heappush(self._waiting, (victim.request.priority, victim.order, victim))
+            heapq.heappush(self._waiting, (victim.request.priority, victim.request.fair_tag, victim.order, victim))
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)

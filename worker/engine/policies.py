@@ -4,7 +4,9 @@ The scheduler runs one token-budget loop for every policy; a policy only orders 
 choice of preemption victim) and names the requests that may be admitted at a step.
 
 continuous  Iteration-level batching: every waiting request is a candidate at every step, in priority order
-            (lower number first), first come first served by arrival time within a priority.
+            (lower number first); within a priority by fair tag (the tenant's virtual token counter when it
+            entered the engine: fair share among tenants, see api.EngineRequest.fair_tag), then first come
+            first served by arrival time.
 dynamic     When no batch is in flight, a batch forms from the first max_batch_size waiting requests in
             priority order as soon as max_batch_size requests wait, or the oldest waiting request (by
             arrival_time) has waited batch_window_ms (now - arrival_time >= window). Nobody else is admitted
@@ -177,7 +179,7 @@ class AdmissionPolicy:
         """Waiting-queue order; the preemption victim is the running request with the largest key."""
         if self.name == "static":
             return (request.arrival_time,)
-        return (request.priority, request.arrival_time)
+        return (request.priority, request.fair_tag, request.arrival_time)
 
     def candidates(self, waiting: WaitingQueue, now: float) -> Iterable[Request]:
         """Waiting requests that may be admitted now, in the order to try them. Forms a batch when due."""

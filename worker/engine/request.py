@@ -43,6 +43,10 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     prefix_leader: str | None = None
     """A request with the same prompt that this one waits for (api.EngineRequest.prefix_leader)."""
+    cache_salt: bytes = b""
+    """Parent key of its first block (block_pool.salt_key): requests share cached blocks only with the same."""
+    fair_tag: float = 0.0
+    """Waiting order within a priority before arrival time (api.EngineRequest.fair_tag)."""
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -9,9 +9,10 @@ import time
 from dataclasses import dataclass
 
 from schemas.decode import encode
-from schemas.status import PriorityStatus, Throughput, WorkerStatus
+from schemas.status import PriorityStatus, TenantStatus, Throughput, WorkerStatus
 from worker.engine.api import EngineStats
 from worker.transport.load.load_control import LoadDecision
+from worker.transport.load.tenant_book import TenantSnapshot
 from worker.transport.metrics import WorkerMetrics
 from worker.transport.kafka.publisher import Publisher
 
@@ -37,6 +38,7 @@ class LoadView:
     num_output_tokens: int
     desired_workers: float | None = None
     """The autoscaling signal (autoscale.py); None while there is no estimate."""
+    tenants: tuple[TenantSnapshot, ...] = ()
 
 
 class StatusReporter:
@@ -98,6 +100,9 @@ class StatusReporter:
             num_batched_tokens=stats.num_batched_tokens,
             busy_ms=max(0.0, stats.busy_s * 1000.0),
             desired_workers=None if view.desired_workers is None else round(max(0.0, view.desired_workers), 3),
+            tenants=[TenantStatus(tenant=t.label, tokens_per_s=round(t.tokens_per_s, 3), prompt_tokens=t.prompt_tokens,
+                                  output_tokens=t.output_tokens, num_waiting=t.num_waiting,
+                                  num_over_quota=t.num_over_quota, over_quota=t.over_quota) for t in view.tenants],
         )
 
     async def publish(self, view: LoadView) -> None:

@@ -50,7 +50,7 @@ from worker.transport.requests.control import ControlReader
 from worker.transport.requests.dispatcher import Dispatcher
 from worker.transport.requests.engine_process import EngineProcess
 from worker.transport.requests.engine_thread import EngineThread
-from worker.transport.requests.intake import Intake
+from worker.transport.requests.intake import Intake, IntakeLayout
 from worker.transport.kafka.kafka_clients import RebalanceListener, make_consumer
 from worker.transport.load.load_control import LoadControl
 from worker.transport.requests.local_queue import LocalQueue
@@ -64,6 +64,8 @@ from worker.transport.kafka.exactly_once import FinalLanes
 from worker.transport.kafka.publisher import Publisher
 from worker.transport.load.service_model import ServiceModel
 from worker.transport.load.shedding import Shedder
+from worker.transport.load.tenant_book import TenantBook
+from worker.transport.tenant_metrics import TenantCollector
 from worker.transport.status_report import LoadView, StatusReporter
 from worker.transport.requests.streamer import Streamer
 from worker.transport.requests.tracing import RequestTracing
@@ -107,6 +109,9 @@ class Worker:
         self.cancels = CancelledIds(settings.cancel_ttl_s, settings.cancel_max_ids)
         self.control = ControlReader(kafka, self.cancels, self._on_cancel, client_id=f"{settings.worker_id}-control")
         self.memory = MemoryCollector(self.metrics.registry, self._tables())
+        self.tenants = TenantBook.from_settings(settings, kafka.num_priorities)
+        """Fair share, quotas and per-tenant traffic: kept across reconnects, like the tenants themselves."""
+        TenantCollector(self.metrics.registry, self.tenants)
         self.tracing = RequestTracing.from_env(getattr(getattr(engine, "settings", None), "model", ""))
         """Traces through Kafka headers (tracing.py); None when off."""
 
@@ -145,12 +150,13 @@ class Worker:
             self.engine_thread = self.engine.attach(asyncio.get_running_loop(), self.outputs)
         else:
             self.engine_thread = EngineThread(self.engine, asyncio.get_running_loop(), self.outputs)
-        self.queue = LocalQueue(kafka.num_priorities, settings.max_waiting)
+        self.queue = LocalQueue(kafka.num_priorities, settings.max_waiting, self.tenants.fair)
         self.service = ServiceModel(kafka.num_priorities, self.max_num_seqs, self.max_num_batched_tokens,
                                     lambda: self.engine_thread.stats, self._engine_saturated,
                                     lambda: self.streamer.num_open_by_priority)
         self.answers = Answers(publisher, self.tracker, self.metrics, settings.worker_id, kafka.result_topic,
                                kafka.dead_letter_topic)
+        self.answers.tenants = self.tenants
         self.lanes: FinalLanes | None = None
         if kafka.exactly_once:
             publisher.track_settled = True
@@ -161,15 +167,12 @@ class Worker:
                                                list(settings.itl_target_ms), self.max_num_batched_tokens,
                                                allowed_reply_topic_prefixes=tuple(kafka.allowed_reply_topic_prefixes))
         self.streamer = Streamer(publisher, self.tracker, self.answers, self.metrics, self.service, settings.worker_id,
-                                 kafka.num_priorities, settings.chunk_interval_ms)
+                                 kafka.num_priorities, settings.chunk_interval_ms, self.tenants)
         self.dispatcher = Dispatcher(self.queue, self.streamer, self.engine_thread, admission, self.answers,
-                                     self.service, self.max_in_engine, cancelled=self._cancel_of)
-        self.intake = Intake(
-            consumer, self.tracker, self.queue, self.answers, admission, self.service,
-            num_priorities=kafka.num_priorities, num_partitions=kafka.num_request_partitions,
-            result_topic=kafka.result_topic, max_poll_records=settings.max_poll_records, limits=self.limits,
-            max_clock_skew_ms=settings.max_clock_skew_ms, cancelled=self._cancel_of,
-        )
+                                     self.service, self.max_in_engine, cancelled=self._cancel_of, tenants=self.tenants)
+        self.intake = Intake(consumer, self.tracker, self.queue, self.answers, admission, self.service,
+                             IntakeLayout.from_settings(kafka, settings, self.limits), self.tenants,
+                             cancelled=self._cancel_of)
         self.load_control = LoadControl(Shedder(list(settings.max_queue_time_s), kafka.num_priorities),
                                         Backpressure.from_settings(settings, kafka.num_priorities), self.service)
         self.reporter = StatusReporter(publisher, self.metrics, settings.worker_id, kafka.status_topic)
@@ -515,7 +518,9 @@ class Worker:
         desired = self.scale_signal.update(time.monotonic(), decision.unread_tokens, self.service.tokens_read,
                                            decision.shed.backlog_tokens, self.service.capacity_tokens_per_s(),
                                            assigned)
+        tenants = self.tenants.snapshot(time.monotonic(), self.queue.num_waiting_by_tenant())
         view = LoadView(decision, stats, self.queue.num_waiting_by_priority(), self.intake.paused_by_priority(),
-                        sorted(assigned), self.streamer.num_completed, self.streamer.num_output_tokens, desired)
+                        sorted(assigned), self.streamer.num_completed, self.streamer.num_output_tokens, desired,
+                        tenants)
         self.reporter.update_metrics(view)
         return view

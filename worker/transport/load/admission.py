@@ -42,6 +42,8 @@ class Verdict:
     """"error" or "rejected"."""
     reason: str
     message: str
+    retry_after_s: float | None = None
+    """When waiting cures it (a quota): how long until the same request would be accepted."""
 
 
 def estimate_prompt_tokens(prompt: str | None, messages: list | None, prompt_token_ids: list[int] | None) -> int:

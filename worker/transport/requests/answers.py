@@ -9,12 +9,14 @@ written for it (`OffsetTracker.on_acked`).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Hashable
 
 import msgspec
 
 from schemas.dead_letter import DeadLetterRecord
+from schemas.limits import MAX_SAFE_INT
 from schemas.decode import RequestError, encode
 from schemas.result import FinalRecord
 from worker.transport.load.admission import Verdict
@@ -48,6 +50,8 @@ class Answers:
         self.num_dead_letters = 0
         self.lanes = None
         """Exactly-once finals (exactly_once.FinalLanes) when on: then every answer goes through them."""
+        self.tenants = None
+        """The worker's TenantBook: counts each tenant's finals by status."""
 
     def reject(
         self, partition: Hashable, offset: int, request_id: str, attempt: int, verdict: Verdict, topic: str,
@@ -56,11 +60,16 @@ class Answers:
         """Answer a decoded request with the verdict's final record on `topic`."""
         record = answer_record(request_id, attempt, verdict.status, verdict.reason, verdict.message, timestamp_ms,
                                self.worker_id, metadata)
+        if verdict.retry_after_s is not None:
+            record = msgspec.structs.replace(record, retry_after_ms=min(MAX_SAFE_INT, math.ceil(
+                verdict.retry_after_s * 1000)))
         if verdict.reason != "shed":
             self.metrics.rejected_for(verdict.reason).inc()
         self.final(partition, offset, topic, record)
 
     def reject_queued(self, queued: QueuedRequest, verdict: Verdict) -> None:
+        if self.tenants is not None:
+            self.tenants.finished(queued.tenant, verdict.status)
         self.reject(queued.partition, queued.offset, queued.request.id, queued.attempt, verdict, queued.reply_topic,
                     queued.timestamp_ms, queued.request.metadata)
 
@@ -71,6 +80,8 @@ class Answers:
                                queued.request.metadata)
         record = msgspec.structs.replace(record, text="", token_ids=[])
         self.metrics.requests_cancelled.inc()
+        if self.tenants is not None:
+            self.tenants.finished(queued.tenant, "cancelled")
         self.final(queued.partition, queued.offset, queued.reply_topic, record)
 
     def final(self, partition: Hashable, offset: int | None, topic: str, final: FinalRecord) -> None:

@@ -26,6 +26,7 @@ from worker.transport.requests.engine_thread import EngineThread
 from worker.transport.requests.local_queue import LocalQueue, QueuedRequest
 from worker.transport.load.service_model import ServiceModel
 from worker.transport.requests.streamer import Streamer
+from worker.transport.load.tenant_book import TenantBook, cache_salt_of
 
 
 SEED_STRIDE = 0x9E3779B97F4A7C15
@@ -57,10 +58,11 @@ def structured_output(response_format: ResponseFormat | None) -> StructuredOutpu
     return None
 
 
-def to_engine_requests(queued: QueuedRequest) -> list[EngineRequest]:
+def to_engine_requests(queued: QueuedRequest, fair_tag: float = 0.0) -> list[EngineRequest]:
     """The engine's view of a wire request, one engine request per completion (n or best_of of them): sampling,
     priority, and times on the engine's monotonic clock. Completions after the first wait in the engine for
-    the first one's prompt (prefix_leader), so they take its blocks from the prefix cache."""
+    the first one's prompt (prefix_leader), so they take its blocks from the prefix cache: they share its
+    cache namespace (the tenant's and cache_salt's)."""
     req = queued.request
     s = req.sampling
     num = req.num_completions
@@ -73,6 +75,7 @@ def to_engine_requests(queued: QueuedRequest) -> list[EngineRequest]:
     arrival = now_mono - max(0.0, now_ms - queued.arrival_ms) / 1000.0
     messages = [{"role": m.role, "content": m.content} for m in req.messages] if req.messages else None
     structured = structured_output(req.response_format)
+    cache_salt = cache_salt_of(queued.tenant, req.cache_salt)
     requests = []
     for index in range(num):
         sampling = SamplingParams(
@@ -93,6 +96,8 @@ def to_engine_requests(queued: QueuedRequest) -> list[EngineRequest]:
             deadline=deadline,
             arrival_time=arrival,
             prefix_leader=queued.completion_engine_id(0) if index else None,
+            cache_salt=cache_salt,
+            fair_tag=fair_tag,
         ))
     return requests
 
@@ -101,8 +106,12 @@ class Dispatcher:
     def __init__(
         self, queue: LocalQueue, streamer: Streamer, engine: EngineThread, admission: Admission, answers: Answers,
         service: ServiceModel, max_in_engine: int, cancelled: Callable[[str], Cancel | None] = lambda _id: None,
+        tenants: TenantBook | None = None,
     ) -> None:
         self.queue = queue
+        self.tenants = tenants if tenants is not None else TenantBook(queue.fair)
+        self._may_start = None if self.tenants.quotas.action != "defer" else (
+            lambda queued: self.tenants.may_dispatch(queued.tenant, queued.expected_tokens, time.monotonic()))
         self.cancelled = cancelled
         """The live cancel of a wire request id, if any (the worker's CancelledIds)."""
         self.streamer = streamer
@@ -120,7 +129,7 @@ class Dispatcher:
             return
         stats: EngineStats = self.engine.stats
         for priority in range(len(self.streamer.num_open_by_priority)):
-            while self._has_room(priority) and (queued := self.queue.head(priority)) is not None:
+            while self._has_room(priority) and (queued := self.queue.head(priority, self._may_start)) is not None:
                 cancel = self.cancelled(queued.request.id)
                 if cancel is not None:  # normally taken out when its cancel arrived; this covers the rest
                     self.queue.pop(priority)
@@ -136,7 +145,9 @@ class Dispatcher:
                     return  # less urgent requests would slow the same urgent ones even more: hold them all
                 self.queue.pop(priority)
                 self.streamer.open(queued)
-                for request in to_engine_requests(queued):
+                queued.charged_tokens = queued.expected_tokens
+                tag = self.tenants.dispatched(priority, queued.tenant, queued.expected_tokens, time.monotonic())
+                for request in to_engine_requests(queued, tag):
                     self.engine.add(request)
 
     def _check_deadline(self, queued: QueuedRequest) -> Verdict | None:

@@ -33,12 +33,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import CorruptRecordException, KafkaError, RecordTooLargeError, UnsupportedCodecError
 
 from schemas.decode import RequestError, decode_request
-from schemas.limits import Limits
+from schemas.limits import DEFAULT_LIMITS, Limits
 from schemas.priority import priority_of_partition
 from worker.transport.load.admission import Admission, Verdict, estimate_prompt_tokens
 from worker.transport.requests.answers import Answers
@@ -48,6 +49,8 @@ from worker.transport.requests.local_queue import LocalQueue, QueuedRequest
 from worker.transport.kafka.offsets import OffsetTracker
 from worker.transport.load.service_model import ServiceModel
 from worker.transport.load.shedding import ReachFraction
+from worker.transport.load.tenant_book import TenantBook
+from worker.transport.load.tenants import DEFAULT_TENANT
 
 log = logging.getLogger(__name__)
 
@@ -62,15 +65,32 @@ SUSPECT_CLEAR_AFTER = 500
 without another error (the error did not repeat)."""
 
 
+@dataclass(slots=True, frozen=True)
+class IntakeLayout:
+    """What the intake reads and how much: the request topic's layout and the per-record settings."""
+
+    num_priorities: int
+    num_partitions: int
+    result_topic: str
+    max_poll_records: int = 500
+    limits: Limits = DEFAULT_LIMITS
+    max_clock_skew_ms: float = 1000.0
+
+    @classmethod
+    def from_settings(cls, kafka, settings, limits: Limits = DEFAULT_LIMITS) -> "IntakeLayout":
+        """From KafkaSettings and WorkerSettings."""
+        return cls(kafka.num_priorities, kafka.num_request_partitions, kafka.result_topic, settings.max_poll_records,
+                   limits, settings.max_clock_skew_ms)
+
+
 class Intake:
     tracing = None
     """tracing.RequestTracing when tracing is on (the worker sets it): traced records start their spans here."""
 
     def __init__(
         self, consumer: AIOKafkaConsumer, tracker: OffsetTracker, queue: LocalQueue, answers: Answers,
-        admission: Admission, service: ServiceModel, *,
-        num_priorities: int, num_partitions: int, result_topic: str, max_poll_records: int, limits: Limits,
-        max_clock_skew_ms: float = 1000.0, cancelled: Callable[[str], Cancel | None] = lambda _id: None,
+        admission: Admission, service: ServiceModel, layout: IntakeLayout, tenants: TenantBook | None = None,
+        cancelled: Callable[[str], Cancel | None] = lambda _id: None,
     ) -> None:
         self.consumer = consumer
         self.cancelled = cancelled
@@ -80,13 +100,14 @@ class Intake:
         self.answers = answers
         self.admission = admission
         self.service = service
-        self.num_priorities = num_priorities
-        self.num_partitions = num_partitions
-        self.result_topic = result_topic
-        self.max_poll_records = max_poll_records
-        self.limits = limits
-        self.max_clock_skew_ms = max_clock_skew_ms
-        self.reach = ReachFraction(num_priorities)
+        self.tenants = tenants if tenants is not None else TenantBook(queue.fair)
+        self.num_priorities = layout.num_priorities
+        self.num_partitions = layout.num_partitions
+        self.result_topic = layout.result_topic
+        self.max_poll_records = layout.max_poll_records
+        self.limits = layout.limits
+        self.max_clock_skew_ms = layout.max_clock_skew_ms
+        self.reach = ReachFraction(layout.num_priorities)
         self.assigned: set[TopicPartition] = set()
         """Assigned partitions inside the layout: the ones this worker reads."""
         self.outside_layout: set[TopicPartition] = set()
@@ -177,11 +198,12 @@ class Intake:
     # -- fetching ------------------------------------------------------------------------------------------
     async def fetch_once(self) -> None:
         shed = self.load.shed_priorities if self.load else frozenset()
+        overflow = self.overflow_priorities(time.monotonic())
         budget = self.max_poll_records
         waiting, ahead, priorities = self.queue.num_waiting_by_priority(), 0, []
         for priority in range(self.num_priorities):
             ahead += waiting[priority]
-            if ahead < self.queue.max_waiting or priority in shed:
+            if ahead < self.queue.max_waiting or priority in shed or priority in overflow:
                 priorities.append(priority)
         room = len(priorities) > 0
         # (partition, records, generation when getmany returned them): the generation read after the call,
@@ -323,6 +345,7 @@ class Intake:
             reply_topic=req.reply_topic or self.result_topic,
             num_prompt_tokens=estimate_prompt_tokens(req.prompt, req.messages, req.prompt_token_ids),
             arrival_ms=max(float(msg.timestamp), now_ms - self.max_clock_skew_ms),
+            tenant=req.tenant if req.tenant is not None else DEFAULT_TENANT,
         )
         if self.tracing is not None:
             queued.trace = self.tracing.begin(msg.headers, req.id.encode(), queued)
@@ -339,21 +362,66 @@ class Intake:
         queued.expected_tokens = self.service.expected_cost(queued.num_prompt_tokens, req.max_new_tokens,
                                                             req.num_completions)
         self.service.observe_read(priority, queued.num_prompt_tokens, req.max_new_tokens, req.num_completions)
-        if self.load is not None and priority in self.load.shed_priorities:
+        now = time.monotonic()
+        self.tenants.note_read(priority, queued.tenant, queued.expected_tokens, now)
+        if (self.load is not None and priority in self.load.shed_priorities
+                and self.tenants.fair.over_share(priority, queued.tenant, now)):
             self.answers.shed(queued, self.load.shed_message(priority))
             return "load"
-        verdict = self._check_deadline(queued)
+        verdict = self._check_deadline(queued) or self.tenants.check_quota(queued.tenant, queued.expected_tokens, now)
         if verdict is not None:
             self.answers.reject_queued(queued, verdict)
+            return "load"
+        if not self._make_room(queued, now):
             return "load"
         self.queue.push(queued)
         return "queued"
 
+    def overflow_priorities(self, now: float) -> frozenset[int]:
+        """Priorities read on while their local queue is full: contended by two or more tenants (FairShare.
+        contended) and not filled by more urgent requests. Reading stops on a full queue to leave the rest in
+        Kafka, but Kafka keeps a priority's records in arrival order: a tenant's flood ahead would then hold
+        the others' records there. Read on, the newest request of the tenant holding most of the queue is shed
+        instead (_make_room)."""
+        fair = self.queue.fair
+        waiting, ahead, overflow = self.queue.num_waiting_by_priority(), 0, []
+        for priority in range(self.num_priorities):
+            if ahead < self.queue.max_waiting and fair.contended(priority, now):
+                overflow.append(priority)
+            ahead += waiting[priority]
+        return frozenset(overflow)
+
+    def _make_room(self, queued: QueuedRequest, now: float) -> bool:
+        """Whether `queued` may join the local queue: there is room, or its priority overflows and the tenant
+        holding most of its queue (over its share) gives up its newest request for it; False when that tenant is
+        its own, and it is shed instead."""
+        priority = queued.priority
+        if sum(self.queue.num_waiting_by_priority()[:priority + 1]) < self.queue.max_waiting:
+            return True
+        if priority not in self.overflow_priorities(now):
+            return True  # the fetch rule stops reading; the rest of this poll still joins
+        heaviest = self.queue.heaviest_tenant(priority)
+        tokens = self.queue.tenant_tokens(priority)
+        weight = self.queue.fair.weight
+        if heaviest is None or heaviest == queued.tenant or (
+                (tokens.get(queued.tenant, 0.0) + queued.expected_tokens) / weight(queued.tenant)
+                >= tokens[heaviest] / weight(heaviest)):
+            self._shed_over_share(queued, now)
+            return False
+        self._shed_over_share(self.queue.pop_newest(priority, heaviest), now)
+        return True
+
+    def _shed_over_share(self, queued: QueuedRequest, now: float) -> None:
+        self.tenants.dropped(queued.tenant, queued.expected_tokens, now)
+        self.answers.shed(queued, f"tenant {queued.tenant or '(none)'!r} holds the most of priority "
+                                  f"{queued.priority}'s full queue while other tenants wait (over its fair share)")
+
     def _check_deadline(self, queued: QueuedRequest) -> Verdict | None:
         """Predict its queue wait and completion (kept on the request, reported in its final record) and refuse
         it if the prediction, with its margin, is past the deadline."""
-        tokens = self.queue.tokens_by_priority()
-        ahead = sum(tokens[:queued.priority + 1]) + self.service.engine_tokens_ahead(queued.priority)
+        # Fair share serves the other tenants' queued tokens in step with its own: only up to as many count.
+        ahead = (self.queue.tokens_ahead(queued.priority, queued.tenant, queued.expected_tokens)
+                 + self.service.engine_tokens_ahead(queued.priority))
         num_ahead = sum(self.queue.num_waiting(q) for q in range(queued.priority + 1))
         wait = self.service.wait_s(ahead)
         service = self.service.service_for(queued, self.service.num_sharing(num_ahead))
@@ -389,12 +457,18 @@ class Intake:
     def apply(self, decision: LoadDecision) -> None:
         """Answer the waiting requests of newly shed priorities; pause and resume partitions as decided."""
         self.load = decision
+        now = time.monotonic()
         for priority in sorted(decision.newly_shed, reverse=True):
-            for queued in self.queue.pop_all(priority):
+            # Tenants under their share keep their waiting requests: shedding falls on the others.
+            for queued in self.queue.pop_all(
+                    priority, keep=lambda tenant, p=priority: not self.queue.fair.over_share(p, tenant, now)):
+                self.tenants.dropped(queued.tenant, queued.expected_tokens, now)
                 self.answers.shed(queued, decision.shed_message(priority))
         if not self.fetching_stopped:
-            self._set_paused({tp for tp in self.assigned if self.priority_of(tp) in decision.pause_reasons},
-                             decision.pause_reasons)
+            # A priority that overflows (contended by tenants) is read on past a full queue: no queue pause.
+            overflow = self.overflow_priorities(now)
+            reasons = {p: r for p, r in decision.pause_reasons.items() if not (r == "queue" and p in overflow)}
+            self._set_paused({tp for tp in self.assigned if self.priority_of(tp) in reasons}, reasons)
 
     def _set_paused(self, want: set[TopicPartition], reasons: dict[int, str]) -> None:
         to_pause, to_resume = want - self.paused, self.paused - want

@@ -33,6 +33,7 @@ from worker.transport.kafka.offsets import OffsetTracker
 from worker.transport.kafka.publisher import Publisher
 from worker.transport.requests.records import final_for_output, group_final
 from worker.transport.load.service_model import ServiceModel
+from worker.transport.load.tenant_book import TenantBook
 
 log = logging.getLogger(__name__)
 
@@ -165,8 +166,11 @@ class Streamer:
     def __init__(
         self, publisher: Publisher, tracker: OffsetTracker, answers: Answers, metrics: WorkerMetrics,
         service: ServiceModel, worker_id: str, num_priorities: int, chunk_interval_ms: float,
+        tenants: TenantBook | None = None,
     ) -> None:
         self.publisher = publisher
+        self.tenants = tenants
+        """Fair-share counters and quotas take the tokens each completion was really served."""
         self.answers = answers
         self.tracker = tracker
         self.metrics = metrics
@@ -263,6 +267,9 @@ class Streamer:
             self.service.observe_finished(queued.num_prompt_tokens, queued.request.max_new_tokens,
                                           out.num_prompt_tokens, len(stream.token_ids),
                                           out.finish_reason in ("stop", "length"), now)
+            if self.tenants is not None:
+                self.tenants.served(queued.priority, queued.tenant, out.num_prompt_tokens if stream.index == 0 else 0,
+                                    len(stream.token_ids), queued.charged_tokens / queued.request.num_completions, now)
             if held and queued.partition in held:
                 self._held_finals.append((stream, out))
             else:
@@ -302,7 +309,7 @@ class Streamer:
             self._finish_completion(stream, group, final)
             return
         self.num_completed += 1
-        self._observe(final, queued.priority)
+        self._observe(final, queued)
         self.answers.final(queued.partition, queued.offset, queued.reply_topic, final)
 
     def _finish_completion(self, stream: RequestStream, group: CompletionGroup, final: FinalRecord) -> None:
@@ -325,13 +332,16 @@ class Streamer:
         request_final = group_final(finals, group.num_chunks, (queued.predicted_queue_ms, queued.predicted_e2e_ms),
                                     queued.timestamp_ms)
         self.num_completed += 1
-        self._observe(request_final, queued.priority)
+        self._observe(request_final, queued)
         self.answers.final(queued.partition, queued.offset, queued.reply_topic, request_final)
 
     def _publish(self, queued: QueuedRequest, record: FinalRecord) -> None:
         self.answers.final(queued.partition, None, queued.reply_topic, record)
 
-    def _observe(self, final, priority: int) -> None:
+    def _observe(self, final, queued: QueuedRequest) -> None:
+        priority = queued.priority
+        if self.tenants is not None:
+            self.tenants.finished(queued.tenant, final.status)
         m = self.metrics
         t = final.timings
         if final.status == "completed":

@@ -1,0 +1,269 @@
+"""Tenants: fair share inside a priority, quotas, labels of bounded cardinality, cache namespaces. Pure parts on
+their own, then the intake and dispatcher against in-memory Kafka clients (test_intake.build)."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+
+import pytest
+
+from worker.engine.api import RequestOutput
+from worker.transport.load.tenant_book import cache_salt_of
+from worker.transport.load.tenants import OTHER_LABEL, FairShare, Quota, Quotas, TenantLabels
+from tests.transport.test_intake import build, send
+
+
+# ---- fair share (pure) ------------------------------------------------------------------------------------
+
+
+def serve_backlogged(fair: FairShare, tenants: list[str], cost: dict[str, float], num: int) -> dict[str, float]:
+    """Pick `num` times among always-backlogged tenants, charging each pick its tenant's cost."""
+    served = dict.fromkeys(tenants, 0.0)
+    for tenant in tenants:
+        fair.lift(1, tenant, [t for t in tenants if t != tenant])
+    for _ in range(num):
+        tenant = fair.pick(1, tenants)
+        fair.start_tag(1, tenant)
+        fair.charge(1, tenant, cost[tenant])
+        served[tenant] += cost[tenant]
+    return served
+
+
+def test_backlogged_tenants_get_equal_tokens_whatever_their_request_sizes():
+    served = serve_backlogged(FairShare(3), ["a", "b", "c"], {"a": 1000, "b": 100, "c": 10}, 30_000)
+    total = sum(served.values())
+    for tenant in "abc":
+        assert served[tenant] / total == pytest.approx(1 / 3, abs=0.02)
+
+
+def test_weights_divide_the_tokens():
+    served = serve_backlogged(FairShare(3, weights={"a": 2.0}), ["a", "b"], {"a": 100, "b": 100}, 30_000)
+    assert served["a"] / served["b"] == pytest.approx(2.0, rel=0.02)
+
+
+def test_an_idle_tenant_banks_at_most_the_credit():
+    fair = FairShare(3, max_credit_tokens=500)
+    fair.lift(1, "busy", [])
+    fair.charge(1, "busy", 100_000)  # served alone for a long time
+    fair.start_tag(1, "busy")
+    fair.lift(1, "back", ["busy"])
+    assert fair.counter(1, "back") == fair.counter(1, "busy") - 500
+    # It is served first, but only for about the credit's worth before they alternate.
+    num_first = 0
+    while fair.pick(1, ["busy", "back"]) == "back":
+        fair.charge(1, "back", 100)
+        num_first += 1
+    assert num_first == 5
+
+
+def test_over_share_and_contention_follow_recent_reads():
+    fair = FairShare(3, contention_window_s=30)
+    assert not fair.contended(1, 0.0)
+    fair.seen(1, "flood", 100, 0.0)
+    assert fair.over_share(1, "flood", 0.0) and not fair.contended(1, 0.0)  # alone: at its share
+    for i in range(100):
+        fair.seen(1, "flood", 100, i * 0.1)
+        if i % 10 == 0:
+            fair.seen(1, "small", 100, i * 0.1)
+    assert fair.contended(1, 10.0)
+    assert fair.over_share(1, "flood", 10.0) and not fair.over_share(1, "small", 10.0)
+    assert not fair.over_share(1, "never-seen", 10.0)
+    assert not fair.contended(1, 100.0)  # both quiet for longer than the window
+
+
+def test_fair_share_state_stays_bounded_under_distinct_tenant_names():
+    fair = FairShare(3, max_tenants=100)
+    rng = random.Random(0)
+    for i in range(5000):
+        tenant = f"t{rng.randrange(10**9)}"
+        fair.lift(1, tenant, [])
+        fair.charge(1, tenant, 10)
+        fair.seen(1, tenant, 10, i * 0.001)
+    assert fair.num_tenants() <= 100 and len(fair._seen[1]) <= 65
+
+
+# ---- quotas and labels (pure) -----------------------------------------------------------------------------
+
+
+def test_a_token_bucket_refills_at_its_rate_up_to_its_burst():
+    quotas = Quotas({"a": Quota(rate_tokens_per_s=100, burst_tokens=1000)})
+    assert quotas.wait_s("a", 1000, 0.0) == 0 and quotas.wait_s("nobody", 10**9, 0.0) == 0
+    quotas.take("a", 1000, 0.0)
+    assert quotas.wait_s("a", 200, 0.0) == pytest.approx(2.0)
+    assert quotas.wait_s("a", 200, 2.0) == 0
+    assert quotas.level("a", 100.0) == 1000  # never above the burst
+    quotas.take("a", 1500, 100.0)  # a correction may take it below zero
+    assert quotas.over_quota("a", 100.0) and quotas.wait_s("a", 5000, 100.0) == pytest.approx(15.0)
+    frozen = Quotas(default=Quota(rate_tokens_per_s=0, burst_tokens=10))
+    frozen.take("anyone", 5, 0.0)
+    assert math.isinf(frozen.wait_s("anyone", 10, 1000.0))
+
+
+def test_labels_name_the_top_tenants_and_the_rest_share_other():
+    labels = TenantLabels(max_labels=2, refresh_s=0.0)
+    for i in range(50):
+        labels.observe(f"small-{i}", 1, 0.0)
+    labels.observe("big", 1000, 1.0)
+    labels.observe("bigger", 5000, 2.0)
+    assert labels.labelled == {"big", "bigger"}
+    assert labels.label("small-3") == OTHER_LABEL and labels.label("") == "none"
+    assert len(labels._traffic) <= labels.max_tracked
+
+
+def test_cache_namespaces_are_unambiguous():
+    assert cache_salt_of("", None) is None
+    names = {cache_salt_of(t, s) for t, s in [("a", None), ("", "a"), ("a", "b"), ("a\"", "b"), ("a", "\"b")]}
+    assert len(names) == 5
+
+
+# ---- through the intake and the dispatcher ----------------------------------------------------------------
+
+
+async def test_the_engine_takes_tenants_in_turn_not_in_arrival_order():
+    w = build(max_in_engine=6)
+    for i in range(8):
+        send(w, 1, f"flood-{i}", tenant="flood")
+    for i in range(3):
+        send(w, 1, f"calm-{i}", tenant="calm")
+    await w.intake.fetch_once()
+    w.dispatcher.admit()
+    tenants = [r.request_id.split("-")[0] for r in w.engine.added]
+    assert tenants.count("calm") == 3, tenants  # served in step with the flood, not after its eight
+    tags = {r.request_id.split("#")[0]: r.fair_tag for r in w.engine.added}
+    assert tags["calm-2"] < tags["flood-2"]  # the engine's waiting order keeps the fair order too
+
+
+async def test_without_credit_backlogged_tenants_alternate_request_by_request():
+    w = build(max_in_engine=6, tenant_max_credit_tokens=0)
+    for i in range(8):
+        send(w, 1, f"flood-{i}", tenant="flood")
+    for i in range(3):
+        send(w, 1, f"calm-{i}", tenant="calm")
+    await w.intake.fetch_once()
+    w.dispatcher.admit()
+    tenants = [r.request_id.split("-")[0] for r in w.engine.added]
+    assert tenants == ["flood", "calm"] * 3, tenants
+
+
+async def test_a_full_contended_queue_sheds_the_tenant_holding_most_of_it():
+    w = build(max_in_engine=0, max_waiting=4, resume_waiting=2)
+    for i in range(6):
+        send(w, 1, f"flood-{i}", tenant="flood")
+    await w.intake.fetch_once()  # one tenant: the poll overshoots, nothing shed (pausing is the backpressure)
+    assert len(w.queue) == 6 and not w.publisher.finals()
+    assert w.intake.overflow_priorities(0.0) == frozenset()
+    send(w, 0, "urgent", tenant="calm")  # a second tenant, read at another priority: not contention at 1
+    await w.intake.fetch_once()
+    assert w.intake.overflow_priorities(time.monotonic()) == frozenset()
+    # Two tenants read at priority 1 (it was read before the queue filled): the queue overflows.
+    w = build(max_in_engine=0, max_waiting=4, resume_waiting=2)
+    for i in range(5):
+        send(w, 1, f"flood-{i}", tenant="flood")
+    send(w, 1, "calm-0", tenant="calm")
+    await w.intake.fetch_once()
+    assert w.intake.overflow_priorities(time.monotonic()) == {0, 1, 2} - {0, 2}
+    for i in range(5, 9):
+        send(w, 1, f"flood-{i}", tenant="flood")
+    send(w, 1, "calm-1", tenant="calm")
+    await w.intake.fetch_once()
+    finals = w.publisher.finals()
+    queued = [q.request.id for q in w.queue]
+    assert "calm-0" in queued and "calm-1" in queued  # read past the full queue, and kept
+    shed = sorted(rid for rid, f in finals.items() if f.reason == "shed")
+    assert len(shed) >= 4 and all(rid.startswith("flood") for rid in shed), finals
+    assert {f"flood-{i}" for i in range(5, 9)} <= set(shed)  # read while it was full: the flood's own go
+    assert "over its fair share" in finals[shed[0]].message
+    assert len(w.queue) <= 5
+
+
+async def test_shedding_spares_tenants_under_their_share():
+    w = build(max_queue_time_s=[10.0, 1.0, 1.0])
+    for i in range(20):
+        send(w, 1, f"flood-{i}", tenant="flood")
+    send(w, 1, "calm-0", tenant="calm")
+    await w.intake.fetch_once()
+    w.service.rate.rate = w.service.mean_cost(1) / 10  # ten seconds a request: priority 1 is hopeless
+    decision = w.load_control.decide([0, 50, 0], w.queue.num_waiting_by_priority(), 0.0, now=1.0,
+                                     waiting_tokens=w.queue.tokens_by_priority())
+    assert 1 in decision.newly_shed
+    w.intake.apply(decision)
+    finals = w.publisher.finals()
+    assert all(finals[f"flood-{i}"].reason == "shed" for i in range(20))
+    assert "calm-0" not in finals and [q.request.id for q in w.queue] == ["calm-0"]
+    send(w, 1, "calm-1", tenant="calm")
+    send(w, 1, "flood-x", tenant="flood")
+    await w.intake.fetch_once()
+    finals = w.publisher.finals()
+    assert finals["flood-x"].reason == "shed" and "calm-1" not in finals
+
+
+async def test_over_quota_is_rejected_with_when_to_retry():
+    w = build(tenant_quotas={"small": {"rate_tokens_per_s": 10, "burst_tokens": 300}})
+    for i in range(3):
+        send(w, 1, f"small-{i}", tenant="small", max_new_tokens=100)
+    send(w, 1, "other-0", tenant="other", max_new_tokens=100)
+    await w.intake.fetch_once()
+    finals = w.publisher.finals()
+    over = [rid for rid, f in finals.items() if f.reason == "quota_exceeded"]
+    assert over and all(rid.startswith("small") for rid in over)
+    assert finals[over[0]].status == "rejected" and " s" in finals[over[0]].message
+    assert "other-0" in [q.request.id for q in w.queue]
+    snap = {t.label: t for t in w.tenants.snapshot(0.0, w.queue.num_waiting_by_tenant())}
+    assert snap["small"].num_over_quota == len(over) and snap["small"].num_finals == {"rejected": len(over)}
+
+
+async def test_over_quota_deferred_waits_for_its_bucket():
+    w = build(tenant_quotas={"small": {"rate_tokens_per_s": 1000, "burst_tokens": 150}},
+              tenant_quota_action="defer")
+    send(w, 1, "small-0", tenant="small", max_new_tokens=100)
+    send(w, 1, "small-1", tenant="small", max_new_tokens=100)
+    send(w, 1, "other-0", tenant="other", max_new_tokens=100)
+    await w.intake.fetch_once()
+    assert not w.publisher.finals()
+    w.dispatcher.admit()
+    added = sorted(r.request_id.split("#")[0] for r in w.engine.added)
+    assert added == ["other-0", "small-0"]  # small-1 waits for its bucket
+    import asyncio
+    await asyncio.sleep(0.15)
+    w.dispatcher.admit()
+    assert "small-1" in [r.request_id.split("#")[0] for r in w.engine.added]
+
+
+async def test_the_engine_gets_the_cache_namespace_and_tokens_served_correct_the_charge():
+    w = build()
+    send(w, 1, "a", tenant="acme")
+    send(w, 1, "b", tenant="acme", cache_salt="secret")
+    send(w, 1, "c")
+    await w.intake.fetch_once()
+    w.dispatcher.admit()
+    salts = {r.request_id.split("#")[0]: r.cache_salt for r in w.engine.added}
+    assert salts["c"] is None and salts["a"] != salts["b"] and None not in (salts["a"], salts["b"])
+    charged = w.tenants.fair.counter(1, "acme")
+    engine_id = next(r.request_id for r in w.engine.added if r.request_id.startswith("a#"))
+    await w.streamer.handle([RequestOutput(engine_id, [1, 2, 3], "abc", True, "length", num_prompt_tokens=2,
+                                           num_output_tokens=3)])
+    # 5 tokens served, far fewer than the expected output it was charged on entry: the counter gives back.
+    assert w.tenants.fair.counter(1, "acme") < charged
+
+
+async def test_tenant_series_and_status_are_bounded_by_the_label_count():
+    from worker.transport.metrics import WorkerMetrics
+    from worker.transport.tenant_metrics import TenantCollector
+
+    w = build(tenant_max_labels=2)
+    metrics = WorkerMetrics.create()
+    TenantCollector(metrics.registry, w.tenants)
+    for i in range(30):
+        send(w, 1, f"r-{i}", tenant="big" if i < 20 else f"small-{i}")
+    send(w, 1, "anon")
+    await w.intake.fetch_once()
+    snapshot = w.tenants.snapshot(time.monotonic(), w.queue.num_waiting_by_tenant())
+    labels = {t.label for t in snapshot}
+    assert "big" in labels and labels <= {"big", "other", "none"} | {f"small-{i}" for i in range(20, 30)}
+    assert len(labels) <= 2 + 2
+    assert sum(t.num_waiting for t in snapshot) == 31
+    text = metrics.exposition()
+    assert 'llm_worker:tenant_waiting{tenant="big"} 20.0' in text
+    assert len({line.split("}")[0] for line in text.splitlines() if line.startswith("llm_worker:tenant_waiting")}) <= 4
