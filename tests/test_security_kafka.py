@@ -24,6 +24,7 @@ from worker.broker.secure import Security, settings_for
 from worker.broker.topics import ensure_topics
 from worker.config import KafkaSettings
 from worker.engine.instant import InstantEngine
+from tests.transport.test_failover_kafka import wait_assigned
 from tests.transport.kafka_helpers import (
     REPO,
     Collector,
@@ -246,3 +247,43 @@ async def test_a_withdrawn_acl_stops_fetching_and_loses_nothing(sasl_ssl: Secure
     for request in before + during:
         finals = collector.results.finals[request.id]
         assert len(finals) == 1 and finals[0].status == "completed", finals
+
+
+async def test_a_broker_restart_over_sasl_ssl_loses_nothing_and_duplicates_no_final(tmp_path: Path) -> None:
+    """Its own broker (the module's stay up for the other tests): a `serve` process with the worker's env file
+    settings, 60 requests streaming, the secured broker stopped for 5 s and started again on the same data.
+    Every TLS connection and SASL login is made again; a read_committed reader sees exactly one final each."""
+    from tests.transport.test_exactly_once_kafka import all_answered, check_exactly_one, requests_of, stop
+
+    secured = await SecuredBroker(tmp_path, "sasl_ssl").start()
+    requests = requests_of("sec-restart", 60, max_new_tokens=60)
+    proc = None
+    try:
+        admin = secured.as_("admin")
+        async with Collector(admin, isolation_level="read_committed") as committed, Collector(admin) as uncommitted:
+            env = {**_serve_env(secured, "worker"), "WORKER_DRAIN_TIMEOUT_S": "0.3", "WORKER_WORKER_ID": "sec-eos"}
+            with open(tmp_path / "serve.log", "wb") as log:
+                proc = await asyncio.create_subprocess_exec(
+                    str(REPO / ".venv" / "bin" / "llm-worker"), "serve", "--engine", "instant", "--instant-step-ms",
+                    "20", "--worker-id", "sec-eos", env=env, stdout=log, stderr=log, cwd=str(REPO))
+            await wait_assigned(committed, {"sec-eos"}, secured.base.num_request_partitions)
+            await produce_requests(secured.as_("client"), requests)
+            await asyncio.sleep(1.0)
+            assert not all_answered(committed, requests), "all answered before the restart: not mid-stream"
+            assert await asyncio.to_thread(secured.broker.stop)
+            await asyncio.sleep(5.0)
+            await asyncio.to_thread(secured.broker.start)
+            restarted = time.monotonic()
+            await committed.wait_until(lambda r: all_answered(committed, requests), 120, "finals after the restart")
+            answered_s = time.monotonic() - restarted
+            await asyncio.sleep(2.0)
+        assert proc.returncode is None, (tmp_path / "serve.log").read_text()[-3000:]
+        twice = {i: [(f.attempt, f.status, f.reason) for f in fs] for i, fs in committed.results.finals.items()
+                 if len(fs) > 1}
+        assert not twice, f"more than one committed final (attempt, status, reason): {twice}"
+        print("\nSASL_SSL " + check_exactly_one(committed, uncommitted, requests, "broker restart")
+              + f"; all answered {answered_s:.1f} s after the broker came back")
+    finally:
+        if proc is not None:
+            await stop([proc])
+        secured.broker.stop()

@@ -9,7 +9,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
-from worker.transport.kafka.aiokafka_compat import fail_unsent_batches, group_generation
+from worker.transport.kafka.aiokafka_compat import fail_unsent_batches, group_generation, producer_is_dead
 
 
 async def test_an_unstarted_consumer_has_no_group_coordinator_yet():
@@ -21,6 +21,22 @@ async def test_an_unstarted_consumer_has_no_group_coordinator_yet():
 async def test_a_producer_holds_an_accumulator_whose_batches_can_be_failed():
     producer = AIOKafkaProducer(bootstrap_servers="127.0.0.1:1")
     fail_unsent_batches(producer, KafkaError("test"))  # nothing pending: a no-op, but every name must exist
+    await producer.stop()
+
+
+async def test_a_producer_whose_sender_died_is_dead():
+    producer = AIOKafkaProducer(bootstrap_servers="127.0.0.1:1", transactional_id="t")
+    assert not producer_is_dead(producer)  # not started: no sender task yet
+
+    async def dies():
+        raise KafkaError("Unexpected error during batch delivery")
+
+    producer._sender._sender_task = asyncio.ensure_future(dies())
+    producer._sender._sender_task.add_done_callback(producer._sender._fail_all)
+    await asyncio.gather(producer._sender._sender_task, return_exceptions=True)
+    await asyncio.sleep(0)
+    assert producer_is_dead(producer) and producer._txn_manager.is_fatal_error()
+    producer._sender._sender_task = None
     await producer.stop()
 
 

@@ -5,6 +5,9 @@ new aiokafka release moves what these functions rely on (checked against aiokafk
   aiokafka keeps it on its group coordinator and has no public accessor.
 - Failing a stopped producer's unresolved batches (publisher.py replaces a producer whose idempotent
   sequence broke): a dead sender leaves them pending forever, and aiokafka has no public call for this.
+- Whether a producer's sender task has died (a connection lost at the wrong moment ends it with "Unexpected
+  error during batch delivery"): the producer can never send again, and a transactional one is left in a fatal
+  state where every begin_transaction fails, so exactly_once.py replaces it.
 - A topic's record limit from DescribeConfigs (raw protocol tuples), and dropping a topic from the producer's
   tracked metadata topics once it is known to be missing (destinations.py).
 - Sending a request the admin client has no method for (CreateAcls, DeleteAcls: worker/broker/acls.py).
@@ -27,6 +30,15 @@ def group_generation(consumer: AIOKafkaConsumer) -> int:
 def fail_unsent_batches(producer: AIOKafkaProducer, error: KafkaError) -> None:
     """Resolve every batch the (stopped) producer still holds with `error`, so their callbacks run."""
     producer._message_accumulator.fail_all(error)
+
+
+def producer_is_dead(producer: AIOKafkaProducer) -> bool:
+    """True when the started producer's sender task has ended or its transactions are in a fatal state: nothing
+    it is given will ever be sent, whatever the broker does next."""
+    sender = producer._sender
+    task = sender.sender_task if sender is not None else None
+    txn = producer._txn_manager
+    return (task is not None and task.done()) or (txn is not None and txn.is_fatal_error())
 
 
 async def describe_topic_max_message_bytes(admin, topic: str) -> int | None:

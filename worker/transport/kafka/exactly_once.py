@@ -37,7 +37,7 @@ from aiokafka.structs import TopicPartition
 
 from schemas.decode import encode
 from schemas.result import FinalRecord
-from worker.transport.kafka.aiokafka_compat import fail_unsent_batches
+from worker.transport.kafka.aiokafka_compat import fail_unsent_batches, producer_is_dead
 from worker.transport.kafka.destinations import DEFAULT_MAX_MESSAGE_BYTES, record_problem
 from worker.transport.kafka.offsets import OffsetTracker
 from worker.transport.kafka.publisher import Publisher, fill_batch
@@ -237,7 +237,7 @@ class FinalLanes:
                 log.warning("transaction of %d answers for %s failed (%r); aborting and retrying in %.1fs",
                             sum(len(p.records) for p in batch), lane.partition, exc, backoff)
                 try:
-                    if isinstance(exc, LaneStuck) or lane.needs_new_producer:
+                    if isinstance(exc, LaneStuck) or lane.needs_new_producer or producer_is_dead(lane.producer):
                         lane.needs_new_producer = True
                         await self._replace_producer(lane)
                     else:
@@ -247,7 +247,10 @@ class FinalLanes:
                     return
                 except Exception:  # the broker away: the next attempt begins anew
                     log.debug("recovering the lane of %s failed", lane.partition, exc_info=True)
-                lane.pending = batch + lane.pending
+                # _write may already have put some of the batch back (answers whose chunks were not yet
+                # settled): requeued twice they would be written, and committed, twice.
+                requeued = {id(p) for p in lane.pending}
+                lane.pending = [p for p in batch if id(p) not in requeued] + lane.pending
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
                 lane.wake.set()
