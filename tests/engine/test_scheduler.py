@@ -1,7 +1,7 @@
 import pytest
 
 from tests.engine.fake_runner import FakeRunner, make_request, make_scheduler, next_token, run_to_completion, step
-from worker.engine.api import SamplingParams
+from worker.engine.api import SamplingParams, fair_preempts
 from worker.engine.request import RequestStatus
 
 
@@ -516,3 +516,34 @@ def test_add_request_rejects_bad_requests():
         scheduler.add_request(make_request("c", prompt_token_ids=[]))
     with pytest.raises(ValueError):
         SamplingParams(max_new_tokens=0)
+
+
+def test_a_tenant_far_below_its_share_takes_a_seat_from_one_far_above_never_from_its_own():
+    scheduler = make_scheduler(num_blocks=40, max_num_seqs=2)
+    runner = FakeRunner(40, 4)
+    for i in range(2):
+        flood = make_request(f"flood-{i}", 4, 50, priority=1, arrival_time=i)
+        flood.tenant, flood.fair_tag = "flood", 5000.0 + i
+        scheduler.add_request(flood)
+    step(scheduler, runner)
+    own = make_request("flood-late", 4, 5, priority=1, arrival_time=2.0)
+    own.tenant, own.fair_tag = "flood", 6000.0  # its own tenant: it waits its turn
+    near = make_request("near", 4, 5, priority=1, arrival_time=3.0)
+    near.tenant, near.fair_tag = "near", 4500.0  # another tenant, but within FAIR_PREEMPT_TOKENS: waits
+    for request in (own, near):
+        scheduler.add_request(request)
+    for _ in range(3):
+        output, _ = step(scheduler, runner)
+        assert not output.preempted_request_ids
+    calm = make_request("calm", 4, 5, priority=1, arrival_time=4.0)
+    calm.tenant, calm.fair_tag = "calm", 1000.0
+    scheduler.add_request(calm)
+    preempted = []
+    for _ in range(3):  # it first waits one step for a seat to free itself
+        output, _ = step(scheduler, runner)
+        preempted += output.preempted_request_ids
+    assert preempted == ["flood-1"] and calm.status is RequestStatus.RUNNING
+    scheduler.check_invariants()
+    same = make_request("same", 4, 5, priority=1)
+    same.tenant, same.fair_tag = "flood", -10_000.0
+    assert not fair_preempts(same, scheduler.requests["flood-0"]) and fair_preempts(calm, scheduler.requests["flood-0"])

@@ -250,7 +250,7 @@ async def test_the_engine_gets_the_cache_namespace_and_tokens_served_correct_the
 
 async def test_tenant_series_and_status_are_bounded_by_the_label_count():
     from worker.transport.metrics import WorkerMetrics
-    from worker.transport.tenant_metrics import TenantCollector
+    from worker.transport.status_report import TenantCollector
 
     w = build(tenant_max_labels=2)
     metrics = WorkerMetrics.create()

@@ -18,6 +18,18 @@ MAX_TOP_LOGPROBS = 20
 """The most alternatives a request may ask for at each step (as OpenAI's API)."""
 
 
+FAIR_PREEMPT_TOKENS = 1024.0
+"""Within a priority, a waiting request preempts a running one of another tenant only when the running one's fair
+tag is this much larger: its tenant was served at least this many tokens more, so trading places is fairer, and
+small differences (tenants in step) never cause a preemption and its recompute."""
+
+
+def fair_preempts(request, victim) -> bool:
+    """Whether `request` may take the place of `victim`, running at its priority (engine requests or the
+    scheduler's): another tenant's request whose fair tag is more than FAIR_PREEMPT_TOKENS larger."""
+    return request.tenant != victim.tenant and victim.fair_tag - request.fair_tag > FAIR_PREEMPT_TOKENS
+
+
 STRUCTURED_KINDS = ("json_schema", "regex", "grammar")
 
 
@@ -122,6 +134,9 @@ class EngineRequest:
     fair_tag: float = 0.0
     """Order among the waiting requests of one priority, before arrival time: the tenant's virtual token counter
     when the request entered the engine (fair share, transport/load/tenants.py); 0 for all when unused."""
+    tenant: str = ""
+    """Whose request it is: within a priority, a request may preempt another tenant's running one whose fair tag
+    is more than FAIR_PREEMPT_TOKENS larger (that tenant is far above its share), never its own tenant's."""
 
 
 @dataclass(slots=True)

@@ -172,6 +172,7 @@ class LLMEngine:
             prefix_leader=request.prefix_leader,
             cache_salt=salt_key(request.cache_salt),
             fair_tag=request.fair_tag,
+            tenant=request.tenant,
         )
         live = _Live(
             IncrementalDetokenizer(self.tokenizer, token_ids, stop=sampling.stop),

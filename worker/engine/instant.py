@@ -17,7 +17,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
-from worker.engine.api import EngineRequest, EngineStats, RequestOutput
+from worker.engine.api import EngineRequest, EngineStats, RequestOutput, fair_preempts
 
 
 @dataclass(slots=True)
@@ -131,12 +131,15 @@ class InstantEngine:
         return outputs
 
     def _preempt_for_more_urgent(self) -> None:
-        """As the real scheduler does: a waiting request of a strictly more urgent priority takes the seat of the
-        least urgent running one, which waits again and resumes where it was (outputs are a function of the
+        """As the real scheduler does: a waiting request of a strictly more urgent priority, or of the same one and
+        another tenant far below the running one's fair tag (api.fair_preempts), takes the seat of the least
+        urgent running one, which waits again and resumes where it was (outputs are a function of the
         token index, so nothing is recomputed)."""
         while self._waiting and len(self._running) >= self.max_num_seqs:
             victim = max(self._running.values(), key=lambda s: (s.request.priority, s.request.fair_tag, s.order))
-            if victim.request.priority <= self._waiting[0][0]:
+            waiting = self._waiting[0][-1].request
+            if victim.request.priority < waiting.priority or (
+                    victim.request.priority == waiting.priority and not fair_preempts(waiting, victim.request)):
                 return
             del self._running[victim.request.request_id]
             heapq.heappush(self._waiting, (victim.request.priority, victim.request.fair_tag, victim.order, victim))

@@ -47,6 +47,8 @@ class Request:
     """Parent key of its first block (block_pool.salt_key): requests share cached blocks only with the same."""
     fair_tag: float = 0.0
     """Waiting order within a priority before arrival time (api.EngineRequest.fair_tag)."""
+    tenant: str = ""
+    """api.EngineRequest.tenant: fair preemption happens only between tenants."""
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

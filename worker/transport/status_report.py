@@ -1,6 +1,7 @@
 """What the worker tells about its load: Prometheus gauges at every control tick, and a `WorkerStatus` record
 on the status topic every status_interval_s (queue depth, KV usage, lag, paused partitions and shedding per
-priority, recent throughput), so producers can slow down a priority that is shed or paused."""
+priority, recent throughput, per tenant), so producers can slow down a priority that is shed or paused; and the
+per-tenant series on the metrics endpoint."""
 
 from __future__ import annotations
 
@@ -8,12 +9,15 @@ import logging
 import time
 from dataclasses import dataclass
 
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
 from schemas.decode import encode
 from schemas.status import PriorityStatus, TenantStatus, Throughput, WorkerStatus
 from worker.engine.api import EngineStats
 from worker.transport.load.load_control import LoadDecision
-from worker.transport.load.tenant_book import TenantSnapshot
-from worker.transport.metrics import WorkerMetrics
+from worker.transport.load.tenant_book import TenantBook, TenantSnapshot
+from worker.transport.metrics import NS, WorkerMetrics
 from worker.transport.kafka.publisher import Publisher
 
 log = logging.getLogger(__name__)
@@ -122,3 +126,35 @@ class StatusReporter:
                  "partitions %s, paused %s, shedding %s", num_completed, num_completed - done_then,
                  status.num_running, status.num_waiting, status.kv_usage, status.last_step_ms,
                  status.assigned_partitions, status.paused_partitions, status.shedding)
+
+
+class TenantCollector:
+    """Per-tenant series, of bounded cardinality (load/tenant_book.py: the top tenants by traffic each, the rest
+    "other", requests without a tenant "none"). Read at each scrape, on the metrics server's thread, from the
+    book's latest snapshot: a tuple replaced whole by the control loop, never a live table."""
+
+    def __init__(self, registry: CollectorRegistry, book: TenantBook) -> None:
+        self.book = book
+        registry.register(self)
+
+    def collect(self):
+        snapshot = self.book.snapshot_now
+        tokens = CounterMetricFamily(f"{NS}tenant_tokens", "Tokens served per tenant (prompt, output).",
+                                     labels=["tenant", "kind"])
+        finals = CounterMetricFamily(f"{NS}tenant_requests", "Final records per tenant, by status.",
+                                     labels=["tenant", "status"])
+        waiting = GaugeMetricFamily(f"{NS}tenant_waiting", "Requests of the tenant in the local queue.",
+                                    labels=["tenant"])
+        over = GaugeMetricFamily(f"{NS}tenant_over_quota", "1 while the tenant's token bucket is empty.",
+                                 labels=["tenant"])
+        for t in snapshot:
+            tokens.add_metric([t.label, "prompt"], t.prompt_tokens)
+            tokens.add_metric([t.label, "output"], t.output_tokens)
+            for status, num in sorted(t.num_finals.items()):
+                finals.add_metric([t.label, status], num)
+            waiting.add_metric([t.label], t.num_waiting)
+            over.add_metric([t.label], float(t.over_quota))
+        return [tokens, finals, waiting, over]
+
+    def describe(self):
+        return []

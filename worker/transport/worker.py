@@ -65,8 +65,7 @@ from worker.transport.kafka.publisher import Publisher
 from worker.transport.load.service_model import ServiceModel
 from worker.transport.load.shedding import Shedder
 from worker.transport.load.tenant_book import TenantBook
-from worker.transport.tenant_metrics import TenantCollector
-from worker.transport.status_report import LoadView, StatusReporter
+from worker.transport.status_report import LoadView, StatusReporter, TenantCollector
 from worker.transport.requests.streamer import Streamer
 from worker.transport.requests.tracing import RequestTracing
 

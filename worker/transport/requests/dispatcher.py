@@ -18,7 +18,7 @@ from collections.abc import Callable
 import msgspec
 
 from schemas.request import GrammarFormat, JsonObjectFormat, JsonSchemaFormat, RegexFormat, ResponseFormat
-from worker.engine.api import EngineRequest, EngineStats, SamplingParams, StructuredOutput
+from worker.engine.api import EngineRequest, EngineStats, SamplingParams, StructuredOutput, fair_preempts
 from worker.transport.load.admission import Admission, Verdict
 from worker.transport.requests.answers import Answers
 from worker.transport.requests.cancels import Cancel
@@ -98,6 +98,7 @@ def to_engine_requests(queued: QueuedRequest, fair_tag: float = 0.0) -> list[Eng
             prefix_leader=queued.completion_engine_id(0) if index else None,
             cache_salt=cache_salt,
             fair_tag=fair_tag,
+            tenant=queued.tenant,
         ))
     return requests
 
@@ -129,7 +130,7 @@ class Dispatcher:
             return
         stats: EngineStats = self.engine.stats
         for priority in range(len(self.streamer.num_open_by_priority)):
-            while self._has_room(priority) and (queued := self.queue.head(priority, self._may_start)) is not None:
+            while (queued := self.queue.head(priority, self._may_start)) is not None and self._has_room(queued):
                 cancel = self.cancelled(queued.request.id)
                 if cancel is not None:  # normally taken out when its cancel arrived; this covers the rest
                     self.queue.pop(priority)
@@ -146,8 +147,9 @@ class Dispatcher:
                 self.queue.pop(priority)
                 self.streamer.open(queued)
                 queued.charged_tokens = queued.expected_tokens
-                tag = self.tenants.dispatched(priority, queued.tenant, queued.expected_tokens, time.monotonic())
-                for request in to_engine_requests(queued, tag):
+                queued.fair_tag = self.tenants.dispatched(priority, queued.tenant, queued.expected_tokens,
+                                                          time.monotonic())
+                for request in to_engine_requests(queued, queued.fair_tag):
                     self.engine.add(request)
 
     def _check_deadline(self, queued: QueuedRequest) -> Verdict | None:
@@ -159,17 +161,31 @@ class Dispatcher:
         service = self.service.service_for(queued, self.service.num_sharing())
         return self.admission.check_deadline(queued.deadline_ms, now_ms, 0.0, service, queued.priority)
 
-    def _has_room(self, priority: int) -> bool:
-        """Below the cap, or past it while less urgent requests hold places in the engine: the engine's
-        scheduler preempts them for this one, so a cap filled with less urgent work cannot make an urgent
+    def _has_room(self, queued: QueuedRequest) -> bool:
+        """Below the cap, or past it while less urgent requests hold places in the engine, or requests of its
+        own priority and another tenant far above its share (api.fair_preempts): the engine's scheduler
+        preempts them for this one, so a cap filled with less urgent work, or with a flood's, cannot make the
         request wait (the cap bounds what can still be shed or reordered here, not who may run)."""
+        priority = queued.priority
         # Requests whose grammar still compiles hold no seat (up to COMPILING_CAPS caps' worth of them): a crowd
         # of formats that are slow to refuse must not keep requests that could run out of the engine.
         num_compiling = min(self.engine.stats.num_compiling, COMPILING_CAPS * self.max_in_engine)
-        if len(self.streamer) - num_compiling < self.max_in_engine:
+        num_in_engine = len(self.streamer) - num_compiling
+        if num_in_engine < self.max_in_engine:
             return True
         num_open = self.streamer.num_open_by_priority
-        return sum(num_open[priority + 1:]) > 0 and sum(num_open[:priority + 1]) < self.max_in_engine
+        if sum(num_open[priority + 1:]) > 0 and sum(num_open[:priority + 1]) < self.max_in_engine:
+            return True
+        return num_in_engine < 2 * self.max_in_engine and self._fair_room(queued)
+
+    def _fair_room(self, queued: QueuedRequest) -> bool:
+        """Whether a request of another tenant at its priority, far above its share, is in the engine."""
+        if not self.queue.fair.contended(queued.priority, time.monotonic()):
+            return False
+        probe = EngineRequest("", fair_tag=self.queue.fair.counter(queued.priority, queued.tenant),
+                              tenant=queued.tenant)
+        return any(s.queued.priority == queued.priority and fair_preempts(probe, s.queued)
+                   for s in self.streamer.streams.values())
 
     def set_input_ended(self, ended: bool) -> None:
         """The consumer caught up (True) or has records to read again (False); passed on when it changes."""

@@ -465,9 +465,12 @@ class Intake:
                 self.tenants.dropped(queued.tenant, queued.expected_tokens, now)
                 self.answers.shed(queued, decision.shed_message(priority))
         if not self.fetching_stopped:
-            # A priority that overflows (contended by tenants) is read on past a full queue: no queue pause.
+            # A priority that overflows (contended by tenants) is read on past a full queue or a full KV cache:
+            # what it reads waits in the bounded local queue, and pausing would hold the other tenants' records
+            # in Kafka behind the flood's. A more urgent priority's backlog still pauses it.
             overflow = self.overflow_priorities(now)
-            reasons = {p: r for p, r in decision.pause_reasons.items() if not (r == "queue" and p in overflow)}
+            reasons = {p: r for p, r in decision.pause_reasons.items()
+                       if not (r in ("queue", "kv") and p in overflow)}
             self._set_paused({tp for tp in self.assigned if self.priority_of(tp) in reasons}, reasons)
 
     def _set_paused(self, want: set[TopicPartition], reasons: dict[int, str]) -> None:

@@ -52,6 +52,8 @@ class QueuedRequest:
     """The request's tenant ("" when it names none)."""
     charged_tokens: float = 0.0
     """Tokens charged to its tenant's counter and quota when it entered the engine (corrected at its end)."""
+    fair_tag: float = 0.0
+    """Its tenant's counter when it entered the engine (api.EngineRequest.fair_tag)."""
 
     def completion_engine_id(self, index: int) -> str:
         """The engine id of completion `index`: engine_id itself when the request asks for one completion."""
