@@ -138,3 +138,21 @@ def fair_shares(demands: dict[str, float], capacity: float) -> dict[str, float]:
             left -= d
             del open_[t]
     return shares
+
+
+async def test_a_tenant_over_its_quota_hears_when_to_retry_and_the_status_topic_shows_it(kafka_topics):
+    kafka = kafka_topics
+    settings = worker_settings(tenant_quotas={"small": {"rate_tokens_per_s": 50, "burst_tokens": 100}})
+    requests = [GenerationRequest(id=f"small-{i}", prompt="x" * 40, max_new_tokens=40, tenant="small")
+                for i in range(4)] + [GenerationRequest(id="big-0", prompt="x" * 40, max_new_tokens=40, tenant="big")]
+    async with Collector(kafka) as collector:
+        async with running_worker(kafka, settings, InstantEngine(max_num_seqs=8), max_num_seqs=8):
+            await produce_requests(kafka, [(1, r) for r in requests])
+            await collector.wait_until(lambda r: all(q.id in r.finals for q in requests), 30, "finals")
+            await collector.wait_until(lambda r: any(t.tenant == "small" and t.num_over_quota for s in r.statuses
+                                                     for t in s.tenants), 10, "the status topic's tenants")
+    finals = {q.id: collector.results.latest_final(q.id) for q in requests}
+    over = [f for f in finals.values() if f.reason == "quota_exceeded"]
+    assert over and all(f.id.startswith("small") and f.status == "rejected" for f in over)
+    assert all(f.retry_after_ms and 0 < f.retry_after_ms <= 2000 for f in over)  # 50 tokens/s, ~60 tokens each
+    assert finals["big-0"].status == "completed" and finals["small-0"].status == "completed"

@@ -1,0 +1,408 @@
+"""Tenants and sessions through the real broker: fair share under a flood, and conversations that find their
+cache on a fleet of two workers.
+
+fairness  One `llm-worker serve --engine instant` (model-free, `--step-ms` a step, ENGINE_MAX_NUM_SEQS seats:
+          a known capacity), three tenants at priority 1, the flood sending ten times each of the others, the
+          total `--overload` times the capacity, for `--seconds`. Three runs, a fresh worker and topics each:
+            alone  the two calm tenants only (the flood absent);
+            fair   all three, each request naming its tenant;
+            fcfs   the same traffic with no tenant named: one queue, first come first served.
+          Per tenant: requests, completed, shed, tokens served against its max-min fair share of what the
+          worker served, time to first token p50/p99. The floors: each calm tenant gets >= 90 % of its fair
+          share in `fair`, with a p99 TTFT <= 1.5x its p99 in `alone`; the flood is the tenant shed. The cost
+          of fair scheduling is fair's tokens/s over fcfs's.
+sessions  Two `llm-worker serve` (the real model unless --model says otherwise), `--conversations`
+          conversations of `--turns` turns, each turn the whole history plus a new question; the turns of all
+          conversations go out together, the next turn once all have answered. Two runs: `session` (session_id
+          set: the partition follows the conversation) and `request` (none: the partition follows the request
+          id). Per run: the prefix-cache hit rate over prompt tokens (sum of usage.cached_tokens / sum of
+          prompt_tokens), TTFT p50/p90, and the share of turns served by the worker of the previous turn.
+          Floor: hit rate >= 0.8 with session keys.
+
+Writes summary-<part>.json and a plot under benchmarks/results/<date>-tenants[-label]/:
+
+    .venv/bin/python -m benchmarks.bench_tenants fairness
+    .venv/bin/python -m benchmarks.bench_tenants sessions
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+from schemas.decode import decode_result, decode_status, encode
+from schemas.priority import partition_for
+from schemas.request import ChatMessage, GenerationRequest
+from schemas.result import FinalRecord
+from worker.broker.topics import ensure_topics
+from worker.config import KafkaSettings
+
+REPO = Path(__file__).resolve().parents[1]
+FLOOR_SHARE = 0.9
+FLOOR_TTFT_RATIO = 1.5
+FLOOR_HIT_RATE = 0.8
+CALM = ("calm-a", "calm-b")
+
+
+def fair_shares(demands: dict[str, float], capacity: float) -> dict[str, float]:
+    """Max-min fair shares of `capacity`: water-filling, each tenant capped at its demand."""
+    shares, left, waiting = {}, capacity, dict(demands)
+    while waiting:
+        level = left / len(waiting)
+        small = {t: d for t, d in waiting.items() if d <= level}
+        if not small:
+            return {**shares, **dict.fromkeys(waiting, level)}
+        for tenant, demand in small.items():
+            shares[tenant] = demand
+            left -= demand
+            del waiting[tenant]
+    return shares
+
+
+def quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return round(values[min(len(values) - 1, int(q * len(values)))], 1)
+
+
+class Run:
+    """Fresh topics, worker subprocesses, a reader of results and statuses."""
+
+    def __init__(self, bootstrap: str, tmp: Path, name: str, env: dict[str, str], args: list[str], num_workers: int):
+        suffix = uuid.uuid4().hex[:8]
+        self.kafka = KafkaSettings(bootstrap_servers=bootstrap, request_topic=f"ten.requests.{suffix}",
+                                   result_topic=f"ten.results.{suffix}", dead_letter_topic=f"ten.dlq.{suffix}",
+                                   status_topic=f"ten.status.{suffix}", control_topic=f"ten.control.{suffix}",
+                                   group_id=f"ten-{suffix}")
+        self.name, self.tmp, self.env, self.args, self.num_workers = name, tmp, env, args, num_workers
+        self.finals: dict[str, FinalRecord] = {}
+        self.assigned: dict[str, tuple[int, ...]] = {}
+        self.procs: list[subprocess.Popen] = []
+
+    async def __aenter__(self) -> "Run":
+        await ensure_topics(self.kafka)
+        k = self.kafka
+        env = dict(os.environ, KAFKA_BOOTSTRAP_SERVERS=k.bootstrap_servers, KAFKA_REQUEST_TOPIC=k.request_topic,
+                   KAFKA_RESULT_TOPIC=k.result_topic, KAFKA_DEAD_LETTER_TOPIC=k.dead_letter_topic,
+                   KAFKA_STATUS_TOPIC=k.status_topic, KAFKA_CONTROL_TOPIC=k.control_topic, KAFKA_GROUP_ID=k.group_id,
+                   WORKER_METRICS_PORT="0", WORKER_STATUS_INTERVAL_S="0.5", OMP_NUM_THREADS="1", ENGINE_DEVICE="cpu")
+        env.update(self.env)
+        for i in range(self.num_workers):
+            log = open(self.tmp / f"{self.name}-worker-{i}.log", "wb")
+            self.procs.append(subprocess.Popen([str(REPO / ".venv/bin/llm-worker"), "serve", *self.args], cwd=REPO,
+                                               stdout=log, stderr=log,
+                                               env=dict(env, WORKER_WORKER_ID=f"{self.name}-{i}")))
+        self.consumer = AIOKafkaConsumer(k.result_topic, k.status_topic, **k.client_kwargs(), group_id=None,
+                                         enable_auto_commit=False, auto_offset_reset="earliest")
+        await self.consumer.start()
+        self.reader = asyncio.create_task(self._read())
+        self.producer = AIOKafkaProducer(**k.client_kwargs(), linger_ms=5)
+        await self.producer.start()
+        deadline = time.monotonic() + 300
+        while sum(len(p) for p in self.assigned.values()) < k.num_request_partitions or len(
+                self.assigned) < self.num_workers:
+            if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
+                raise RuntimeError(f"workers of {self.name} did not start; logs in {self.tmp}")
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(1.0)  # the assignment settles (a second join moves partitions once)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self.reader.cancel()
+        await self.producer.stop()
+        await self.consumer.stop()
+
+    async def _read(self) -> None:
+        while True:
+            batches = await self.consumer.getmany(timeout_ms=100, max_records=5000)
+            for tp, msgs in batches.items():
+                for msg in msgs:
+                    if tp.topic == self.kafka.status_topic:
+                        status = decode_status(msg.value)
+                        self.assigned[status.worker_id] = tuple(status.assigned_partitions)
+                        continue
+                    record = decode_result(msg.value)
+                    if isinstance(record, FinalRecord) and record.index is None:
+                        self.finals[record.id] = record
+
+    async def send(self, request: GenerationRequest, priority: int = 1) -> None:
+        k = self.kafka
+        partition = partition_for(priority, request.routing_key, k.num_request_partitions, k.num_priorities)
+        await self.producer.send(k.request_topic, encode(request), key=request.id.encode(), partition=partition)
+
+    async def wait_for(self, ids: list[str], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while any(i not in self.finals for i in ids):
+            if time.monotonic() > deadline:
+                missing = sum(i not in self.finals for i in ids)
+                raise RuntimeError(f"{self.name}: {missing} of {len(ids)} finals missing; logs in {self.tmp}")
+            await asyncio.sleep(0.1)
+
+
+# ---- fairness ------------------------------------------------------------------------------------------------
+
+
+async def fairness_run(bootstrap: str, tmp: Path, name: str, a: argparse.Namespace) -> dict:
+    capacity = a.max_num_seqs * (1000.0 / a.step_ms) / a.max_new_tokens  # requests/s
+    rate = capacity * a.overload
+    # Per 12 requests: 10 of the flood, 1 of each calm tenant; without the flood the calm ones keep their rate.
+    pattern = ["flood"] * 10 + list(CALM) if name != "alone" else list(CALM)
+    rate = rate if name != "alone" else rate * 2 / 12
+    env = {"ENGINE_MAX_NUM_SEQS": str(a.max_num_seqs), "WORKER_MAX_WAITING": str(a.max_waiting),
+           "WORKER_RESUME_WAITING": str(a.max_waiting // 2)}
+    async with Run(bootstrap, tmp, name, env, ["--engine", "instant", "--instant-step-ms", str(a.step_ms)], 1) as run:
+        sent: list[GenerationRequest] = []
+        sent_at: dict[str, float] = {}
+        start = time.monotonic()
+        i = 0
+        while time.monotonic() - start < a.seconds:
+            tenant = pattern[i % len(pattern)]
+            request = GenerationRequest(id=f"{name}-{tenant}-{i}", prompt="x" * 40, max_new_tokens=a.max_new_tokens,
+                                        tenant=tenant if name != "fcfs" else None)
+            sent_at[request.id] = time.time()
+            await run.send(request)
+            sent.append(request)
+            i += 1
+            ahead = i / rate - (time.monotonic() - start)
+            if ahead > 0:
+                await asyncio.sleep(ahead)
+        send_s = time.monotonic() - start
+        await run.producer.flush()
+        await run.wait_for([r.id for r in sent], 120 + a.seconds)
+    # Served tokens over the span from the first send to the last completion (a backlog drains after sending).
+    done_at = [sent_at[r.id] + (run.finals[r.id].timings.e2e_ms or 0) / 1000.0 for r in sent
+               if run.finals[r.id].status == "completed"]
+    span_s = max(done_at, default=time.time()) - min(sent_at.values())
+    tenant_of = {r.id: r.id.split("-", 1)[1].rsplit("-", 1)[0] for r in sent}
+    per: dict[str, dict] = {}
+    asked = Counter(tenant_of.values())
+    tokens = Counter()
+    for rid, tenant in tenant_of.items():
+        f = run.finals[rid]
+        p = per.setdefault(tenant, {"sent": 0, "completed": 0, "rejected": Counter(), "ttft_ms": []})
+        p["sent"] += 1
+        if f.status == "completed":
+            p["completed"] += 1
+            tokens[tenant] += f.usage.prompt_tokens + f.usage.completion_tokens
+            if f.timings.ttft_ms is not None:
+                p["ttft_ms"].append(f.timings.ttft_ms)
+        else:
+            p["rejected"][f"{f.status}/{f.reason}"] += 1
+    # Every request costs the same: what a completed one was served (the instant engine counts prompt bytes).
+    per_request = max((tokens[t] / per[t]["completed"] for t in per if per[t]["completed"]), default=1.0)
+    demands = {t: asked[t] * per_request for t in asked}
+    served_total = sum(tokens.values())
+    shares = fair_shares(demands, served_total)
+    tenants = {}
+    for tenant, p in sorted(per.items()):
+        tenants[tenant] = {
+            "sent": p["sent"], "completed": p["completed"], "rejected": dict(p["rejected"]),
+            "tokens_served": tokens[tenant], "fair_share_tokens": round(shares[tenant], 1),
+            "share_of_fair": round(tokens[tenant] / shares[tenant], 3) if shares[tenant] else None,
+            "ttft_p50_ms": quantile(p["ttft_ms"], 0.5), "ttft_p99_ms": quantile(p["ttft_ms"], 0.99),
+        }
+    return {"run": name, "capacity_requests_per_s": round(capacity, 1), "offered_requests_per_s": round(rate, 1),
+            "send_s": round(send_s, 1), "span_s": round(span_s, 1),
+            "tokens_per_s": round(served_total / max(span_s, 1e-9), 1),
+            "tenants": tenants}
+
+
+async def fairness(bootstrap: str, tmp: Path, a: argparse.Namespace) -> dict:
+    runs = {}
+    for name in ("alone", "fair", "fcfs"):
+        runs[name] = await fairness_run(bootstrap, tmp, name, a)
+        print(json.dumps(runs[name], indent=1), flush=True)
+    fair, alone, fcfs = runs["fair"], runs["alone"], runs["fcfs"]
+    checks = {}
+    for tenant in CALM:
+        t, base = fair["tenants"][tenant], alone["tenants"][tenant]
+        ratio = (t["ttft_p99_ms"] / base["ttft_p99_ms"]) if t["ttft_p99_ms"] and base["ttft_p99_ms"] else None
+        fcfs_p99 = fcfs["tenants"][tenant]["ttft_p99_ms"]
+        checks[tenant] = {"share_of_fair": t["share_of_fair"], "ttft_p99_vs_alone": round(ratio, 2) if ratio else None,
+                          "fcfs_share_of_fair": fcfs["tenants"][tenant]["share_of_fair"],
+                          "fcfs_ttft_p99_vs_alone": round(fcfs_p99 / base["ttft_p99_ms"], 2)
+                          if fcfs_p99 and base["ttft_p99_ms"] else None}
+    rejected = {t: sum(v["rejected"].values()) for t, v in fair["tenants"].items()}
+    return {"runs": runs, "checks": checks,
+            "floors_met": all(c["share_of_fair"] is not None and c["share_of_fair"] >= FLOOR_SHARE
+                              and c["ttft_p99_vs_alone"] is not None and c["ttft_p99_vs_alone"] <= FLOOR_TTFT_RATIO
+                              for c in checks.values())
+            and rejected.get("flood", 0) > sum(rejected.get(t, 0) for t in CALM),
+            "rejected_in_fair": rejected,
+            "fair_over_fcfs_tokens_per_s": round(fair["tokens_per_s"] / fcfs["tokens_per_s"], 3)}
+
+
+# ---- sessions ------------------------------------------------------------------------------------------------
+
+
+TOPICS = ["rivers", "volcanoes", "bridges", "glaciers", "lighthouses", "deserts", "orchards", "harbors"]
+
+
+def opening(conversation: int) -> str:
+    """A context of its own for each conversation (about 150 tokens), so only its own history can be cached."""
+    topic = TOPICS[conversation % len(TOPICS)]
+    facts = " ".join(f"Note {k} about {topic} number {conversation}: it is the {k}th thing to remember, and "
+                     f"it matters for the question." for k in range(8))
+    return f"Here are my notes about {topic}. {facts} Please keep them in mind."
+
+
+async def sessions_run(bootstrap: str, tmp: Path, name: str, a: argparse.Namespace) -> dict:
+    env = {"ENGINE_MODEL": a.model, "WORKER_MAX_QUEUE_TIME_S": "[0, 0, 0]"} if a.model else {
+        "WORKER_MAX_QUEUE_TIME_S": "[0, 0, 0]"}
+    histories = {c: [ChatMessage(role="user", content=opening(c))] for c in range(a.conversations)}
+    finals: list[FinalRecord] = []
+    same_worker = []
+    async with Run(bootstrap, tmp, name, env, ["--engine", "llm"], 2) as run:
+        last_worker: dict[int, str] = {}
+        for turn in range(a.turns):
+            requests = []
+            for c in range(a.conversations):
+                if turn:
+                    histories[c].append(ChatMessage(role="user", content=f"Question {turn}: what is note {turn}?"))
+                # Random ids, as real traffic has: CRC-32 is linear, so ids that differ in one digit would pick
+                # partitions in a pattern rather than at random.
+                requests.append(GenerationRequest(
+                    id=f"{name}-c{c}-t{turn}-{uuid.uuid4().hex[:12]}", messages=list(histories[c]),
+                    max_new_tokens=a.max_new_tokens,
+                    session_id=f"conv-{c}" if name == "session" else None))
+            for r in requests:
+                await run.send(r)
+            await run.producer.flush()
+            await run.wait_for([r.id for r in requests], 1800)
+            for c, r in enumerate(requests):
+                f = run.finals[r.id]
+                finals.append(f)
+                if c in last_worker:
+                    same_worker.append(last_worker[c] == f.worker_id)
+                last_worker[c] = f.worker_id
+                histories[c].append(ChatMessage(role="assistant", content=f.text or ""))
+            print(f"{name} turn {turn}: {sum(f.usage.cached_tokens for f in finals)} of "
+                  f"{sum(f.usage.prompt_tokens for f in finals)} prompt tokens cached so far", flush=True)
+    prompt = sum(f.usage.prompt_tokens for f in finals)
+    cached = sum(f.usage.cached_tokens for f in finals)
+    later = [f for f in finals if "-t0-" not in f.id]
+    ttft = [f.timings.ttft_ms for f in finals if f.timings.ttft_ms is not None]
+    ttft_later = [f.timings.ttft_ms for f in later if f.timings.ttft_ms is not None]
+    return {"run": name, "requests": len(finals), "completed": sum(f.status == "completed" for f in finals),
+            "prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": round(cached / prompt, 3) if prompt else None,
+            "hit_rate_after_first_turn": round(sum(f.usage.cached_tokens for f in later)
+                                               / max(1, sum(f.usage.prompt_tokens for f in later)), 3),
+            "same_worker_as_previous_turn": round(sum(same_worker) / max(1, len(same_worker)), 3),
+            "ttft_p50_ms": quantile(ttft, 0.5), "ttft_p90_ms": quantile(ttft, 0.9),
+            "ttft_later_turns_p50_ms": quantile(ttft_later, 0.5), "ttft_later_turns_p90_ms": quantile(ttft_later, 0.9)}
+
+
+async def sessions(bootstrap: str, tmp: Path, a: argparse.Namespace) -> dict:
+    runs = {}
+    for name in ("session", "request"):
+        runs[name] = await sessions_run(bootstrap, tmp, name, a)
+        print(json.dumps(runs[name], indent=1), flush=True)
+    return {"runs": runs, "floors_met": (runs["session"]["hit_rate"] or 0) >= FLOOR_HIT_RATE}
+
+
+# ---- output --------------------------------------------------------------------------------------------------
+
+
+def plot(part: str, summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    if part == "fairness":
+        runs = summary["runs"]
+        names = ["alone", "fair", "fcfs"]
+        for j, tenant in enumerate(("flood", *CALM)):
+            axes[0].bar([i + 0.27 * j for i in range(3)],
+                        [runs[n]["tenants"].get(tenant, {}).get("share_of_fair") or 0 for n in names], 0.27,
+                        label=tenant)
+            axes[1].bar([i + 0.27 * j for i in range(3)],
+                        [(runs[n]["tenants"].get(tenant, {}).get("ttft_p99_ms") or 0) / 1000 for n in names], 0.27,
+                        label=tenant)
+        axes[0].axhline(FLOOR_SHARE, color="grey", ls="--", lw=1)
+        axes[0].set(xticks=[0.27, 1.27, 2.27], xticklabels=names, ylabel="tokens served / max-min fair share",
+                    title="share of fair share")
+        axes[1].set(xticks=[0.27, 1.27, 2.27], xticklabels=names, ylabel="TTFT p99 (s)", yscale="log",
+                    title="time to first token, p99")
+        axes[0].legend()
+    else:
+        runs = summary["runs"]
+        names = list(runs)
+        axes[0].bar(names, [runs[n]["hit_rate"] for n in names])
+        axes[0].axhline(FLOOR_HIT_RATE, color="grey", ls="--", lw=1)
+        axes[0].set(ylabel="cached / prompt tokens", title="prefix-cache hit rate", ylim=(0, 1))
+        for j, q in enumerate(("ttft_p50_ms", "ttft_p90_ms")):
+            axes[1].bar([i + 0.4 * j for i in range(len(names))], [(runs[n][q] or 0) / 1000 for n in names], 0.4,
+                        label=q.split("_")[1])
+        axes[1].set(xticks=[0.2 + i for i in range(len(names))], xticklabels=names, ylabel="seconds",
+                    title="time to first token")
+        axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("part", choices=["fairness", "sessions"])
+    p.add_argument("--bootstrap", default=None, help="a running broker (default: a local one on free ports)")
+    p.add_argument("--label", default="")
+    p.add_argument("--seconds", type=float, default=60.0, help="fairness: seconds of traffic per run")
+    p.add_argument("--overload", type=float, default=3.0, help="fairness: offered load over capacity")
+    p.add_argument("--step-ms", type=float, default=40.0, help="fairness: the instant engine's step time")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="fairness: engine seats")
+    p.add_argument("--max-waiting", type=int, default=64, help="fairness: WORKER_MAX_WAITING")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="fairness 20, sessions 24")
+    p.add_argument("--conversations", type=int, default=32)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--model", default="", help="sessions: ENGINE_MODEL (default: the default model)")
+    return p.parse_args(argv)
+
+
+async def amain(a: argparse.Namespace) -> dict:
+    from benchmarks.bench_kafka_path import kafka_session
+
+    if a.max_new_tokens is None:
+        a.max_new_tokens = 20 if a.part == "fairness" else 24
+    with kafka_session(a.bootstrap, prefix="bench-tenants-") as session:
+        summary = await (fairness if a.part == "fairness" else sessions)(session.bootstrap, session.tmp, a)
+        date = datetime.date.today().isoformat()
+        out = REPO / "benchmarks" / "results" / (f"{date}-tenants" + (f"-{a.label}" if a.label else ""))
+        out.mkdir(parents=True, exist_ok=True)
+        summary["command"] = "python -m benchmarks.bench_tenants " + " ".join(a.argv)
+        summary["load_average"] = [round(x, 2) for x in os.getloadavg()]
+        (out / f"summary-{a.part}.json").write_text(json.dumps(summary, indent=2) + "\n")
+        plot(a.part, summary, out / f"{a.part}.png")
+        summary["written_to"] = str(out)
+        return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    a.argv = list(sys.argv[1:] if argv is None else argv)
+    summary = asyncio.run(amain(a))
+    print(json.dumps({k: v for k, v in summary.items() if k != "runs"}, indent=2))
+    return 0 if summary["floors_met"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
