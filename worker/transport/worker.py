@@ -1,15 +1,16 @@
 """The worker: connects to Kafka, builds its parts around the clients, runs their loops, shuts down cleanly.
 
 The path of one request (docs/architecture.md): Intake.fetch_once → decode → admission → LocalQueue →
-Dispatcher.admit → EngineThread → Streamer.handle → Publisher → OffsetTracker → Intake.commit. Answers that
-bypass the engine go Intake → Answers → Publisher → OffsetTracker.
+Dispatcher.admit → the engine client (engine_client.py) → Streamer.handle → Publisher → OffsetTracker →
+Intake.commit. Answers that bypass the engine go Intake → Answers → Publisher → OffsetTracker.
 
 Tasks on one asyncio loop: intake (fetch, decode, check, queue; then admit into the engine), outputs (engine
 outputs -> chunks and finals; then admit, since room was made), commits (every commit_interval_s), control
 (every 100 ms: lag -> load decision -> pause/shed/end of input; a status record every status_interval_s),
 and the control reader (control.py: cancel records, on a consumer of their own; see `_on_cancel`); a
 watchdog thread logs the loop's stack when the loop stands still for 2 s (loop_watchdog.py).
-The engine runs in its own thread.
+The engine runs in its own thread, or in its own process (WORKER_ENGINE_PROCESS): one client interface, made by
+engine_client.make_engine_client, either way.
 
 Shutdown on SIGTERM/SIGINT: stop fetching, pause every partition, let in-flight requests finish for up to
 drain_timeout_s, abort the rest (their offsets stay uncommitted, so they are redelivered), wait for every
@@ -48,8 +49,7 @@ from worker.transport.load.backpressure import Backpressure
 from worker.transport.requests.cancels import Cancel, CancelledIds
 from worker.transport.requests.control import ControlReader
 from worker.transport.requests.dispatcher import Dispatcher
-from worker.transport.requests.engine_process import EngineProcess
-from worker.transport.requests.engine_thread import EngineThread
+from worker.transport.requests.engine_client import make_engine_client
 from worker.transport.requests.intake import Intake, IntakeLayout
 from worker.transport.kafka.kafka_clients import RebalanceListener, make_consumer
 from worker.transport.load.load_control import LoadControl
@@ -145,10 +145,7 @@ class Worker:
         self.consumer, self.publisher = consumer, publisher
         self.tracker = OffsetTracker()
         self.outputs: asyncio.Queue = asyncio.Queue()
-        if isinstance(self.engine, EngineProcess):  # the engine core runs in its own process
-            self.engine_thread = self.engine.attach(asyncio.get_running_loop(), self.outputs)
-        else:
-            self.engine_thread = EngineThread(self.engine, asyncio.get_running_loop(), self.outputs)
+        self.engine_thread = make_engine_client(self.engine, asyncio.get_running_loop(), self.outputs)
         self.queue = LocalQueue(kafka.num_priorities, settings.max_waiting, self.tenants.fair)
         self.service = ServiceModel(kafka.num_priorities, self.max_num_seqs, self.max_num_batched_tokens,
                                     lambda: self.engine_thread.stats, self._engine_saturated,

@@ -22,7 +22,7 @@ from worker.engine.api import EngineRequest, EngineStats, SamplingParams, Struct
 from worker.transport.load.admission import Admission, Verdict
 from worker.transport.requests.answers import Answers
 from worker.transport.requests.cancels import Cancel
-from worker.transport.requests.engine_thread import EngineThread
+from worker.transport.requests.engine_client import EngineClient
 from worker.transport.requests.local_queue import LocalQueue, QueuedRequest
 from worker.transport.load.service_model import ServiceModel
 from worker.transport.requests.streamer import Streamer
@@ -105,7 +105,7 @@ def to_engine_requests(queued: QueuedRequest, fair_tag: float = 0.0) -> list[Eng
 
 class Dispatcher:
     def __init__(
-        self, queue: LocalQueue, streamer: Streamer, engine: EngineThread, admission: Admission, answers: Answers,
+        self, queue: LocalQueue, streamer: Streamer, engine: EngineClient, admission: Admission, answers: Answers,
         service: ServiceModel, max_in_engine: int, cancelled: Callable[[str], Cancel | None] = lambda _id: None,
         tenants: TenantBook | None = None,
     ) -> None:
