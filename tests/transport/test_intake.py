@@ -22,7 +22,7 @@ from worker.transport.load.backpressure import Backpressure
 from worker.transport.requests.local_queue import LocalQueue
 from worker.transport.metrics import WorkerMetrics
 from worker.transport.kafka.offsets import OffsetTracker
-from worker.transport.load.service_model import ServiceModel
+from worker.transport.load.service_model import EngineView, ServiceModel
 from worker.transport.load.shedding import Shedder
 from worker.transport.requests.streamer import Streamer
 from worker.transport.load.tenant_book import TenantBook
@@ -36,7 +36,7 @@ def build(max_in_engine: int = 4, **settings_overrides) -> SimpleNamespace:
     settings = WorkerSettings(metrics_port=0, worker_id="w-test", **settings_overrides)
     consumer, publisher, engine = FakeConsumer(), FakePublisher(), FakeEngineThread()
     tracker, metrics = OffsetTracker(), WorkerMetrics.create()
-    service = ServiceModel(KAFKA.num_priorities, 64, 512, lambda: engine.stats)
+    service = ServiceModel(KAFKA.num_priorities, 64, 512)
     tenants = TenantBook.from_settings(settings, KAFKA.num_priorities)
     queue = LocalQueue(KAFKA.num_priorities, settings.max_waiting, tenants.fair)
     answers = Answers(publisher, tracker, metrics, settings.worker_id, KAFKA.result_topic, KAFKA.dead_letter_topic)
@@ -128,6 +128,7 @@ async def test_admission_predicts_and_refuses_by_tokens_ahead():
     # 200 ms a step, any size: a full step of at most max_num_batched_tokens is modelled at no more than 4000
     # tokens/s, so the measured rate stands (it is never taken below a quarter of the model's).
     w.engine.stats = EngineStats(step_time_base_s=0.2, step_time_per_token_s=0.0)
+    w.service.see(EngineView(w.engine.stats))  # as the worker does before each turn of its loops
     w.service.rate.rate = 1000.0  # tokens/s, measured while saturated
     now_ms = int(time.time() * 1000)
     for i in range(5):  # 5 requests of about 2000 tokens ahead: 10 s of work

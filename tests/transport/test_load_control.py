@@ -5,7 +5,6 @@ from __future__ import annotations
 from worker.config import WorkerSettings
 from worker.transport.load.backpressure import Backpressure
 from worker.transport.load.load_control import LoadControl
-from worker.engine.api import EngineStats
 from worker.transport.load.service_model import ServiceModel
 from worker.transport.load.shedding import Shedder
 
@@ -13,7 +12,7 @@ from worker.transport.load.shedding import Shedder
 def make(rate_per_s: float = 0.0, **overrides) -> LoadControl:
     """Requests of 10 tokens each; capacity rate_per_s requests/s (measured while saturated), or none."""
     settings = WorkerSettings(metrics_port=0, pause_dwell_s=0.0, **overrides)
-    service = ServiceModel(3, 64, 512, lambda: EngineStats())
+    service = ServiceModel(3, 64, 512)
     for priority in range(3):
         service.observe_read(priority, 2, 8)
     service.rate.rate = rate_per_s * 10

@@ -4,15 +4,13 @@ saturated, request costs corrected by what finished requests really used."""
 import pytest
 
 from worker.engine.api import EngineStats
-from worker.transport.load.service_model import ServiceModel
+from worker.transport.load.service_model import EngineView, ServiceModel
 
 STEP = EngineStats(step_time_base_s=0.05, step_time_per_token_s=0.001)
 
 
-def make(stats: EngineStats = STEP, saturated: list[bool] | None = None) -> ServiceModel:
-    flag = saturated if saturated is not None else [True]
-    return ServiceModel(3, max_num_seqs=64, max_num_batched_tokens=512, engine_stats=lambda: stats,
-                        is_saturated=lambda: flag[0])
+def make(stats: EngineStats = STEP, saturated: bool = True) -> ServiceModel:
+    return ServiceModel(3, max_num_seqs=64, max_num_batched_tokens=512, view=EngineView(stats, saturated))
 
 
 def test_cold_capacity_comes_from_the_step_time_model():
@@ -35,13 +33,12 @@ def test_long_prompts_are_bounded_by_the_token_budget():
 
 
 def test_measured_capacity_counts_only_saturated_intervals():
-    saturated = [False]
-    model = make(saturated=saturated)
+    model = make(saturated=False)
     prior = model.capacity_tokens_per_s()
     for i in range(100):  # idle: 10 tokens/s finished, far below what the engine could do
         model.observe_finished(10, 8, 10, 8, True, now=i * 1.0)
     assert model.rate.rate == 0.0 and model.capacity_tokens_per_s() == prior
-    saturated[0] = True
+    model.see(EngineView(STEP, True))
     for i in range(100, 200):
         model.observe_finished(50, 8, 50, 8, True, now=i * 0.1)  # 58 tokens per 0.1 s
     assert model.capacity_tokens_per_s() == pytest.approx(580, rel=0.05)
@@ -103,34 +100,33 @@ def test_service_time_at_the_batch_it_will_share():
 
 def test_only_more_urgent_engine_work_is_ahead():
     open_now = [10, 30, 60]  # 100 requests in an engine of 64 seats
-    model = ServiceModel(3, max_num_seqs=64, max_num_batched_tokens=512, engine_stats=lambda: STEP,
-                         open_by_priority=lambda: open_now)
+    model = ServiceModel(3, max_num_seqs=64, max_num_batched_tokens=512,
+                         view=EngineView(STEP, open_by_priority=tuple(open_now)))
     for p in range(3):
         model.observe_read(p, 90, 10)
     assert model.engine_waiting_by_priority() == [0, 0, 36]  # p0 and p1 fit the seats; 36 of p2 wait
     assert model.engine_tokens_ahead(0) == 0 and model.engine_tokens_ahead(1) == 0
     assert model.engine_tokens_ahead(2) == pytest.approx(36 * 100)
-    open_now[:] = [70, 0, 5]
+    model.see(EngineView(STEP, open_by_priority=(70, 0, 5)))
     assert model.engine_waiting_by_priority() == [6, 0, 5]
 
 
 def test_the_engines_own_waiting_counts_replace_the_seat_inference():
     # Seats free (20 open of 64), yet requests wait inside the engine: its steps' token budget ran out.
     stats = EngineStats(step_time_base_s=0.05, step_time_per_token_s=0.001, num_waiting_by_priority=(2, 5))
-    model = ServiceModel(3, max_num_seqs=64, max_num_batched_tokens=512, engine_stats=lambda: stats,
-                         open_by_priority=lambda: [8, 12, 0])
+    model = ServiceModel(3, max_num_seqs=64, max_num_batched_tokens=512,
+                         view=EngineView(stats, open_by_priority=(8, 12, 0)))
     for p in range(3):
         model.observe_read(p, 90, 10)
     assert model.engine_waiting_by_priority() == [2, 5, 0]
     assert model.engine_tokens_ahead(0) == pytest.approx(2 * 100)
     assert model.engine_tokens_ahead(1) == pytest.approx(7 * 100)
     # Priorities past the transport's count as its last.
-    stats = EngineStats(num_waiting_by_priority=(1, 0, 2, 4))
+    model.see(EngineView(EngineStats(num_waiting_by_priority=(1, 0, 2, 4)), open_by_priority=(8, 12, 0)))
     assert model.engine_waiting_by_priority() == [1, 0, 6]
     # An engine that counts and has none waiting: none, whatever the seats would suggest.
     open_many = ServiceModel(3, max_num_seqs=4, max_num_batched_tokens=512,
-                             engine_stats=lambda: EngineStats(num_waiting_by_priority=(0,)),
-                             open_by_priority=lambda: [10, 0, 0])
+                             view=EngineView(EngineStats(num_waiting_by_priority=(0,)), open_by_priority=(10, 0, 0)))
     assert open_many.engine_waiting_by_priority() == [0, 0, 0]
 
 

@@ -13,7 +13,6 @@ from worker.transport.requests.answers import Answers
 from worker.transport.requests.local_queue import QueuedRequest
 from worker.transport.metrics import WorkerMetrics
 from worker.transport.kafka.offsets import OffsetTracker
-from worker.engine.api import EngineStats
 from worker.transport.load.service_model import ServiceModel
 from worker.transport.requests.streamer import Streamer
 from tests.transport.fakes import TOPIC, FakePublisher
@@ -29,7 +28,7 @@ def queued(request_id: str, offset: int, stream: bool = True) -> QueuedRequest:
 def make_streamer(publisher: FakePublisher, tracker: OffsetTracker) -> Streamer:
     metrics = WorkerMetrics.create()
     answers = Answers(publisher, tracker, metrics, "w", "llm.results", "llm.dead-letter")
-    return Streamer(publisher, tracker, answers, metrics, ServiceModel(3, 64, 512, lambda: EngineStats()), "w", 3, 0.0)
+    return Streamer(publisher, tracker, answers, metrics, ServiceModel(3, 64, 512), "w", 3, 0.0)
 
 
 def output(q: QueuedRequest, token: int, finished: bool = False, reason: str | None = None) -> RequestOutput:

@@ -62,7 +62,7 @@ from worker.transport.kafka.offsets import OffsetTracker
 from worker.transport.kafka.destinations import MAX_TOPICS, TopicState
 from worker.transport.kafka.exactly_once import FinalLanes
 from worker.transport.kafka.publisher import Publisher
-from worker.transport.load.service_model import ServiceModel
+from worker.transport.load.service_model import EngineView, ServiceModel
 from worker.transport.load.shedding import Shedder
 from worker.transport.load.tenant_book import TenantBook
 from worker.transport.status_report import LoadView, StatusReporter, TenantCollector
@@ -147,9 +147,7 @@ class Worker:
         self.outputs: asyncio.Queue = asyncio.Queue()
         self.engine_thread = make_engine_client(self.engine, asyncio.get_running_loop(), self.outputs)
         self.queue = LocalQueue(kafka.num_priorities, settings.max_waiting, self.tenants.fair)
-        self.service = ServiceModel(kafka.num_priorities, self.max_num_seqs, self.max_num_batched_tokens,
-                                    lambda: self.engine_thread.stats, self._engine_saturated,
-                                    lambda: self.streamer.num_open_by_priority)
+        self.service = ServiceModel(kafka.num_priorities, self.max_num_seqs, self.max_num_batched_tokens)
         self.answers = Answers(publisher, self.tracker, self.metrics, settings.worker_id, kafka.result_topic,
                                kafka.dead_letter_topic)
         self.answers.tenants = self.tenants
@@ -216,11 +214,13 @@ class Worker:
         engine_thread = getattr(self, "engine_thread", None)  # the publisher exists before the engine thread
         return 0.0 if engine_thread is None else io_gather_s(engine_thread.stats, self.settings.io_gather_max_ms)
 
-    def _engine_saturated(self) -> bool:
-        """The engine cannot take more work now: requests wait inside it, or every seat is taken. (Requests
-        in the local queue do not count: the transport may be what holds them, e.g. decoding a flood.)"""
+    def _see_engine(self) -> None:
+        """Hand the service model the engine as it is now, before the parts that ask it for estimates run.
+        Saturated: requests wait inside the engine, or every seat is taken (requests in the local queue do not
+        count: the transport may be what holds them, e.g. decoding a flood)."""
         stats = self.engine_thread.stats
-        return stats.num_waiting > 0 or stats.num_running >= self.max_num_seqs
+        self.service.see(EngineView(stats, stats.num_waiting > 0 or stats.num_running >= self.max_num_seqs,
+                                    tuple(self.streamer.num_open_by_priority)))
 
     # -- cancellation (docs/delivery.md, "Cancellation") ---------------------------------------------------
     def _cancel_of(self, request_id: str) -> Cancel | None:
@@ -414,11 +414,13 @@ class Worker:
         denied: str | None = None
         while not self.stopping.is_set():
             try:
+                self._see_engine()
                 await self.intake.fetch_once()
                 if denied:
                     log.info("access restored (%s); fetching again", denied)
                     denied = None
                     self.metrics.kafka_access_denied.set(0)
+                self._see_engine()
                 self.dispatcher.admit()
                 await self.publisher.wait_room()
                 gather = self.io_gather_s()
@@ -464,7 +466,9 @@ class Worker:
             while not self.outputs.empty():
                 batch += self.outputs.get_nowait()
             try:
+                self._see_engine()
                 await self.streamer.handle(batch)
+                self._see_engine()
                 self.dispatcher.admit()
             except Exception:  # publishing must go on for the other requests
                 log.exception("output handling failed")
@@ -503,6 +507,7 @@ class Worker:
 
     async def _control_tick(self) -> LoadView:
         """Measure, decide, apply: lag -> LoadDecision -> intake (shed, pause) and engine (end of input)."""
+        self._see_engine()
         stats = self.engine_thread.stats
         waiting = self.queue.num_waiting_by_priority()
         decision = self.load_control.decide(await self.intake.lag_by_priority(), waiting, stats.kv_usage,

@@ -1,6 +1,7 @@
 """How fast this worker serves work when it is busy, and so how long a new request will wait and run: the
 estimates behind shedding (shedding.py), deadline admission (admission.py) and the status report. Pure: the
-engine's numbers come in as `EngineStats`, whether the engine is saturated from a callable.
+engine's numbers come in an `EngineView` snapshot (its stats, whether it is saturated, the requests in it by
+priority) that the worker hands it at every turn of its loops (`see`), before anything asks for an estimate.
 
 Unit of work: one token computed, prompt or output. The engine's step time is close to linear in the tokens a
 step batches (worker/engine/step_time.py), so a request costs about its prompt + output tokens whatever else
@@ -33,7 +34,6 @@ step's time grows with its tokens: a burst admitted into an idle engine soon sha
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from worker.engine.api import MIN_BUDGET_FRACTION, EngineStats
@@ -63,15 +63,24 @@ class Ewma:
         return default if self.value is None else self.value
 
 
+@dataclass(slots=True, frozen=True)
+class EngineView:
+    """The engine as the transport sees it at one moment."""
+
+    stats: EngineStats = field(default_factory=EngineStats)
+    saturated: bool = False
+    """It cannot take more work now: requests wait inside it, or every seat is taken."""
+    open_by_priority: tuple[int, ...] | None = None
+    """Requests handed to the engine and not finished, per priority (the streamer's count); None: not known."""
+
+
 @dataclass(slots=True)
 class ServiceModel:
     num_priorities: int
     max_num_seqs: int
     max_num_batched_tokens: int
-    engine_stats: Callable[[], EngineStats]
-    is_saturated: Callable[[], bool] = lambda: False
-    open_by_priority: Callable[[], list[int]] | None = None
-    """Requests handed to the engine and not finished, per priority (the streamer's count)."""
+    view: EngineView = field(default_factory=EngineView)
+    """The latest snapshot of the engine (`see`)."""
     rate: CompletionRate = field(default_factory=lambda: CompletionRate(half_life_s=5.0))
     """Tokens of finished requests per second, over saturated intervals only."""
     prompt_ratio: Ewma = field(default_factory=Ewma)
@@ -88,6 +97,13 @@ class ServiceModel:
 
     def __post_init__(self) -> None:
         self._cost = [Ewma() for _ in range(self.num_priorities)]
+
+    def see(self, view: EngineView) -> None:
+        """The engine now: what the estimates read until the next snapshot."""
+        self.view = view
+
+    def engine_stats(self) -> EngineStats:
+        return self.view.stats
 
     # -- what requests cost ---------------------------------------------------------------------------
     def expected_prompt(self, estimated_prompt_tokens: int) -> float:
@@ -135,7 +151,7 @@ class ServiceModel:
         self.record_tokens(prompt_tokens + output_tokens, now)
 
     def record_tokens(self, num_tokens: int, now: float) -> None:
-        if self.is_saturated():
+        if self.view.saturated:
             self.rate.record(num_tokens, now)
         else:
             self.rate.skip(now)
@@ -231,10 +247,10 @@ class ServiceModel:
             out += [0.0] * (self.num_priorities - len(out))
             out[-1] += float(sum(counted[self.num_priorities:]))
             return out
-        if self.open_by_priority is None:
+        if self.view.open_by_priority is None:
             return [float(self.engine_stats().num_waiting)] + [0.0] * (self.num_priorities - 1)
         out, before, cumulative = [], 0.0, 0
-        for n in self.open_by_priority():
+        for n in self.view.open_by_priority:
             cumulative += n
             waiting = max(0.0, float(cumulative - self.max_num_seqs))
             out.append(waiting - before)
