@@ -59,6 +59,10 @@ def security_kwargs(kafka: "KafkaSettings") -> dict:
         else:
             kwargs["sasl_plain_username"] = kafka.sasl_username
             kwargs["sasl_plain_password"] = kafka.sasl_password.get_secret_value()
+            if kafka.sasl_mechanism.startswith("SCRAM-"):
+                from worker.transport.kafka.aiokafka_compat import cache_scram_salted_passwords
+
+                cache_scram_salted_passwords()
     if kafka.security_protocol in TLS_PROTOCOLS:
         kwargs["ssl_context"] = ssl_context(kafka)
     return kwargs

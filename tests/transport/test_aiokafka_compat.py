@@ -4,12 +4,14 @@ release moves it, before a worker would fail in production."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
-from worker.transport.kafka.aiokafka_compat import fail_unsent_batches, group_generation, producer_is_dead
+from worker.transport.kafka.aiokafka_compat import (cache_scram_salted_passwords, fail_unsent_batches,
+                                                      group_generation, producer_is_dead)
 
 
 async def test_an_unstarted_consumer_has_no_group_coordinator_yet():
@@ -38,6 +40,24 @@ async def test_a_producer_whose_sender_died_is_dead():
     assert producer_is_dead(producer) and producer._txn_manager.is_fatal_error()
     producer._sender._sender_task = None
     await producer.stop()
+
+
+def test_scram_logins_derive_the_salted_password_once_and_still_agree_with_the_rfc():
+    from aiokafka.conn import ScramAuthenticator
+
+    cache_scram_salted_passwords()
+    cache_scram_salted_passwords()  # twice: still one wrapper
+    assert ScramAuthenticator.create_salted_password.cached
+
+    def login(password: str) -> ScramAuthenticator:
+        auth = ScramAuthenticator(loop=None, sasl_plain_password=password, sasl_plain_username="user",
+                                  sasl_mechanism="SCRAM-SHA-256")
+        auth.create_salted_password(b"salt-of-the-user", 4096)
+        return auth
+
+    first, second, other = login("pencil"), login("pencil"), login("another")
+    assert first._salted_password == second._salted_password != other._salted_password
+    assert first._salted_password == hashlib.pbkdf2_hmac("sha256", b"pencil", b"salt-of-the-user", 4096)
 
 
 @pytest.mark.kafka
