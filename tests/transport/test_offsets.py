@@ -96,3 +96,43 @@ def test_watermark_is_lowest_undone_under_any_completion_order(offsets, rng):
         tracker.committed({"p": commit})
         last_commit = commit
     assert tracker.num_pending("p") == 0
+
+
+def test_commit_progress_shows_how_long_commits_have_not_moved(monkeypatch):
+    import worker.transport.kafka.offsets as offsets
+
+    now = [1000.0]
+    monkeypatch.setattr(offsets.time, "monotonic", lambda: now[0])
+    t = OffsetTracker()
+    t.assign("p0", position=10, committed=10)
+    t.assign("p1", position=0)  # nothing committed yet: reading started at 0
+    now[0] = 1100.0  # idle for 100 s: everything read is committed, nothing stalls
+    assert t.commit_progress() == [("p0", 10, 10, 0.0), ("p1", 0, 0, 0.0)]
+    t.track("p0", 10)  # the first record after the idle spell: its wait starts now, not at the last commit
+    t.track("p0", 11)
+    t.track("p1", 0)
+    now[0] = 1130.0
+    assert t.commit_progress() == [("p0", 10, 12, 30.0), ("p1", 0, 1, 30.0)]
+    t.done("p0", 10)
+    t.committed(t.to_commit())  # p0 moves to 11 (11 still pending); p1 commits 0, which is no progress
+    now[0] = 1150.0
+    assert t.commit_progress() == [("p0", 11, 12, 20.0), ("p1", 0, 1, 50.0)]
+    t.done("p0", 11)
+    t.committed(t.to_commit())
+    assert t.commit_progress()[0] == ("p0", 12, 12, 0.0)
+
+
+def test_commit_progress_is_on_the_metrics_endpoint():
+    from aiokafka.structs import TopicPartition
+
+    from worker.transport.metrics import WorkerMetrics
+
+    metrics = WorkerMetrics.create()
+    assert "commit_stalled_seconds{" not in metrics.exposition()  # no tracker yet: the families, no samples
+    t = OffsetTracker()
+    metrics.commits.source = t.commit_progress
+    t.assign(TopicPartition("llm.requests", 3), position=5)
+    t.track(TopicPartition("llm.requests", 3), 5)
+    text = metrics.exposition()
+    assert 'llm_worker:uncommitted_offsets{partition="3",topic="llm.requests"} 1.0' in text
+    assert 'llm_worker:commit_stalled_seconds{partition="3",topic="llm.requests"}' in text

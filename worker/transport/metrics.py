@@ -15,7 +15,7 @@ from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest, make_wsgi_app
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 
 NS = "llm_worker:"
 # Latency buckets from 1 ms to 5 min: CPU decode steps are tens of ms, queueing under overload is minutes.
@@ -55,6 +55,64 @@ class Histogram:
         return [HistogramMetricFamily(self.name, self.documentation)]
 
 
+class _LoopValue:
+    """A counter child's value that only the event loop increments. The child's own (prometheus_client's
+    MutexValue) takes a lock on every increment, and Counter.inc checks its labels and the amount first: 0.55 us
+    a count against 0.18 us here, paid for every final. Read by the metrics thread as a plain attribute."""
+
+    __slots__ = ("_value", "_exemplar")
+
+    def __init__(self, value: float = 0.0) -> None:
+        self._value, self._exemplar = value, None
+
+    def inc(self, amount: float = 1) -> None:
+        self._value += amount
+
+    def set(self, value: float, timestamp=None) -> None:
+        self._value = value
+
+    def get(self) -> float:
+        return self._value
+
+    def set_exemplar(self, exemplar) -> None:
+        self._exemplar = exemplar
+
+    def get_exemplar(self):
+        return self._exemplar
+
+
+class CommitProgress:
+    """Per request partition, whether its committed offset keeps up with what is read: read from the offset
+    tracker at each scrape (nothing on the request path). `source` is set by the worker once it has a tracker:
+    () -> [(partition, committed offset, consumed offset, seconds stalled)] (OffsetTracker.commit_progress)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.source: Callable[[], list] | None = None
+        registry.register(self)
+
+    def collect(self):
+        stalled = GaugeMetricFamily(
+            f"{NS}commit_stalled_seconds", "Seconds that records read from the partition have waited past its "
+            "committed offset without that offset moving; 0 while everything read is committed. Grows without "
+            "bound when commits stop (an answer never acknowledged, a request stuck, the broker refusing).",
+            labels=["topic", "partition"])
+        uncommitted = GaugeMetricFamily(
+            f"{NS}uncommitted_offsets", "Offsets read from the partition past its committed offset: what a restart "
+            "would read again.", labels=["topic", "partition"])
+        try:
+            rows = self.source() if self.source is not None else []
+        except Exception:  # noqa: BLE001 - no tracker yet (before the first connect), or one being rebuilt
+            rows = []
+        for partition, committed, consumed, stalled_s in rows:
+            labels = [getattr(partition, "topic", ""), str(getattr(partition, "partition", partition))]
+            stalled.add_metric(labels, round(stalled_s, 3))
+            uncommitted.add_metric(labels, max(0, consumed - committed))
+        return [stalled, uncommitted]
+
+    def describe(self):
+        return []
+
+
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True  # a scrape in flight never holds up the worker's exit
 
@@ -91,6 +149,7 @@ class WorkerMetrics:
     desired_workers: Gauge
     kafka_access_denied: Gauge
     """1 while the broker refuses this worker an operation it needs (an ACL withdrawn): fetching has stopped."""
+    commits: CommitProgress
     _children: dict = field(default_factory=dict)
 
     @classmethod
@@ -133,26 +192,31 @@ class WorkerMetrics:
             kafka_access_denied=Gauge(f"{NS}kafka_access_denied", "1 while the broker refuses the worker an "
                                       "operation it needs (READ of the request topic or the group): nothing is "
                                       "fetched until it is allowed again.", registry=r),
+            commits=CommitProgress(r),
         )
 
     def dropped_for(self, topic: str):
         return self._child(self.dropped_records, "topic", topic)
 
     def completed_for(self, priority: int):
-        # labels() costs a lock and a tuple build per call; children are cached per label value.
-        return self._child(self.requests_completed, "priority", str(priority))
+        return self._child(self.requests_completed, "priority", priority)
 
     def rejected_for(self, reason: str):
         return self._child(self.requests_rejected, "reason", reason)
 
     def shed_for(self, priority: int):
-        return self._child(self.requests_shed, "priority", str(priority))
+        return self._child(self.requests_shed, "priority", priority)
 
-    def _child(self, metric, label: str, value: str):
+    def _child(self, metric, label: str, value) -> "_LoopValue":
+        """The value of the counter's child for this label value, to `inc()`: created once, then one dict lookup
+        (on the raw value, so no str() per call) and one attribute update per count."""
         key = (metric._name, value)
         child = self._children.get(key)
         if child is None:
-            child = self._children[key] = metric.labels(**{label: value})
+            labelled = metric.labels(**{label: str(value)})
+            if not isinstance(labelled._value, _LoopValue):
+                labelled._value = _LoopValue(labelled._value.get())
+            child = self._children[key] = labelled._value
         return child
 
     def serve(self, port: int, addr: str = "0.0.0.0", ready: Callable[[], bool] | None = None):

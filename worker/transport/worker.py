@@ -100,6 +100,7 @@ class Worker:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.metrics = WorkerMetrics.create()
+        self.metrics.commits.source = lambda: self.tracker.commit_progress()  # the tracker is built at connect
         self.stopping = asyncio.Event()
         self.started = asyncio.Event()
         self.closing = False

@@ -12,6 +12,7 @@ Pure Python, no aiokafka: partitions are any hashable key (the transport uses To
 from __future__ import annotations
 
 import heapq
+import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
@@ -24,12 +25,24 @@ class PartitionWatermark:
     heap: list[int] = field(default_factory=list)
     """Min-heap over pending offsets with lazy deletion: done offsets are popped when they reach the top."""
     last_committed: int | None = None
+    floor: int = -1
+    """Where a restart would resume: the last committed offset, or where reading started before any commit."""
+    behind_since: float = 0.0
+    """Monotonic time since which records past `floor` have waited with `floor` not moving: the last commit
+    that moved it, or the first record consumed after the partition was caught up."""
+
+    def __post_init__(self) -> None:
+        if self.floor < 0:
+            self.floor = self.last_committed if self.last_committed is not None else self.next_offset
+        self.behind_since = time.monotonic()
 
     def track(self, offset: int) -> bool:
         if offset < self.next_offset:
             # Below next_offset and not pending means done already (a refetch after a seek back): tracking it
             # again could move the watermark backwards, which Kafka would honour.
             return False
+        if self.next_offset <= self.floor:  # caught up until this record: its wait for a commit starts now
+            self.behind_since = time.monotonic()
         self.pending.add(offset)
         heapq.heappush(self.heap, offset)
         self.next_offset = offset + 1
@@ -107,3 +120,16 @@ class OffsetTracker:
             state = self._partitions.get(partition)
             if state is not None and (state.last_committed is None or offset > state.last_committed):
                 state.last_committed = offset
+                if offset > state.floor:
+                    state.floor = offset
+                    state.behind_since = time.monotonic()
+
+    def commit_progress(self) -> list[tuple[Hashable, int, int, float]]:
+        """(partition, committed offset, consumed offset, seconds stalled) of every partition: the consumed
+        offset is one past the highest record read; stalled is how long records past the committed offset have
+        waited without it moving (0 while everything read is committed). Read from the metrics thread: the
+        copy of the table is one C call, atomic under the GIL."""
+        now = time.monotonic()
+        return [(partition, state.floor, state.next_offset,
+                 now - state.behind_since if state.next_offset > state.floor else 0.0)
+                for partition, state in list(self._partitions.items())]
