@@ -2,7 +2,9 @@
 instant`, compute free, so the transport is all there is) on the same preloaded requests, every one with a
 `traceparent` header, in ABBA order within one run:
 
-- off: no metrics endpoint, no tracing (the headers are there but nothing reads them);
+- off: no metrics endpoint, no tracing (the headers are there but nothing reads them). The worker keeps its
+  metrics in process either way (one counter and four histogram updates per final, about 0.75 us): "metrics
+  on" here is the endpoint and its scrapes, and the baseline already pays the updates;
 - on: the metrics endpoint scraped every second, and tracing on: every request's context read and carried on
   its results; the producer samples --sample of the traces (the traceparent's sampled flag; 1 samples all,
   the worst case), which the worker records and exports over OTLP/HTTP in batches to a local sink that
@@ -12,6 +14,12 @@ Reports sustained finals per second (10th-90th percentile of arrivals) and reque
 worker (less distorted by other load on a shared machine), and on / off for both.
 
     .venv/bin/python -m benchmarks.bench_tracing --num-requests 20000 --sample 0.01   # results/<date>-tracing/
+
+`--micro` measures the tracing code alone, without Kafka or a worker: microseconds per request for a record
+without a traceparent, an unsampled one and a sampled one (its `begin`, its chunk's and final's headers, and
+its spans handed to an in-memory processor), and per span for the OTLP encoding, the worker's and the SDK's.
+
+    .venv/bin/python -m benchmarks.bench_tracing --micro
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from pathlib import Path
 
 from aiokafka import AIOKafkaProducer
 
-from benchmarks.bench_plumbing import count_finals, start_broker
+from benchmarks.bench_plumbing import count_finals
 from schemas.decode import encode
 from schemas.priority import partition_for
 from schemas.request import GenerationRequest
@@ -42,6 +50,16 @@ from worker.config import KafkaSettings
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
+
+
+def start_broker(folder: Path) -> tuple[str, object]:
+    """A plaintext LocalBroker on free ports: this benchmark compares the worker with itself, not listeners."""
+    from worker.broker.local import LocalBroker, free_ports
+
+    port, controller_port = free_ports(2)
+    broker = LocalBroker(folder / "broker", port, controller_port, detach=False)
+    broker.start()
+    return broker.bootstrap_servers, broker
 
 
 class _Sink(BaseHTTPRequestHandler):
@@ -166,6 +184,62 @@ async def main(args) -> dict:
             "runs": runs, "summary": summary}
 
 
+def micro(n: int = 20_000) -> dict:
+    from types import SimpleNamespace
+
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from schemas.result import FinalRecord, Usage
+    from worker.transport.requests.otlp import encode_request
+    from worker.transport.requests.tracing import RequestTracing
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing = RequestTracing(provider.get_tracer("kafka-llm-worker"), "model")
+    queued = SimpleNamespace(request=GenerationRequest(id="r", prompt="p", max_new_tokens=1), offset=5, priority=1,
+                             partition=SimpleNamespace(topic="llm.requests", partition=3), attempt=1,
+                             timestamp_ms=time.time() * 1000)
+    now = time.monotonic()
+    out = SimpleNamespace(arrival_time=now, first_scheduled_time=now, first_token_time=now, finish_time=now)
+    final = encode(FinalRecord(id="r", status="completed", reason="length", finish_reason="length",
+                               usage=Usage(prompt_tokens=5, completion_tokens=1)))
+    chunk = b'{"kind":"chunk","id":"r"}'
+    keys = [f"k{i}".encode() for i in range(n)]
+
+    def headers(flags: str) -> list:
+        return [[("traceparent", f"00-{uuid.uuid4().hex}-{uuid.uuid4().hex[:16]}-{flags}".encode())] for _ in keys]
+
+    def requests(all_headers: list, count: int) -> None:
+        for i in range(count):
+            trace = tracing.begin(all_headers[i], keys[i], queued)
+            if trace is not None:
+                trace.engine_done(out)
+            tracing.headers_for(keys[i], chunk)
+            tracing.headers_for(keys[i], final)
+
+    def best_us(run, count: int) -> float:
+        run(min(count, 200))
+        best = float("inf")
+        for _ in range(5):
+            started = time.perf_counter()
+            run(count)
+            best = min(best, (time.perf_counter() - started) / count * 1e6)
+        return round(best, 2)
+
+    result = {"untraced_us": best_us(lambda c: requests([[]] * n, c), n),
+              "unsampled_us": best_us(lambda c, h=headers("00"): requests(h, c), n),
+              "sampled_us": best_us(lambda c, h=headers("01"): requests(h, c), n // 10)}
+    spans = list(exporter.get_finished_spans())[-3072:]
+    for name, encoder in (("encode_worker_us_per_span", encode_request),
+                          ("encode_sdk_us_per_span", lambda s: encode_spans(s).SerializePartialToString())):
+        result[name] = best_us(lambda c, e=encoder: [e(spans[i:i + 512]) for i in range(0, c, 512)], len(spans))
+    return result
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-requests", type=int, default=20_000)
@@ -176,7 +250,11 @@ if __name__ == "__main__":
     parser.add_argument("--parts", choices=["both", "tracing", "metrics"], default="both",
                         help="what `on` turns on (both is the floor's case; the others split its cost)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--micro", action="store_true", help="the tracing code alone, per request (no Kafka)")
     cli = parser.parse_args()
+    if cli.micro:
+        print(json.dumps(micro()), "loadavg", Path("/proc/loadavg").read_text().split()[:3])
+        raise SystemExit(0)
     cli.out = cli.out or RESULTS / f"{time.strftime('%Y-%m-%d')}-tracing-{cli.parts}-sample{cli.sample:g}"
     result = asyncio.run(main(cli))
     cli.out.mkdir(parents=True, exist_ok=True)
