@@ -11,6 +11,14 @@ final, every ordinary one completed in one attempt, every hostile one error/inva
 
     .venv/bin/python -m benchmarks.bench_hostile_formats --ordinary 100 --hostile-per-ordinary 10
 
+--compare runs, in one process and against one broker: the ordinary requests alone, then mixed with the
+hostile ones for each of {repeated, distinct} x {one pass, two passes}, then alone again; each mixed run's
+ratio is taken against the mean of the two alone runs. "one pass" is the compile as it was before the judge
+(GrammarCompiler with judge_processes=0: every grammar at the full limits on a worker thread); "two passes"
+is the default (grammar.py, grammar_judge.py).
+
+    .venv/bin/python -m benchmarks.bench_hostile_formats --compare --out /tmp/hostile.json
+
 CPU timings on a shared machine move with its load: the load average is printed before and after.
 """
 
@@ -145,7 +153,6 @@ def checks(run: dict, ordinary_ids: list[str], hostile_ids: list[str]) -> dict:
 
 async def main_async(args) -> dict:
     from worker.broker.local import LocalBroker, free_ports
-    from worker.broker.topics import ensure_topics
     from worker.model.pull import ensure_default_model
 
     model = args.model or str(ensure_default_model())
@@ -155,9 +162,7 @@ async def main_async(args) -> dict:
     hostile = [GenerationRequest(id=f"hostile-{i}", prompt="Answer:", max_new_tokens=args.max_new_tokens,
                                  response_format=hostile_format(i, not args.repeated))
                for i in range(args.ordinary * args.hostile_per_ordinary)]
-    mixed = []
-    for i, r in enumerate(ordinary):
-        mixed += hostile[i * args.hostile_per_ordinary:(i + 1) * args.hostile_per_ordinary] + [r]
+    mixed = interleave(ordinary, hostile, args.hostile_per_ordinary)
     ordinary_ids, hostile_ids = [r.id for r in ordinary], [r.id for r in hostile]
     with tempfile.TemporaryDirectory() as tmp:
         port, controller_port = free_ports(2)
@@ -167,14 +172,11 @@ async def main_async(args) -> dict:
             out = {"loadavg_before": Path("/proc/loadavg").read_text().split()[:3], "model": model,
                    "ordinary": args.ordinary, "hostile": len(hostile), "distinct": not args.repeated,
                    "max_new_tokens": args.max_new_tokens, "compile_timeout_s": args.compile_timeout_s}
+            if args.compare:
+                return await compare(args, broker, engine_settings, ordinary, out)
             runs = {}
             for name, requests in (("alone", ordinary), ("mixed", mixed)):
-                suffix = uuid.uuid4().hex[:8]
-                kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers, request_topic=f"b.req.{suffix}",
-                                      result_topic=f"b.res.{suffix}", dead_letter_topic=f"b.dl.{suffix}",
-                                      status_topic=f"b.st.{suffix}", control_topic=f"b.ctl.{suffix}",
-                                      group_id=f"b.{suffix}")
-                await ensure_topics(kafka)
+                kafka = await fresh_topics(broker)
                 run = await run_once(kafka, engine_settings, requests, args.max_num_seqs, args.timeout_s)
                 runs[name] = run
                 out[name] = summarize(run, ordinary_ids)
@@ -187,6 +189,62 @@ async def main_async(args) -> dict:
     return out
 
 
+async def fresh_topics(broker) -> KafkaSettings:
+    from worker.broker.topics import ensure_topics
+
+    suffix = uuid.uuid4().hex[:8]
+    kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers, request_topic=f"b.req.{suffix}",
+                          result_topic=f"b.res.{suffix}", dead_letter_topic=f"b.dl.{suffix}",
+                          status_topic=f"b.st.{suffix}", control_topic=f"b.ctl.{suffix}", group_id=f"b.{suffix}")
+    await ensure_topics(kafka)
+    return kafka
+
+
+def interleave(ordinary: list[GenerationRequest], hostile: list[GenerationRequest], per: int) -> list:
+    mixed = []
+    for i, r in enumerate(ordinary):
+        mixed += hostile[i * per:(i + 1) * per] + [r]
+    return mixed
+
+
+async def compare(args, broker, engine_settings: EngineSettings, ordinary: list[GenerationRequest],
+                  out: dict) -> dict:
+    """Alone; mixed for {repeated, distinct} x {one pass, two passes}; alone again (module docstring)."""
+    import worker.model.grammar as grammar
+
+    ordinary_ids = [r.id for r in ordinary]
+    default_judges = grammar.JUDGE_PROCESSES
+    plan = [("alone", None, None)] + [(f"mixed {formats}, {passes}", formats, passes)
+                                      for formats in args.formats.split(",") for passes in ("one pass", "two passes")]
+    plan.append(("alone again", None, None))
+    for name, formats, passes in plan:
+        requests = ordinary
+        if formats is not None:
+            hostile = [GenerationRequest(id=f"hostile-{i}", prompt="Answer:", max_new_tokens=args.max_new_tokens,
+                                         response_format=hostile_format(i, formats == "distinct"))
+                       for i in range(args.ordinary * args.hostile_per_ordinary)]
+            requests = interleave(ordinary, hostile, args.hostile_per_ordinary)
+        grammar.JUDGE_PROCESSES = 0 if passes == "one pass" else default_judges
+        started = time.perf_counter()
+        try:
+            run = await run_once(await fresh_topics(broker), engine_settings, requests, args.max_num_seqs,
+                                 args.timeout_s)
+        finally:
+            grammar.JUDGE_PROCESSES = default_judges
+        summary = summarize(run, ordinary_ids)
+        summary["run_wall_s"] = round(time.perf_counter() - started, 1)
+        summary["loadavg"] = Path("/proc/loadavg").read_text().split()[:3]
+        if formats is not None:
+            summary["checks"] = checks(run, ordinary_ids, [r.id for r in requests if r.id.startswith("hostile-")])
+        out[name] = summary
+        print(name, json.dumps(summary), flush=True)
+    alone = (out["alone"]["ordinary_tokens_per_s"] + out["alone again"]["ordinary_tokens_per_s"]) / 2
+    out["ratios"] = {name: round(out[name]["ordinary_tokens_per_s"] / alone, 3)
+                     for name, formats, _ in plan if formats is not None}
+    out["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ordinary", type=int, default=100)
@@ -195,6 +253,9 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--compile-timeout-s", type=float, default=2.0)
     parser.add_argument("--repeated", action="store_true", help="the same six hostile formats, not varied ones")
+    parser.add_argument("--compare", action="store_true",
+                        help="repeated and distinct, one pass and two passes, against alone runs (docstring)")
+    parser.add_argument("--formats", default="repeated,distinct", help="with --compare: which hostile sets")
     parser.add_argument("--model", default="", help="a model folder; default: SmolLM2 (provisioned)")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per run")
     parser.add_argument("--out", type=Path, help="also write the summary here (JSON)")

@@ -214,3 +214,81 @@ def test_the_grammar_size_limit_is_applied(tokenizer):
         assert result.matcher is None and "ENGINE_GRAMMAR_MAX_SIZE=50" in result.error, result.error
     finally:
         small.close()
+
+
+# ---- two passes: a first pass at cut limits here, the judge process for what it cannot settle ------------
+
+
+def test_a_refusal_on_a_cut_limit_is_judged_in_a_process_at_the_full_limits(patient):
+    before = patient.num_judged
+    result = compiled(patient, "regex", "a{1000001}")
+    assert result.matcher is None and "ENGINE_GRAMMAR_LEXER_FUEL=200000" in result.error, result.error
+    assert patient.num_judged == before + 1
+    # A refusal the first pass settles (no cut limit behind it) never goes to the judge.
+    assert "language is empty" in compiled(patient, "regex", r"[^\s\S]{2}").error
+    assert patient.num_judged == before + 1
+
+
+def test_a_grammar_the_judge_passes_is_built_here_at_the_full_limits(tokenizer, monkeypatch):
+    import worker.model.grammar as grammar
+
+    monkeypatch.setattr(grammar, "QUICK_LEXER_FUEL", 500)  # so an ordinary enum is past the first pass
+    compiler = GrammarCompiler(tokenizer, VOCAB, (EOS,), limits=GrammarLimits(compile_timeout_s=60))
+    try:
+        result = compiled(compiler, "json_schema", json.dumps({"enum": [f"v{i}" for i in range(300)]}))
+        assert result.error is None and compiler.num_judged == 1
+        matcher = compiler.matcher(result)
+        assert [matcher.advance(t) for t in tokenizer.encode('"v123"', add_special_tokens=False)][-1] is True
+    finally:
+        compiler.close()
+
+
+def test_a_judge_past_the_cpu_budget_is_killed_and_the_next_grammar_gets_a_fresh_one(tokenizer, monkeypatch):
+    import worker.model.grammar as grammar
+    import worker.model.grammar_judge as grammar_judge
+
+    monkeypatch.setattr(grammar, "QUICK_LEXER_FUEL", 500)
+    monkeypatch.setattr(grammar_judge, "JUDGE_WALL_FACTOR", 1000)  # the CPU budget, not the wall time, decides
+    # About a second of CPU at the default lexer fuel; the first pass (500) refuses it in microseconds.
+    compiler = GrammarCompiler(tokenizer, VOCAB, (EOS,), limits=GrammarLimits(compile_timeout_s=0.1),
+                               judge_processes=1)
+    try:
+        result = compiled(compiler, "regex", "a{1000000}")
+        assert result.matcher is None and "ENGINE_GRAMMAR_COMPILE_TIMEOUT_S" in result.error, result.error
+        assert "of CPU" in result.error and compiler._judges.num_killed == 1
+        enum = json.dumps({"enum": [f"v{i}" for i in range(300)]})
+        assert compiled(compiler, "json_schema", enum).error is None  # judged again, by a fresh process
+        assert compiler.num_judged == 2
+    finally:
+        compiler.close()
+
+
+def test_with_no_judge_every_grammar_is_settled_in_one_pass_at_the_full_limits(tokenizer):
+    single = GrammarCompiler(tokenizer, VOCAB, (EOS,), limits=GrammarLimits(lexer_fuel=200_000,
+                                                                             compile_timeout_s=120),
+                             judge_processes=0)
+    try:
+        result = compiled(single, "regex", "a{1000000}")
+        assert "ENGINE_GRAMMAR_LEXER_FUEL=200000" in result.error and single.num_judged == 0
+    finally:
+        single.close()
+
+
+def test_the_cache_keeps_a_digest_of_each_spec_not_the_spec(compiler):
+    spec = json.dumps({"type": "string", "description": "x" * 10_000})
+    compiled(compiler, "json_schema", spec)
+    assert all(len(key[1]) == 16 for key in compiler._cache)
+
+
+def test_a_grammar_that_waited_past_its_wall_time_for_a_judge_is_refused(tokenizer, monkeypatch):
+    import worker.model.grammar as grammar
+    import worker.model.grammar_judge as grammar_judge
+
+    monkeypatch.setattr(grammar, "QUICK_LEXER_FUEL", 500)
+    monkeypatch.setattr(grammar_judge, "JUDGE_WALL_FACTOR", 0)  # every grammar is past its time when taken
+    compiler = GrammarCompiler(tokenizer, VOCAB, (EOS,), limits=GrammarLimits(compile_timeout_s=60))
+    try:
+        result = compiled(compiler, "json_schema", json.dumps({"enum": [f"v{i}" for i in range(300)]}))
+        assert "ENGINE_GRAMMAR_COMPILE_TIMEOUT_S" in result.error and compiler._judges.num_expired == 1
+    finally:
+        compiler.close()

@@ -23,13 +23,16 @@ A grammar is refused at compile time, before its request runs, when the library 
 read, a limit of `GrammarLimits` exceeded while building it, an empty language (the first mask allows no
 token, or only an EOS while the grammar is not complete: llguidance then enters an error state), or a path
 every output is forced along (fast-forward tokens) that breaks a limit, such as `a{1000000}` or a required
-recursive `$ref`. The probe computes the first mask on the pristine matcher, so that cost (0.3 s for
-`a{1000000}`) is paid here and the copies start with a warm lexer. What only shows while generating (a limit
+recursive `$ref`. The probe computes the first mask on the pristine matcher, so that cost is paid here and
+the copies start with a warm lexer. Reaching a limit is what makes a refusal expensive (a second of CPU for
+`a{1000000}` at the default lexer fuel), so it is first tried at cut limits, and only what those cannot settle
+goes to a judge process (GrammarCompiler, grammar_judge.py). What only shows while generating (a limit
 reached after the model's own choices) is a `GrammarError` at that step (engine/structured_output.py).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -38,11 +41,14 @@ from collections import OrderedDict
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import llguidance
-import llguidance.hf
 import llguidance.numpy
 import numpy as np
+
+if TYPE_CHECKING:
+    from worker.model.grammar_judge import JudgePool
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +58,16 @@ COMPILE_NICE = 10
 """Nice value of the compile threads (CFS gives a thread at 10 about a tenth of a core beside a busy one at 0)."""
 MAX_ABANDONED = 8
 """Compiles past their time budget whose threads may still run while others take their slots."""
+QUICK_LEXER_FUEL = 20_000
+"""The first pass's lexer fuel (at most ENGINE_GRAMMAR_LEXER_FUEL): `a{1000000}` is refused at it in about
+5 ms, against a second at the default fuel (the cost grows faster than the fuel: 25 ms at 100,000). Ordinary
+schemas fit in it (100 properties, 10 x 10 nested objects, a 200-value enum, format and pattern strings: 0.2
+to 4 ms each); a 5,000-value enum does not, and is judged."""
+QUICK_STEP_MAX_ITEMS = 1_000
+"""The first pass's parser items per step (at most ENGINE_GRAMMAR_STEP_MAX_ITEMS): a required recursive $ref
+is refused at it in about 2 ms, against 0.1 s at the default."""
+JUDGE_PROCESSES = 2
+"""Judge processes for the second pass (grammar_judge.py); 0: one pass at the full limits, on the thread."""
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """llguidance's JSON compile options: one-line JSON (module docstring)."""
 
@@ -79,18 +95,36 @@ class GrammarLimits:
         message = message.replace("<non-verbose/>", "").strip()
         if message.startswith("NoExtension"):  # llguidance's stop reason when only EOS fits an incomplete output
             return "no output can complete the format from here (its language is empty past this point)"
-        for needle, setting, value in (
-            ("grammar size", "max_size", self.max_size),
-            ("initial lexer configuration", "lexer_fuel", self.lexer_fuel),
-            ("too many expressions constructed", "lexer_fuel", self.lexer_fuel),
-            ("fuel exhausted", "step_lexer_fuel", self.step_lexer_fuel),
-            ("lex fuel", "step_lexer_fuel", self.step_lexer_fuel),
-            ("Too many items", "step_max_items", self.step_max_items),
-            ("too many states", "max_lexer_states", self.max_lexer_states),
-        ):
-            if needle in message:
-                return f"{message} (worker limit ENGINE_GRAMMAR_{setting.upper()}={value})"
+        setting = self.limit_named(message)
+        if setting is not None:
+            return f"{message} (worker limit ENGINE_GRAMMAR_{setting.upper()}={getattr(self, setting)})"
         return message
+
+    @staticmethod
+    def limit_named(message: str) -> str | None:
+        """The field of the limit the library's message reports reaching, or None."""
+        for needle, setting in _LIMIT_NEEDLES:
+            if needle in message:
+                return setting
+        return None
+
+    def quick(self) -> GrammarLimits:
+        """The first pass's limits: the build limits cut to QUICK_LEXER_FUEL and QUICK_STEP_MAX_ITEMS."""
+        return GrammarLimits(self.max_size, min(self.lexer_fuel, QUICK_LEXER_FUEL), self.step_lexer_fuel,
+                             min(self.step_max_items, QUICK_STEP_MAX_ITEMS), self.max_lexer_states,
+                             self.compile_timeout_s)
+
+
+_LIMIT_NEEDLES = (
+    ("grammar size", "max_size"),
+    ("initial lexer configuration", "lexer_fuel"),
+    ("too many expressions constructed", "lexer_fuel"),
+    ("fuel exhausted", "step_lexer_fuel"),
+    ("lex fuel", "step_lexer_fuel"),
+    ("Too many items", "step_max_items"),
+    ("too many states", "max_lexer_states"),
+)
+"""The library's wording for each limit it reports (from its binary), and the GrammarLimits field behind it."""
 
 
 class GrammarError(RuntimeError):
@@ -153,20 +187,38 @@ class Matcher:
 
 
 class GrammarCompiler:
-    """Compiles grammars off the engine's thread and keeps them; fills the bitmasks of a step's matchers."""
+    """Compiles grammars off the engine's thread and keeps them; fills the bitmasks of a step's matchers.
+
+    Two passes. The first, on a niced thread of this process, builds and probes the grammar with the lexer
+    fuel and parser items cut to `GrammarLimits.quick` (every ordinary format fits; a pathological one is
+    refused there in milliseconds instead of the second a full-fuel refusal of `a{1000000}` costs). What the
+    first pass settles is final, except a refusal on a cut limit: that grammar goes to the second pass, a
+    judge process (grammar_judge.py) that compiles it under the full limits at the lowest CPU priority
+    (SCHED_IDLE) and is killed past the compile budget in CPU seconds. A grammar the judge passes is then
+    built here under the full limits (its cost now known to fit the budget). So a flood of distinct
+    pathological formats costs the forward pass only the first passes; their full refusals take CPU only
+    when the cores would idle, and a runaway compile is truly stopped, where a thread cannot be."""
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], max_workers: int = 1,
-                 cache_size: int = CACHE_SIZE, limits: GrammarLimits | None = None) -> None:
+                 cache_size: int = CACHE_SIZE, limits: GrammarLimits | None = None,
+                 judge_processes: int | None = None) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.limits = limits or GrammarLimits()
         self._parser_limits = self.limits.parser_limits()
-        self._cache: OrderedDict[tuple[str, str], Future[Compiled]] = OrderedDict()
+        if judge_processes is None:
+            judge_processes = JUDGE_PROCESSES
+        quick = self.limits.quick()
+        self._quick = quick if judge_processes > 0 and quick != self.limits else None
+        """The first pass's limits; None: one pass, at the full limits, on the compile thread."""
+        self._quick_parser_limits = quick.parser_limits()
+        self._cache: OrderedDict[tuple[str, bytes], Future[Compiled]] = OrderedDict()
+        """Keyed by a digest of the spec: a format may be up to a megabyte of text."""
         self._cache_size = cache_size
         self._lock = threading.Lock()
-        self._queue: deque[tuple[tuple[str, str], Future[Compiled]]] = deque()
+        self._queue: deque[tuple[str, str, Future[Compiled]]] = deque()
         self._running: dict[Future[Compiled], float] = {}
-        """Compiles on a thread, with their start (time.monotonic())."""
+        """First passes on a thread, with their start (time.monotonic())."""
         self._num_slots = max_workers
         self._num_abandoned = 0
         """Compiles past the budget whose threads still run (the library cannot be interrupted)."""
@@ -174,16 +226,21 @@ class GrammarCompiler:
         # Off the caller's thread too: about 0.4 s for a 49k vocabulary, once.
         self._tokenizer: Future = Future()
         threading.Thread(target=_run_into, name="grammar-tokenizer", daemon=True, args=(
-            self._tokenizer, llguidance.hf.from_tokenizer, hf_tokenizer, vocab_size, list(eos_token_ids) or None),
+            self._tokenizer, _llg_tokenizer, hf_tokenizer, vocab_size, list(eos_token_ids) or None),
         ).start()
+        self._hf_tokenizer = hf_tokenizer
+        self._judges: JudgePool | None = None
+        self._num_judges = judge_processes
         self._executor = llguidance.LLExecutor()
         self._bitmask = np.empty((0, bitmask_width(vocab_size)), dtype=np.int32)
         self.num_compiled = 0
+        self.num_judged = 0
+        """Grammars the first pass could not settle, sent to the judge."""
 
     def submit(self, kind: str, spec: str) -> Future[Compiled]:
         """The compiled grammar of (kind, spec), from the cache or compiled on a grammar thread, in the order
         asked. Call from one thread."""
-        key = (kind, spec)
+        key = (kind, hashlib.blake2b(spec.encode(), digest_size=16).digest())
         future = self._cache.get(key)
         if future is not None:
             self._cache.move_to_end(key)
@@ -193,16 +250,16 @@ class GrammarCompiler:
         while len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)  # a future still running finishes for whoever holds it
         with self._lock:
-            self._queue.append((key, future))
+            self._queue.append((kind, spec, future))
         self._start_queued()
         return future
 
     def expire(self, now: float) -> None:
-        """Ends every compile running longer than the time budget with a refusal (kept in the cache, so the
+        """Ends every first pass running longer than the time budget with a refusal (kept in the cache, so the
         same spec is refused at once from then on) and gives its slot to the next compile in the queue: one
         pathological grammar delays the others by the budget at most. Its thread runs on, unused, until the
         library's own limits end it; at most `MAX_ABANDONED` such threads at a time, past that a slot waits
-        for its compile."""
+        for its compile. (A second pass keeps its own budget: JudgePool.)"""
         budget = self.limits.compile_timeout_s
         with self._lock:
             overdue = [f for f, start in self._running.items() if now - start > budget]
@@ -219,17 +276,17 @@ class GrammarCompiler:
     def _start_queued(self) -> None:
         with self._lock:
             while self._num_slots > 0 and self._queue and not self._closed:
-                key, future = self._queue.popleft()
+                kind, spec, future = self._queue.popleft()
                 if not future.set_running_or_notify_cancel():
                     continue
                 self._num_slots -= 1
                 self._running[future] = time.monotonic()
-                threading.Thread(target=self._run, args=(key, future), name="grammar", daemon=True).start()
+                threading.Thread(target=self._run, args=(kind, spec, future), name="grammar", daemon=True).start()
 
-    def _run(self, key: tuple[str, str], future: Future[Compiled]) -> None:
+    def _run(self, kind: str, spec: str, future: Future[Compiled]) -> None:
         _lower_priority()
         try:
-            result = self._compile(*key)
+            result = self._compile(kind, spec)
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
             result = exc
         with self._lock:
@@ -237,17 +294,52 @@ class GrammarCompiler:
                 self._num_abandoned -= 1
                 return
             self._num_slots += 1
-            if isinstance(result, BaseException):
+            if result is _SECOND_PASS and not self._closed:
+                self.num_judged += 1
+                self._judge_pool().submit(kind, spec, future)
+            elif result is _SECOND_PASS:
+                future.set_result(Compiled(None, "the grammar compiler was closed"))
+            elif isinstance(result, BaseException):
                 future.set_exception(result)
             else:
                 future.set_result(result)
         self._start_queued()
 
-    def _compile(self, kind: str, spec: str) -> Compiled:
+    def _judge_pool(self) -> JudgePool:
+        from worker.model.grammar_judge import JudgePool
+
+        if self._judges is None:  # under self._lock
+            self._judges = JudgePool(self._hf_tokenizer, self.vocab_size, self.eos_token_ids, self.limits,
+                                     self._num_judges, self._full_compile)
+        return self._judges
+
+    def _compile(self, kind: str, spec: str) -> Compiled | object:
+        """The first pass: a Compiled, or _SECOND_PASS for a refusal on a limit the quick limits cut."""
         tokenizer = self._tokenizer.result()
         start = time.perf_counter()
-        compiled = self._build(tokenizer, kind, spec)
-        seconds = time.perf_counter() - start
+        grammar = _grammar(kind, spec)
+        if isinstance(grammar, Compiled):
+            compiled = grammar
+        elif self._quick is not None:
+            error = _check(llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=self._quick_parser_limits),
+                           self.vocab_size)
+            cut = GrammarLimits.limit_named(error) if error else None
+            if cut is not None and getattr(self._quick, cut) < getattr(self.limits, cut):
+                log.debug("grammar %s (%d chars) past the first pass's %s: judged", kind, len(spec), cut)
+                return _SECOND_PASS
+            compiled = Compiled(None, self.limits.explain(error)) if error else self._build(tokenizer, grammar)
+        else:
+            compiled = self._build(tokenizer, grammar)
+        return self._log(kind, spec, compiled, time.perf_counter() - start)
+
+    def _full_compile(self, kind: str, spec: str) -> Compiled:
+        """The grammar built here under the full limits (after the judge passed it)."""
+        start = time.perf_counter()
+        grammar = _grammar(kind, spec)
+        compiled = grammar if isinstance(grammar, Compiled) else self._build(self._tokenizer.result(), grammar)
+        return self._log(kind, spec, compiled, time.perf_counter() - start)
+
+    def _log(self, kind: str, spec: str, compiled: Compiled, seconds: float) -> Compiled:
         if compiled.error is None and seconds > self.limits.compile_timeout_s:
             compiled = Compiled(None, self.compile_timeout_message(seconds))
         if compiled.error is not None:
@@ -258,43 +350,13 @@ class GrammarCompiler:
         return compiled
 
     def compile_timeout_message(self, seconds: float | None = None) -> str:
-        took = "did not finish in time" if seconds is None else f"took {seconds:.2f} s"
-        return (f"compiling the grammar {took}, over the budget of {self.limits.compile_timeout_s:g} s "
-                f"(worker limit ENGINE_GRAMMAR_COMPILE_TIMEOUT_S)")
+        return compile_timeout_message(self.limits, seconds)
 
-    def _build(self, tokenizer, kind: str, spec: str) -> Compiled:
-        try:
-            if kind == "json_schema":
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
-            elif kind == "regex":
-                grammar = llguidance.LLMatcher.grammar_from_regex(spec)
-            elif kind == "grammar":
-                grammar = llguidance.LLMatcher.grammar_from_lark(spec)
-            else:
-                return Compiled(None, f"unknown grammar kind {kind!r}")
-        except ValueError as exc:  # a schema that is not a JSON object, or nested past the parser's recursion
-            return Compiled(None, str(exc))
+    def _build(self, tokenizer, grammar: str) -> Compiled:
+        """Matcher and probe under the full limits; the probe's first mask warms the pristine matcher's lexer."""
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=self._parser_limits)
-        if matcher.is_error():
-            return Compiled(None, self.limits.explain(matcher.get_error()))
-        error = self._probe(matcher)
-        return Compiled(None, error) if error else Compiled(matcher)
-
-    def _probe(self, matcher: llguidance.LLMatcher) -> str | None:
-        """What the library can tell before the first step (module docstring); None when the grammar may run."""
-        bitmask = np.empty((1, bitmask_width(self.vocab_size)), np.int32)
-        llguidance.numpy.fill_next_token_bitmask(matcher, bitmask)
-        if matcher.is_error() or not bitmask.any():
-            error = matcher.get_error()
-            if not error or error.startswith("NoExtension"):
-                return "no output satisfies the format (its language is empty)"
-            return self.limits.explain(error)
-        forced = matcher.compute_ff_tokens()
-        if forced:
-            ahead = matcher.deep_copy()
-            if not ahead.consume_tokens(forced) or ahead.is_error():
-                return self.limits.explain(ahead.get_error())
-        return None
+        error = _check(matcher, self.vocab_size)
+        return Compiled(None, self.limits.explain(error)) if error else Compiled(matcher)
 
     def matcher(self, compiled: Compiled) -> Matcher:
         """A fresh matcher at the start of the grammar (a copy of the compiled one)."""
@@ -324,8 +386,55 @@ class GrammarCompiler:
         with self._lock:
             self._closed = True
             queued, self._queue = self._queue, deque()
-        for _, future in queued:
+        for _, _, future in queued:
             future.cancel()
+        if self._judges is not None:
+            self._judges.close()
+
+
+_SECOND_PASS = object()
+"""The first pass's verdict on a grammar refused on a limit it cut: the judge decides."""
+EMPTY_LANGUAGE = "no output satisfies the format (its language is empty)"
+
+
+def _grammar(kind: str, spec: str) -> str | Compiled:
+    """The library's grammar for a response_format, or its refusal."""
+    try:
+        if kind == "json_schema":
+            return llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
+        if kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(spec)
+        if kind == "grammar":
+            return llguidance.LLMatcher.grammar_from_lark(spec)
+    except ValueError as exc:  # a schema that is not a JSON object, or nested past the parser's recursion
+        return Compiled(None, str(exc))
+    return Compiled(None, f"unknown grammar kind {kind!r}")
+
+
+def _check(matcher: llguidance.LLMatcher, vocab_size: int) -> str | None:
+    """What the library can tell before the first step (module docstring): None when the grammar may run, else
+    the library's message (not yet explained) or EMPTY_LANGUAGE."""
+    if matcher.is_error():
+        return matcher.get_error()
+    bitmask = np.empty((1, bitmask_width(vocab_size)), np.int32)
+    llguidance.numpy.fill_next_token_bitmask(matcher, bitmask)
+    if matcher.is_error() or not bitmask.any():
+        error = matcher.get_error()
+        if not error or error.startswith("NoExtension"):
+            return EMPTY_LANGUAGE
+        return error
+    forced = matcher.compute_ff_tokens()
+    if forced:
+        ahead = matcher.deep_copy()
+        if not ahead.consume_tokens(forced) or ahead.is_error():
+            return ahead.get_error() or "the grammar refused the tokens every output must begin with"
+    return None
+
+
+def compile_timeout_message(limits: GrammarLimits, seconds: float | None = None, what: str = "") -> str:
+    took = "did not finish in time" if seconds is None else f"took {seconds:.2f} s{what}"
+    return (f"compiling the grammar {took}, over the budget of {limits.compile_timeout_s:g} s "
+            f"(worker limit ENGINE_GRAMMAR_COMPILE_TIMEOUT_S)")
 
 
 def _lower_priority() -> None:
@@ -336,6 +445,14 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
     except (AttributeError, OSError):
         pass
+
+
+def _llg_tokenizer(hf_tokenizer, vocab_size: int, eos_token_ids: list[int] | None) -> llguidance.LLTokenizer:
+    # Imported here: llguidance.hf imports transformers, which the judge process (grammar_judge.py) must not
+    # pay for (a second of CPU and 100 MB each time one starts).
+    import llguidance.hf
+
+    return llguidance.hf.from_tokenizer(hf_tokenizer, vocab_size, eos_token_ids)
 
 
 def _run_into(future: Future, fn, *args) -> None:

@@ -1,0 +1,263 @@
+"""The second pass of a grammar compile: a judge process that compiles a grammar under the full limits and
+says whether it may run, so that the cost of refusing a pathological format is paid outside the worker.
+
+GrammarCompiler (grammar.py) settles nearly every grammar in its first pass, on a thread, under cut limits.
+A grammar refused there on a cut limit (lexer fuel, parser items) is either large but legitimate (a
+50,000-value enum) or pathological (`a{1000000}`, a required recursive `$ref`); only the full limits tell,
+and reaching them costs up to a second of CPU. That compile runs here, in a child process:
+
+- at the lowest CPU priority (SCHED_IDLE, and nice 19 where that is refused): the forward pass keeps the
+  cores, and the judge takes only the time they would idle;
+- it shares no lock with the worker (the GIL, the allocator's arenas), so a starved compile never holds up
+  the worker's threads;
+- it can be stopped: past the compile budget in CPU seconds (`ENGINE_GRAMMAR_COMPILE_TIMEOUT_S`), or past
+  `JUDGE_WALL_FACTOR` times it in wall time since the grammar was sent (when starved or queued behind
+  others), it is killed and the grammar refused; the next grammar starts a fresh judge. A thread running the
+  library cannot be stopped, only abandoned;
+- a crash of the library on a hostile grammar ends the judge, not the worker: the grammar is refused.
+
+The verdict is a message or none. A grammar the judge passes is compiled again in the worker, under the full
+limits, since a compiled matcher cannot cross processes; that costs what the judge measured, within the budget.
+
+Protocol (one JSON object per line): the worker sends the tokenizer and limits, the judge answers
+`{"ready": true}`; then per grammar `{"kind", "spec"}`, answered `{"error": message or null}`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import select
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from copy import copy
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable
+
+from worker.model.grammar import Compiled, GrammarLimits, _lower_priority, compile_timeout_message
+
+log = logging.getLogger(__name__)
+
+JUDGE_WALL_FACTOR = 10
+"""A grammar sent to the judges is refused when this many compile budgets of wall time have passed since it
+was sent, its wait for a judge included: starved of CPU (the cores busy with normal-priority work), or
+behind a flood of others, it ends in bounded time."""
+JUDGE_START_TIMEOUT_S = 120.0
+"""A judge that has not read its tokenizer by then (about 0.5 s of CPU at idle priority) is killed."""
+_ROOT = str(Path(__file__).resolve().parents[2])
+_JUDGE_MAIN = """import os
+try:
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+except (AttributeError, OSError):
+    os.nice(19)
+from worker.model.grammar_judge import main
+main()
+"""
+"""The judge's entry: idle priority first, before its imports (about 0.1 s of CPU: llguidance and numpy)."""
+
+
+class JudgePool:
+    """Judge processes, each fed by a thread of the worker, taking the second passes in arrival order. A
+    judge starts at its first grammar (its tokenizer view costs about 0.5 s of idle CPU) and is kept."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], limits: GrammarLimits,
+                 processes: int, build: Callable[[str, str], Compiled]) -> None:
+        self._hf_tokenizer = hf_tokenizer
+        self._eos = list(eos_token_ids) or hf_tokenizer.eos_token_id
+        self._vocab_size = vocab_size
+        self.limits = limits
+        self._build = build
+        self._setup: bytes | None = None
+        self._setup_lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[tuple[str, str, Future[Compiled], float] | None] = queue.SimpleQueue()
+        self._closed = False
+        self.num_killed = 0
+        self.num_expired = 0
+        """Grammars refused past their wall time before a judge took them."""
+        self._threads = [threading.Thread(target=self._serve, name="grammar-judge", daemon=True)
+                         for _ in range(max(1, processes))]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, kind: str, spec: str, future: Future[Compiled]) -> None:
+        self._jobs.put((kind, spec, future, time.monotonic() + JUDGE_WALL_FACTOR * self.limits.compile_timeout_s))
+
+    def close(self) -> None:
+        self._closed = True
+        for _ in self._threads:
+            self._jobs.put(None)
+
+    def setup_line(self) -> bytes:
+        with self._setup_lock:
+            if self._setup is None:
+                # As llguidance.hf.from_tokenizer does, so the judge's token view is the worker's.
+                backend = copy(self._hf_tokenizer.backend_tokenizer)
+                backend.no_padding()
+                backend.no_truncation()
+                self._setup = (json.dumps({"tokenizer": backend.to_str(), "vocab_size": self._vocab_size,
+                                           "eos": self._eos, "limits": asdict(self.limits)}) + "\n").encode()
+            return self._setup
+
+    def _serve(self) -> None:
+        _lower_priority()  # the rebuild of a passed grammar runs here, like a first pass
+        judge = _Judge(self)
+        try:
+            while (job := self._jobs.get()) is not None:
+                kind, spec, future, deadline = job
+                if self._closed:
+                    future.set_result(Compiled(None, "the grammar compiler was closed"))
+                    continue
+                if time.monotonic() >= deadline:
+                    self.num_expired += 1
+                    future.set_result(Compiled(None, compile_timeout_message(self.limits, None)))
+                    continue
+                try:
+                    error = judge.ask(kind, spec, deadline)
+                    future.set_result(self._build(kind, spec) if error is None else Compiled(None, error))
+                except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+                    future.set_exception(exc)
+        finally:
+            judge.stop()
+
+
+class _Judge:
+    """One judge process, as seen from its feeding thread."""
+
+    def __init__(self, pool: JudgePool) -> None:
+        self._pool = pool
+        self._proc: subprocess.Popen | None = None
+        self._in_process = False
+        """Set when no process could be started: the worker's full compile judges (the old single pass)."""
+
+    def ask(self, kind: str, spec: str, deadline: float) -> str | None:
+        """The judge's refusal of (kind, spec), or None when it may run (or when no judge could be started)."""
+        limits = self._pool.limits
+        if self._in_process:
+            return None
+        if self._proc is None and not self._start():
+            return None if self._in_process else "compiling the grammar failed: its judge process did not start"
+        proc = self._proc
+        try:
+            proc.stdin.write((json.dumps({"kind": kind, "spec": spec}) + "\n").encode())
+            proc.stdin.flush()
+        except OSError:
+            self.stop()
+            return "compiling the grammar ended its process"
+        cpu_start, wall_start = _cpu_seconds(proc.pid), time.monotonic()
+        while True:
+            line = self._read_line(0.05)
+            if line is not None:
+                if not line:  # the library crashed on this grammar (or the judge was killed from outside)
+                    code = self.stop()
+                    log.warning("the grammar judge exited (code %s) compiling a %s of %d chars", code, kind,
+                                len(spec))
+                    return f"compiling the grammar ended its process (exit code {code})"
+                return json.loads(line)["error"]
+            cpu = _cpu_seconds(proc.pid)
+            used = (cpu - cpu_start) if cpu is not None and cpu_start is not None else None
+            wall = time.monotonic() - wall_start
+            budget = limits.compile_timeout_s
+            over_cpu = (used if used is not None else wall) > budget
+            if over_cpu or time.monotonic() >= deadline:
+                self.stop()
+                self._pool.num_killed += 1
+                log.info("grammar judge killed past the budget (%s, %d chars, %.2f s CPU, %.2f s)", kind,
+                         len(spec), used if used is not None else float("nan"), wall)
+                if not over_cpu:  # starved, or it waited for a judge: the CPU it had is not the reason
+                    return compile_timeout_message(limits, None)
+                return compile_timeout_message(limits, used if used is not None else wall,
+                                               " of CPU" if used is not None else "")
+
+    def _read_line(self, timeout: float) -> bytes | None:
+        """A line from the judge (b"" at its end), or None when none came within the timeout."""
+        ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
+        return self._proc.stdout.readline() if ready else None
+
+    def _start(self) -> bool:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH", "")) if p)
+        try:
+            self._proc = subprocess.Popen([sys.executable, "-c", _JUDGE_MAIN], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, env=env, cwd=_ROOT)
+            self._proc.stdin.write(self._pool.setup_line())
+            self._proc.stdin.flush()
+        except OSError as exc:
+            log.warning("no grammar judge process (%s): grammars past the first pass compile in the worker", exc)
+            self.stop()
+            self._in_process = True
+            return False
+        deadline = time.monotonic() + JUDGE_START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            line = self._read_line(0.1)
+            if line is None:
+                continue
+            if line and json.loads(line).get("ready"):
+                return True
+            break
+        log.warning("the grammar judge did not start (code %s)", self.stop())
+        return False
+
+    def stop(self) -> int | None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return None
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+        if proc.poll() is None:
+            proc.kill()
+        code = proc.wait()
+        proc.stdout.close()
+        return code
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User and system CPU time of a process (Linux /proc), or None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+# ---- the judge process ----------------------------------------------------------------------------
+
+
+def main() -> None:
+    import llguidance
+
+    from worker.model.grammar import _check, _grammar
+
+    # The protocol owns the real stdout; anything else printed goes to stderr.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    setup = json.loads(sys.stdin.readline())
+    tokenizer = llguidance.LLTokenizer(setup["tokenizer"], n_vocab=setup["vocab_size"], eos_token=setup["eos"])
+    limits = GrammarLimits(**setup["limits"])
+    parser_limits = limits.parser_limits()
+    out.write('{"ready": true}\n')
+    out.flush()
+    for line in sys.stdin:
+        job = json.loads(line)
+        grammar = _grammar(job["kind"], job["spec"])
+        if isinstance(grammar, Compiled):
+            error = grammar.error
+        else:
+            error = _check(llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits),
+                           setup["vocab_size"])
+            error = limits.explain(error) if error else None
+        out.write(json.dumps({"error": error}) + "\n")
+        out.flush()
+
+
