@@ -168,15 +168,16 @@ class EngineSettings(BaseSettings):
     sim_logits_width: int = Field(2048, ge=0)
     """Simulated devices: columns of the logits the sampler sees (0: the model's vocabulary)."""
     grammar_compile_timeout_s: float = Field(2.0, gt=0)
-    """Structured output: the longest a response_format's grammar may take to compile, wall-clock from the
-    compile's start, the first-mask probe included (compiles run on their own niced threads, never inside a
-    step). Past it the request ends with invalid_request naming this limit, the same format is refused at once
-    from then on, and the compile's slot goes to the next one. On a CPU worker whose forward keeps every core
-    busy a compile gets about a tenth of a core: a 50,000-value enum (0.15 s alone) then takes about 1.5 s."""
+    """Structured output: the compile budget of a response_format's grammar. The first pass, on a niced thread
+    under cut limits (never inside a step), settles nearly every grammar in milliseconds and may take this long,
+    wall-clock, the first-mask probe included. A grammar refused there on a cut limit goes to a judge process
+    at idle priority (worker/model/grammar_judge.py), which may spend this many CPU seconds under the full
+    limits, or 10 times it in wall time since it was sent. Past either the request ends with invalid_request
+    naming this limit, and the same format is refused at once from then on."""
     grammar_compile_threads: int = Field(2, ge=1, le=16)
-    """Structured output: grammars compiled at once, each on a thread of its own. A compile past the time budget
-    gives its slot to the next one in the queue; its thread runs on, unused, until the library's own limits
-    end it (at most 8 such threads at a time)."""
+    """Structured output: first-pass compiles at once, each on a thread of its own. A compile past the time budget
+    gives its slot to the next one in the queue; its thread runs on, unused, until the cut limits end it (at
+    most 8 such threads at a time)."""
     grammar_max_size: int = Field(500_000, ge=1)
     """Structured output: the most symbols a compiled grammar may have (llguidance's max_grammar_size)."""
     grammar_lexer_fuel: int = Field(1_000_000, ge=1)
