@@ -13,6 +13,11 @@
     output tok/s = completed output tokens / (last final - first send).
 
 Repetitions alternate in-process and Kafka runs in ABBA order so drift in machine load affects both.
+
+`--security sasl_ssl` (or ssl, sasl_plaintext) adds a third system: the same Kafka run against a second local
+broker with that listener (benchmarks/broker_target.py), the worker connecting as the `worker` principal and the
+client as `client`, each under its ACLs. Its output tok/s over the plaintext Kafka run's (ratio of medians) is
+checked against SECURED_FLOOR.
 Shedding is switched off in the worker (WORKER_MAX_QUEUE_TIME_S very large): the in-process engine never
 sheds, and a saturating offline trace would otherwise trip it.
 
@@ -46,6 +51,7 @@ from pathlib import Path
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from benchmarks.bench_engine import run_engine_policy
+from benchmarks.broker_target import Target, start_broker as start_target
 from benchmarks.floors import KAFKA_FLOOR
 from benchmarks.run_result import RequestRecord, RunResult, compute_metrics, records_to_json
 from benchmarks.results_store import raw_dir, write_results
@@ -63,6 +69,8 @@ from worker.model.runner import ModelRunner
 REPO = Path(__file__).resolve().parents[1]
 
 NO_SHEDDING = "[1000000.0, 1000000.0, 1000000.0]"
+SECURED_FLOOR = 0.90
+"""Kafka-path output tok/s over a secured listener / over plaintext, in one run, must stay at or above this."""
 
 
 # ---- pure bookkeeping (unit-tested) ---------------------------------------------------------------------
@@ -122,6 +130,17 @@ def compare(inproc: list[dict], kafka: list[dict]) -> dict:
             "ratio_per_rep": pairs, "floor": KAFKA_FLOOR, "meets_floor": bool(ratio >= KAFKA_FLOOR)}
 
 
+def compare_secured(kafka: list[dict], secured: list[dict]) -> dict:
+    """The secured Kafka runs' output tok/s over the plaintext ones': ratio of medians and per repetition."""
+    pairs = [s["output_tokens_per_s"] / k["output_tokens_per_s"] for k, s in zip(kafka, secured)
+             if k["output_tokens_per_s"] > 0]
+    med_k = statistics.median(m["output_tokens_per_s"] for m in kafka) if kafka else math.nan
+    med_s = statistics.median(m["output_tokens_per_s"] for m in secured) if secured else math.nan
+    ratio = med_s / med_k if med_k and not math.isnan(med_k) else math.nan
+    return {"kafka_tok_s_median": med_k, "secured_tok_s_median": med_s, "ratio_of_medians": ratio,
+            "ratio_per_rep": pairs, "floor": SECURED_FLOOR, "meets_floor": bool(ratio >= SECURED_FLOOR)}
+
+
 # ---- Kafka path -----------------------------------------------------------------------------------------
 
 
@@ -138,9 +157,11 @@ def kafka_env(kafka, threads: int) -> dict[str, str]:
     return env
 
 
-def worker_env(kafka, model: str, max_model_len: int, threads: int) -> dict[str, str]:
+def worker_env(kafka, model: str, max_model_len: int, threads: int, target: Target | None = None) -> dict[str, str]:
     s = engine_settings("continuous", max_model_len)
     env = kafka_env(kafka, threads)
+    if target is not None:
+        env.update(target.env("worker"))
     env.update({
         "ENGINE_MODEL": model, "ENGINE_POLICY": "continuous", "ENGINE_DEVICE": s.device, "ENGINE_DTYPE": s.dtype,
         "ENGINE_MAX_NUM_SEQS": str(s.max_num_seqs), "ENGINE_MAX_NUM_BATCHED_TOKENS": str(s.max_num_batched_tokens),
@@ -154,11 +175,12 @@ def worker_env(kafka, model: str, max_model_len: int, threads: int) -> dict[str,
 
 
 async def run_kafka(bootstrap: str, trace: Trace, warmup: Trace, *, model: str, max_model_len: int, threads: int,
-                    stream: bool, timeout_s: float, log_dir: Path) -> RunResult:
+                    stream: bool, timeout_s: float, log_dir: Path, target: Target | None = None) -> RunResult:
     """One measured replay of `trace` through fresh topics and a fresh worker subprocess, after the worker
-    has joined its group and served `warmup`; the worker is stopped on every exit."""
-    run = await KafkaRun.start(bootstrap, log_dir, stream)
-    run.start_worker(worker_env(run.kafka, model, max_model_len, threads))
+    has joined its group and served `warmup`; the worker is stopped on every exit. `target`: a secured broker
+    (its bootstrap is `bootstrap`) and its principals."""
+    run = await KafkaRun.start(bootstrap, log_dir, stream, target)
+    run.start_worker(worker_env(run.kafka, model, max_model_len, threads, target))
     reader = asyncio.create_task(run.read_loop())
     try:
         started = time.monotonic()
@@ -182,14 +204,16 @@ class KafkaRun:
     status topics, and the `llm-worker serve` subprocess, whose output goes to a log file in log_dir."""
 
     def __init__(self, kafka: KafkaSettings, num_result_partitions: int, num_status_partitions: int, log_path: Path,
-                 stream: bool) -> None:
+                 stream: bool, client: KafkaSettings | None = None) -> None:
+        """client: `kafka` with the client principal's connection settings (a secured broker)."""
         self.kafka = kafka
         self.stream = stream
-        self.consumer = AIOKafkaConsumer(**kafka.client_kwargs(), group_id=None, enable_auto_commit=False,
+        client = client or kafka
+        self.consumer = AIOKafkaConsumer(**client.client_kwargs(), group_id=None, enable_auto_commit=False,
                                          auto_offset_reset="earliest")
         self.partitions = [TopicPartition(kafka.result_topic, p) for p in range(num_result_partitions)]
         self.partitions += [TopicPartition(kafka.status_topic, p) for p in range(num_status_partitions)]
-        self.producer = AIOKafkaProducer(**kafka.client_kwargs(), linger_ms=0)
+        self.producer = AIOKafkaProducer(**client.client_kwargs(), linger_ms=0)
         self.log_path = log_path
         self.log = None
         self.proc: subprocess.Popen | None = None
@@ -201,14 +225,15 @@ class KafkaRun:
         """When the current replay's first request was sent: its records' times count from here."""
 
     @classmethod
-    async def start(cls, bootstrap: str, log_dir: Path, stream: bool) -> "KafkaRun":
+    async def start(cls, bootstrap: str, log_dir: Path, stream: bool, target: Target | None = None) -> "KafkaRun":
         suffix = uuid.uuid4().hex[:8]
         kafka = KafkaSettings(bootstrap_servers=bootstrap, request_topic=f"kp.requests.{suffix}",
                               result_topic=f"kp.results.{suffix}", dead_letter_topic=f"kp.dlq.{suffix}",
                               status_topic=f"kp.status.{suffix}", group_id=f"kp-{suffix}")
-        states = await ensure_topics(kafka)
+        states = await (target.prepare(kafka) if target is not None else ensure_topics(kafka))
         run = cls(kafka, states[kafka.result_topic].num_partitions, states[kafka.status_topic].num_partitions,
-                  log_dir / f"worker-{suffix}.log", stream)
+                  log_dir / f"worker-{suffix}.log", stream,
+                  client=target.as_("client", kafka) if target is not None else None)
         await run.consumer.start()
         run.consumer.assign(run.partitions)
         await run.producer.start()
@@ -388,6 +413,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--bootstrap", help="use this broker instead of starting a local one")
     parser.add_argument("--timeout-s", type=float, default=600)
     parser.add_argument("--out-dir", type=Path)
+    parser.add_argument("--security", choices=["sasl_ssl", "ssl", "sasl_plaintext"],
+                        help="also run the Kafka path over a second, secured local broker and compare the two")
     return parser.parse_args(argv)
 
 
@@ -405,60 +432,78 @@ def main(argv: list[str] | None = None) -> int:
                                        min_token_id=low, vocab_size=runner.vocab_size))
     warmup = warmup_trace(low, runner.vocab_size)
     trace.save(raw_dir(out_dir) / "trace.json")
-    inproc, kafka = run_abba(args, runner, trace, warmup, threads)
+    inproc, kafka, secured = run_abba(args, runner, trace, warmup, threads)
     comparison = compare(inproc, kafka)
+    if secured:
+        comparison["secured"] = {"security": args.security, **compare_secured(kafka, secured)}
     result = {
         "environment": {"num_cpus": os.cpu_count(), "torch_threads": threads, "load_before": load_before,
                         "load_after": list(os.getloadavg()), "model": args.model, "python": sys.version.split()[0]},
         "config": {"rate": None if is_offline(trace.config.rate) else args.rate, "num_requests": args.num_requests,
                    "profile": args.profile, "seed": args.seed, "reps": args.reps, "stream": not args.no_stream,
                    "engine": json.loads(engine_settings("continuous", runner.max_model_len).model_dump_json())},
-        "comparison": comparison, "inproc": inproc, "kafka": kafka,
+        "comparison": comparison, "inproc": inproc, "kafka": kafka, "kafka_secured": secured,
     }
     summary = {**result, **{system: [{k: v for k, v in m.items() if k != "records"} for m in result[system]]
-                            for system in ("inproc", "kafka")}}  # each request's record: raw results only
+                            for system in ("inproc", "kafka", "kafka_secured")}}  # each request's record: raw only
     write_results(out_dir, result, summary, indent=1, default=str)
-    write_report(out_dir, args, argv, trace, threads, load_before, inproc, kafka, comparison)
+    write_report(out_dir, args, argv, trace, threads, load_before, inproc, kafka, comparison, secured)
     print(f"written to {out_dir}")
     return 0
 
 
 def run_abba(args: argparse.Namespace, runner: ModelRunner, trace: Trace, warmup: Trace,
-             threads: int) -> tuple[list[dict], list[dict]]:
-    """Every repetition's metrics in-process and through Kafka, each printed as a table row when done."""
-    inproc, kafka = [], []
+             threads: int) -> tuple[list[dict], list[dict], list[dict]]:
+    """Every repetition's metrics in-process, through Kafka and (with --security) through the secured broker,
+    each printed as a table row when done."""
+    runs: dict[str, list[dict]] = {"inproc": [], "kafka": [], "secured": []}
+    systems = ("inproc", "kafka", "secured") if args.security else ("inproc", "kafka")
     with kafka_session(args.bootstrap, prefix="bench-kafka-path-") as session:
-        for rep in range(args.reps):
-            # ABBA order (in-process first on even repetitions, Kafka first on odd ones): linear drift in the
-            # machine's load then weighs on both paths alike.
-            for system in ("inproc", "kafka") if rep % 2 == 0 else ("kafka", "inproc"):
-                if system == "inproc":
-                    run_engine_policy(runner, "continuous", warmup)
-                    run = run_engine_policy(runner, "continuous", trace)
-                else:
-                    run = asyncio.run(run_kafka(session.bootstrap, trace, warmup, model=args.model,
-                                                max_model_len=runner.max_model_len, threads=threads,
-                                                stream=not args.no_stream, timeout_s=args.timeout_s,
-                                                log_dir=session.tmp))
-                m = compute_metrics(run)
-                m["records"] = records_to_json(run)
-                (inproc if system == "inproc" else kafka).append(m)
-                m.update(system=system, rep=rep, load_at_end=os.getloadavg()[0])
-                print(table([summary_row(m)]).splitlines()[-1], flush=True)
+        target = start_target(session.tmp, args.security) if args.security else None
+        try:
+            for rep in range(args.reps):
+                # ABBA order (in-process first on even repetitions, Kafka first on odd ones): linear drift in the
+                # machine's load then weighs on both paths alike.
+                for system in systems if rep % 2 == 0 else systems[::-1]:
+                    if system == "inproc":
+                        run_engine_policy(runner, "continuous", warmup)
+                        run = run_engine_policy(runner, "continuous", trace)
+                    else:
+                        secured = system == "secured"
+                        run = asyncio.run(run_kafka(target.bootstrap if secured else session.bootstrap, trace,
+                                                    warmup, model=args.model, max_model_len=runner.max_model_len,
+                                                    threads=threads, stream=not args.no_stream,
+                                                    timeout_s=args.timeout_s, log_dir=session.tmp,
+                                                    target=target if secured else None))
+                    m = compute_metrics(run)
+                    m["records"] = records_to_json(run)
+                    runs[system].append(m)
+                    m.update(system=f"kafka {args.security}" if system == "secured" else system, rep=rep,
+                             load_at_end=os.getloadavg()[0])
+                    print(table([summary_row(m)]).splitlines()[-1], flush=True)
+        finally:
+            if target is not None:
+                target.stop()
     # Worker logs are kept only for a failed run: the results hold everything a good one showed.
-    for m in kafka:
+    for m in runs["kafka"] + runs["secured"]:
         m.pop("worker_log", None)
-    return inproc, kafka
+    return runs["inproc"], runs["kafka"], runs["secured"]
 
 
 def write_report(out_dir: Path, args: argparse.Namespace, argv: list[str] | None, trace: Trace, threads: int,
-                 load_before: list[float], inproc: list[dict], kafka: list[dict], comparison: dict) -> None:
-    """report.md: the per-repetition table and the ratio against the floor; printed too."""
-    md = table([summary_row(m) for pair in zip(inproc, kafka) for m in pair])
+                 load_before: list[float], inproc: list[dict], kafka: list[dict], comparison: dict,
+                 secured: list[dict] | None = None) -> None:
+    """report.md: the per-repetition table and the ratios against their floors; printed too."""
+    md = table([summary_row(m) for group in zip(inproc, kafka, *([secured] if secured else [])) for m in group])
     verdict = "meets" if comparison["meets_floor"] else "BELOW"
     summary = (f"Kafka / in-process output tok/s (ratio of medians): **{comparison['ratio_of_medians']:.3f}** "
                f"({verdict} the {KAFKA_FLOOR} floor); per repetition: "
                + ", ".join(f"{r:.3f}" for r in comparison["ratio_per_rep"]))
+    if secured:
+        sec = comparison["secured"]
+        summary += (f"\n\nKafka over {sec['security']} / over plaintext output tok/s (ratio of medians): "
+                    f"**{sec['ratio_of_medians']:.3f}** ({'meets' if sec['meets_floor'] else 'BELOW'} the "
+                    f"{SECURED_FLOOR} floor); per repetition: " + ", ".join(f"{r:.3f}" for r in sec["ratio_per_rep"]))
     rate = "offline (all at t=0)" if is_offline(trace.config.rate) else f"{args.rate} req/s"
     (out_dir / "report.md").write_text(
         f"# Kafka path vs in-process ({time.strftime('%Y-%m-%dT%H:%M:%S')})\n\n"
