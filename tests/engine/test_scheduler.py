@@ -518,7 +518,7 @@ def test_add_request_rejects_bad_requests():
         SamplingParams(max_new_tokens=0)
 
 
-def test_a_tenant_far_below_its_share_takes_a_seat_from_one_far_above_never_from_its_own():
+def test_a_tenant_holding_no_seat_takes_one_from_a_tenant_holding_all_never_from_its_own():
     scheduler = make_scheduler(num_blocks=40, max_num_seqs=2)
     runner = FakeRunner(40, 4)
     for i in range(2):
@@ -527,15 +527,13 @@ def test_a_tenant_far_below_its_share_takes_a_seat_from_one_far_above_never_from
         scheduler.add_request(flood)
     step(scheduler, runner)
     own = make_request("flood-late", 4, 5, priority=1, arrival_time=2.0)
-    own.tenant, own.fair_tag = "flood", 6000.0  # its own tenant: it waits its turn
-    near = make_request("near", 4, 5, priority=1, arrival_time=3.0)
-    near.tenant, near.fair_tag = "near", 4500.0  # another tenant, but within FAIR_PREEMPT_TOKENS: waits
-    for request in (own, near):
-        scheduler.add_request(request)
+    own.tenant, own.fair_tag = "flood", 100.0  # owed service, but by its own tenant: it waits its turn
+    scheduler.add_request(own)
     for _ in range(3):
         output, _ = step(scheduler, runner)
         assert not output.preempted_request_ids
-    calm = make_request("calm", 4, 5, priority=1, arrival_time=4.0)
+    scheduler.abort(["flood-late"])
+    calm = make_request("calm", 4, 20, priority=1, arrival_time=4.0)
     calm.tenant, calm.fair_tag = "calm", 1000.0
     scheduler.add_request(calm)
     preempted = []
@@ -543,7 +541,15 @@ def test_a_tenant_far_below_its_share_takes_a_seat_from_one_far_above_never_from
         output, _ = step(scheduler, runner)
         preempted += output.preempted_request_ids
     assert preempted == ["flood-1"] and calm.status is RequestStatus.RUNNING
+    # One seat each now: in step, nobody trades places, whatever the tags.
+    near = make_request("near", 4, 5, priority=1, arrival_time=5.0)
+    near.tenant, near.fair_tag = "near", 0.0
+    scheduler.add_request(near)
+    for _ in range(3):
+        output, _ = step(scheduler, runner)
+        assert not output.preempted_request_ids
     scheduler.check_invariants()
-    same = make_request("same", 4, 5, priority=1)
-    same.tenant, same.fair_tag = "flood", -10_000.0
-    assert not fair_preempts(same, scheduler.requests["flood-0"]) and fair_preempts(calm, scheduler.requests["flood-0"])
+    running = {"flood": 1, "calm": 1}
+    assert not fair_preempts(near, scheduler.requests["flood-0"], running)
+    assert fair_preempts(near, scheduler.requests["flood-0"], {"flood": 2})
+    assert not fair_preempts(own, scheduler.requests["flood-0"], {"flood": 2})  # its own tenant

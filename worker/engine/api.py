@@ -8,6 +8,7 @@ template), which is also where "prompt too long" is decided.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -18,16 +19,15 @@ MAX_TOP_LOGPROBS = 20
 """The most alternatives a request may ask for at each step (as OpenAI's API)."""
 
 
-FAIR_PREEMPT_TOKENS = 1024.0
-"""Within a priority, a waiting request preempts a running one of another tenant only when the running one's fair
-tag is this much larger: its tenant was served at least this many tokens more, so trading places is fairer, and
-small differences (tenants in step) never cause a preemption and its recompute."""
-
-
-def fair_preempts(request, victim) -> bool:
+def fair_preempts(request, victim, num_running: Mapping[str, int]) -> bool:
     """Whether `request` may take the place of `victim`, running at its priority (engine requests or the
-    scheduler's): another tenant's request whose fair tag is more than FAIR_PREEMPT_TOKENS larger."""
-    return request.tenant != victim.tenant and victim.fair_tag - request.fair_tag > FAIR_PREEMPT_TOKENS
+    scheduler's): another tenant's request with a larger fair tag (the request is owed service before it),
+    whose tenant runs at least two more requests of the priority than the request's tenant
+    (`num_running`: tenant -> running requests at the priority). The second rule makes a swap one-way: after
+    it the other tenant still runs no fewer, so it never preempts back, and tenants in step never trade
+    places and their recompute; a tenant that holds every seat gives one up to a tenant holding none."""
+    return (request.tenant != victim.tenant and request.fair_tag < victim.fair_tag
+            and num_running.get(request.tenant, 0) + 1 < num_running.get(victim.tenant, 0))
 
 
 STRUCTURED_KINDS = ("json_schema", "regex", "grammar")
@@ -135,8 +135,8 @@ class EngineRequest:
     """Order among the waiting requests of one priority, before arrival time: the tenant's virtual token counter
     when the request entered the engine (fair share, transport/load/tenants.py); 0 for all when unused."""
     tenant: str = ""
-    """Whose request it is: within a priority, a request may preempt another tenant's running one whose fair tag
-    is more than FAIR_PREEMPT_TOKENS larger (that tenant is far above its share), never its own tenant's."""
+    """Whose request it is: within a priority, a request may preempt another tenant's running one (fair_preempts),
+    never its own tenant's."""
 
 
 @dataclass(slots=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections import Counter
 import zlib
 from dataclasses import dataclass, field
 
@@ -132,14 +133,17 @@ class InstantEngine:
 
     def _preempt_for_more_urgent(self) -> None:
         """As the real scheduler does: a waiting request of a strictly more urgent priority, or of the same one and
-        another tenant far below the running one's fair tag (api.fair_preempts), takes the seat of the least
+        another tenant owed service and running far fewer (api.fair_preempts), takes the seat of the least
         urgent running one, which waits again and resumes where it was (outputs are a function of the
         token index, so nothing is recomputed)."""
         while self._waiting and len(self._running) >= self.max_num_seqs:
             victim = max(self._running.values(), key=lambda s: (s.request.priority, s.request.fair_tag, s.order))
             waiting = self._waiting[0][-1].request
-            if victim.request.priority < waiting.priority or (
-                    victim.request.priority == waiting.priority and not fair_preempts(waiting, victim.request)):
+            num_running = Counter(s.request.tenant for s in self._running.values()
+                                  if s.request.priority == waiting.priority)
+            if victim.request.priority < waiting.priority or (victim.request.priority == waiting.priority
+                                                               and not fair_preempts(waiting, victim.request,
+                                                                                     num_running)):
                 return
             del self._running[victim.request.request_id]
             heapq.heappush(self._waiting, (victim.request.priority, victim.request.fair_tag, victim.order, victim))

@@ -23,6 +23,7 @@ Times are time.monotonic() seconds; every method takes `now` so tests are determ
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterable
 
 from worker.config import EngineSettings
@@ -390,7 +391,7 @@ class Scheduler:
                              output: SchedulerOutput) -> int:
         """continuous policy: make room for `request` by preempting the least urgent running request, if it is
         of a strictly less urgent priority, or of the same priority and another tenant far above its fair share
-        (api.FAIR_PREEMPT_TOKENS; otherwise never within a priority: that would only trade places). Returns the
+        (api.fair_preempts; otherwise never within a priority: that would only trade places). Returns the
         token budget the victim had been given this step (0 if it was not scheduled yet), or -1 when there is
         no such victim. A more urgent request thus never waits behind less urgent work for KV blocks beyond the
         step it arrives in, nor for a seat (max_num_seqs) beyond the step after: for a seat it first waits one
@@ -398,8 +399,8 @@ class Scheduler:
         if self.policy.name != "continuous" or not self.running:
             return -1
         victim = max(self.running, key=self._victim_key)
-        if victim.priority < request.priority or (victim.priority == request.priority
-                                                  and not fair_preempts(request, victim)):
+        if victim.priority < request.priority or (victim.priority == request.priority and not fair_preempts(
+                request, victim, Counter(r.tenant for r in self.running if r.priority == request.priority))):
             return -1
         self._preempt(victim)
         output.preempted_request_ids.append(victim.request_id)

@@ -13,6 +13,7 @@ wait too, so priorities hold.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import msgspec
@@ -163,7 +164,7 @@ class Dispatcher:
 
     def _has_room(self, queued: QueuedRequest) -> bool:
         """Below the cap, or past it while less urgent requests hold places in the engine, or requests of its
-        own priority and another tenant far above its share (api.fair_preempts): the engine's scheduler
+        own priority and another tenant running far more and owed less (api.fair_preempts): the engine's scheduler
         preempts them for this one, so a cap filled with less urgent work, or with a flood's, cannot make the
         request wait (the cap bounds what can still be shed or reordered here, not who may run)."""
         priority = queued.priority
@@ -184,8 +185,9 @@ class Dispatcher:
             return False
         probe = EngineRequest("", fair_tag=self.queue.fair.counter(queued.priority, queued.tenant),
                               tenant=queued.tenant)
-        return any(s.queued.priority == queued.priority and fair_preempts(probe, s.queued)
-                   for s in self.streamer.streams.values())
+        mine = [s.queued for s in self.streamer.streams.values() if s.queued.priority == queued.priority]
+        num_open = Counter(q.tenant for q in mine)
+        return any(fair_preempts(probe, q, num_open) for q in mine)
 
     def set_input_ended(self, ended: bool) -> None:
         """The consumer caught up (True) or has records to read again (False); passed on when it changes."""
