@@ -74,6 +74,10 @@ async def wait_assigned(collector, worker_ids: set[str] | None, num_partitions: 
             latest[s.worker_id] = s
         if worker_ids is not None and not worker_ids <= set(latest):
             return False
+        # Every named worker holds a partition: a joining worker publishes a status (with none) before its
+        # first assignment, while the others' latest statuses still cover every partition.
+        if worker_ids is not None and not all(latest[wid].assigned_partitions for wid in worker_ids):
+            return False
         owned = [p for wid, s in latest.items() if worker_ids is None or wid in worker_ids
                  for p in s.assigned_partitions]
         return sorted(owned) == list(range(num_partitions))
