@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import shutil
@@ -22,7 +23,7 @@ import time
 from pathlib import Path
 
 from producer_examples.client import BackoffPolicy, LLMClient, RequestTimeout
-from producer_examples.demo_view import LoadWatch, PrefixedLines, outcome_table, say
+from producer_examples.demo_view import LoadWatch, PrefixedLines, outcome_table, say, shedding_check
 from producer_examples.generate import summary_line
 from schemas.request import ChatMessage, GenerationRequest
 from worker.config import KafkaSettings, PathSettings
@@ -196,6 +197,8 @@ async def burst(client: LLMClient, watch: LoadWatch, num_requests: int, max_new_
     print(watch.table(), flush=True)
     say("final records by priority (every request got exactly one):")
     print(outcome_table(outcomes, num_priorities), flush=True)
+    for line in shedding_check(outcomes, json.loads(WORKER_ENV["WORKER_MAX_QUEUE_TIME_S"])[:num_priorities]):
+        say(line)
 
 
 async def session(settings: KafkaSettings, worker: subprocess.Popen, worker_id: str, log_path: Path,

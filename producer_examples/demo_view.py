@@ -96,6 +96,25 @@ class LoadWatch:
         return "\n".join(lines)
 
 
+def shedding_check(outcomes: list[tuple[int, str, str, float | None]], bounds_s: list[float]) -> list[str]:
+    """One line per shed priority: whether the worker could have started its requests within the priority's
+    queue-time bound. They wait behind every more urgent request, so the more urgent ones' last answer (client
+    e2e, all sent at once) is when the first of them could have started. A shed priority whose more urgent work
+    was done within the bound was shed on a misestimate, and the line says so."""
+    lines = []
+    for p, bound in enumerate(bounds_s):
+        shed = [o for o in outcomes if o[0] == p and o[2] == "shed"]
+        if not shed or bound <= 0:
+            continue
+        ahead = [o[3] for o in outcomes if o[0] < p and o[1] == "completed" and o[3] is not None]
+        busy = max(ahead, default=0.0)
+        verdict = ("could not have started within it: shedding told the truth" if busy > bound
+                   else "could have started within it: shed on a misestimate")
+        lines.append(f"priority {p}: {len(shed)} shed; the more urgent requests took until {busy:.1f} s, against its "
+                     f"{bound:g} s queue-time bound, so its requests {verdict}")
+    return lines
+
+
 def outcome_table(outcomes: list[tuple[int, str, str, float | None]], num_priorities: int) -> str:
     """outcomes: (priority, status, reason, client e2e seconds or None). Counts by status/reason per priority."""
     lines = [f"  {'priority':>8} {'sent':>5}  {'outcomes (status/reason: count)':<48} {'e2e p50':>8}"]

@@ -12,7 +12,7 @@ import pytest
 
 from producer_examples import generate
 from producer_examples.backoff import BackoffPolicy, StatusBoard, wait_while_congested
-from producer_examples.demo_view import LoadWatch, PrefixedLines, outcome_table
+from producer_examples.demo_view import LoadWatch, PrefixedLines, outcome_table, shedding_check
 from producer_examples.handle import RequestHandle, RequestTimeout
 from schemas.result import FinalRecord, StreamChunk
 from schemas.status import PriorityStatus, WorkerStatus
@@ -174,6 +174,15 @@ def test_load_watch_and_outcome_table():
     assert "completed/length: 1, completed/stop: 1" in rows[1] and rows[1].endswith("3.0 s")
     assert rows[2].split()[:3] == ["1", "0", "-"]
     assert "rejected/shed: 1" in rows[3]
+
+
+def test_the_demo_checks_its_shedding_against_what_the_worker_did():
+    outcomes = [(0, "completed", "length", 1.0), (1, "completed", "length", 4.2), (2, "rejected", "shed", None)]
+    (line,) = shedding_check(outcomes, [60.0, 6.0, 3.0])
+    assert line.startswith("priority 2: 1 shed") and "4.2 s" in line and "told the truth" in line
+    (line,) = shedding_check(outcomes, [60.0, 6.0, 5.0])
+    assert "misestimate" in line
+    assert shedding_check([(1, "completed", "stop", 1.0)], [60.0, 6.0, 3.0]) == []
 
 
 def test_the_client_imports_neither_torch_nor_the_engine():
