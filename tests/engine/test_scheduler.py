@@ -549,7 +549,6 @@ def test_a_tenant_holding_no_seat_takes_one_from_a_tenant_holding_all_never_from
         output, _ = step(scheduler, runner)
         assert not output.preempted_request_ids
     scheduler.check_invariants()
-    running = {"flood": 1, "calm": 1}
-    assert not fair_preempts(near, scheduler.requests["flood-0"], running)
-    assert fair_preempts(near, scheduler.requests["flood-0"], {"flood": 2})
-    assert not fair_preempts(own, scheduler.requests["flood-0"], {"flood": 2})  # its own tenant
+    assert not fair_preempts(near, scheduler.requests["flood-0"], ["flood", "calm"])
+    assert fair_preempts(near, scheduler.requests["flood-0"], ["flood", "flood"])
+    assert not fair_preempts(own, scheduler.requests["flood-0"], ["flood", "flood"])  # its own tenant

@@ -121,14 +121,19 @@ def test_cache_namespaces_are_unambiguous():
 # ---- through the intake and the dispatcher ----------------------------------------------------------------
 
 
-async def test_the_engine_takes_tenants_in_turn_not_in_arrival_order():
-    w = build(max_in_engine=6)
+async def flood_then_calm(w):
+    """Eight requests of a flood, then three of a calm tenant, read and admitted as far as the engine's cap."""
     for i in range(8):
         send(w, 1, f"flood-{i}", tenant="flood")
     for i in range(3):
         send(w, 1, f"calm-{i}", tenant="calm")
     await w.intake.fetch_once()
     w.dispatcher.admit()
+    return w
+
+
+async def test_the_engine_takes_tenants_in_turn_not_in_arrival_order():
+    w = await flood_then_calm(build(max_in_engine=6))
     tenants = [r.request_id.split("-")[0] for r in w.engine.added]
     assert tenants.count("calm") == 3, tenants  # served in step with the flood, not after its eight
     tags = {r.request_id.split("#")[0]: r.fair_tag for r in w.engine.added}
@@ -136,13 +141,7 @@ async def test_the_engine_takes_tenants_in_turn_not_in_arrival_order():
 
 
 async def test_without_credit_backlogged_tenants_alternate_request_by_request():
-    w = build(max_in_engine=6, tenant_max_credit_tokens=0)
-    for i in range(8):
-        send(w, 1, f"flood-{i}", tenant="flood")
-    for i in range(3):
-        send(w, 1, f"calm-{i}", tenant="calm")
-    await w.intake.fetch_once()
-    w.dispatcher.admit()
+    w = await flood_then_calm(build(max_in_engine=6, tenant_max_credit_tokens=0))
     tenants = [r.request_id.split("-")[0] for r in w.engine.added]
     assert tenants == ["flood", "calm"] * 3, tenants
 

@@ -8,7 +8,8 @@ template), which is also where "prompt too long" is decided.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -19,15 +20,18 @@ MAX_TOP_LOGPROBS = 20
 """The most alternatives a request may ask for at each step (as OpenAI's API)."""
 
 
-def fair_preempts(request, victim, num_running: Mapping[str, int]) -> bool:
+def fair_preempts(request, victim, running_tenants: Iterable[str]) -> bool:
     """Whether `request` may take the place of `victim`, running at its priority (engine requests or the
     scheduler's): another tenant's request with a larger fair tag (the request is owed service before it),
     whose tenant runs at least two more requests of the priority than the request's tenant
-    (`num_running`: tenant -> running requests at the priority). The second rule makes a swap one-way: after
+    (`running_tenants`: the tenant of each running request of the priority, counted only when the cheap
+    checks pass: this runs whenever the seats are full). The second rule makes a swap one-way: after
     it the other tenant still runs no fewer, so it never preempts back, and tenants in step never trade
     places and their recompute; a tenant that holds every seat gives one up to a tenant holding none."""
-    return (request.tenant != victim.tenant and request.fair_tag < victim.fair_tag
-            and num_running.get(request.tenant, 0) + 1 < num_running.get(victim.tenant, 0))
+    if request.tenant == victim.tenant or request.fair_tag >= victim.fair_tag:
+        return False
+    num_running = Counter(running_tenants)
+    return num_running[request.tenant] + 1 < num_running[victim.tenant]
 
 
 STRUCTURED_KINDS = ("json_schema", "regex", "grammar")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections import Counter
 import zlib
 from dataclasses import dataclass, field
 
@@ -139,11 +138,9 @@ class InstantEngine:
         while self._waiting and len(self._running) >= self.max_num_seqs:
             victim = max(self._running.values(), key=lambda s: (s.request.priority, s.request.fair_tag, s.order))
             waiting = self._waiting[0][-1].request
-            num_running = Counter(s.request.tenant for s in self._running.values()
-                                  if s.request.priority == waiting.priority)
-            if victim.request.priority < waiting.priority or (victim.request.priority == waiting.priority
-                                                               and not fair_preempts(waiting, victim.request,
-                                                                                     num_running)):
+            same = (s.request.tenant for s in self._running.values() if s.request.priority == waiting.priority)
+            if victim.request.priority < waiting.priority or (
+                    victim.request.priority == waiting.priority and not fair_preempts(waiting, victim.request, same)):
                 return
             del self._running[victim.request.request_id]
             heapq.heappush(self._waiting, (victim.request.priority, victim.request.fair_tag, victim.order, victim))

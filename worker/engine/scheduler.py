@@ -23,7 +23,6 @@ Times are time.monotonic() seconds; every method takes `now` so tests are determ
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Iterable
 
 from worker.config import EngineSettings
@@ -400,7 +399,7 @@ class Scheduler:
             return -1
         victim = max(self.running, key=self._victim_key)
         if victim.priority < request.priority or (victim.priority == request.priority and not fair_preempts(
-                request, victim, Counter(r.tenant for r in self.running if r.priority == request.priority))):
+                request, victim, (r.tenant for r in self.running if r.priority == request.priority))):
             return -1
         self._preempt(victim)
         output.preempted_request_ids.append(victim.request_id)

@@ -13,7 +13,6 @@ wait too, so priorities hold.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Callable
 
 import msgspec
@@ -186,8 +185,8 @@ class Dispatcher:
         probe = EngineRequest("", fair_tag=self.queue.fair.counter(queued.priority, queued.tenant),
                               tenant=queued.tenant)
         mine = [s.queued for s in self.streamer.streams.values() if s.queued.priority == queued.priority]
-        num_open = Counter(q.tenant for q in mine)
-        return any(fair_preempts(probe, q, num_open) for q in mine)
+        tenants = [q.tenant for q in mine]
+        return any(fair_preempts(probe, q, tenants) for q in mine)
 
     def set_input_ended(self, ended: bool) -> None:
         """The consumer caught up (True) or has records to read again (False); passed on when it changes."""
