@@ -115,6 +115,52 @@ async def test_chat_streamed_and_not_with_n_2_and_logprobs(stack):
     assert completion.object == "text_completion" and len(completion.choices[0].logprobs.tokens) == 5
 
 
+async def test_streamed_n_2_through_the_sdk_matches_the_answer_not_streamed(stack):
+    _, _, gateway = stack
+    client = gateway.client()
+    # Sampled, not greedy, so the two completions differ; the same seed gives the same tokens streamed or not.
+    kwargs = dict(model=MODEL, messages=ask("Name three colours."), max_tokens=6, temperature=0.9, seed=11, n=2)
+    answer = await client.chat.completions.create(**kwargs)
+    expected = {c.index: c.message.content for c in answer.choices}
+    assert sorted(expected) == [0, 1] and all(expected.values())
+
+    stream = await client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    chunks = [chunk async for chunk in stream]  # the SDK stops at `data: [DONE]`
+    texts: dict[int, str] = {}
+    roles: dict[int, str] = {}
+    finishes: dict[int, list[str]] = {}
+    for chunk in chunks[:-1]:
+        assert chunk.object == "chat.completion.chunk" and chunk.usage is None and len(chunk.choices) == 1
+        choice = chunk.choices[0]
+        assert choice.index not in finishes, "a delta after its completion's finish_reason"
+        if choice.delta.role is not None:
+            assert choice.index not in roles and choice.index not in texts, "the role comes with the first delta"
+            roles[choice.index] = choice.delta.role
+        texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+        if choice.finish_reason is not None:
+            finishes.setdefault(choice.index, []).append(choice.finish_reason)
+    assert roles == {0: "assistant", 1: "assistant"}
+    assert sorted(finishes) == [0, 1] and all(len(f) == 1 for f in finishes.values())
+    assert {i: f[0] for i, f in finishes.items()} == {c.index: c.finish_reason for c in answer.choices}
+    assert texts == expected
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    assert last.usage.completion_tokens == answer.usage.completion_tokens
+    if all(f == ["length"] for f in finishes.values()):
+        assert last.usage.completion_tokens == 2 * kwargs["max_tokens"]
+    assert last.usage.prompt_tokens == answer.usage.prompt_tokens
+    assert last.usage.total_tokens == last.usage.prompt_tokens + last.usage.completion_tokens
+    assert len({c.id for c in chunks}) == 1
+    # The SDK also stops when the connection just closes: the last event on the wire must be [DONE].
+    async with httpx.AsyncClient(timeout=30) as http:
+        reply = await http.post(f"http://127.0.0.1:{gateway.port}/v1/chat/completions",
+                                json={**kwargs, "stream": True, "stream_options": {"include_usage": True}})
+    events = [line for line in reply.text.split("\n\n") if line]
+    assert reply.headers["content-type"].startswith("text/event-stream") and events[-1] == "data: [DONE]"
+    assert json.loads(events[-2].removeprefix("data: "))["usage"]["completion_tokens"] == \
+        last.usage.completion_tokens
+
+
 async def test_json_schema_answer_validates(stack):
     _, _, gateway = stack
     answer = await gateway.client().chat.completions.create(
