@@ -6,18 +6,23 @@ A local broker, one `llm-worker serve --engine instant` and one `llm-worker gate
 1. TTFT: the same streamed requests (max_tokens 8), one at a time, alternately through LLMClient (submit to
    first chunk) and through the gateway over HTTP (POST to the first content event); medians and their
    difference.
-2. Throughput: `--concurrency` HTTP clients send streamed requests (max_tokens 2) back to back for
-   `--duration-s`; completed requests per second, and the gateway's CPU seconds per request.
+2. Throughput: `--concurrency` connections send streamed requests (max_tokens 2) back to back for
+   `--duration-s` (after a warm-up); completed requests per second, and the CPU milliseconds per request of
+   each process (gateway, worker, broker, the load generator) and of the whole machine. The load generator is
+   a lean asyncio HTTP/1.1 keep-alive client (`--client raw`; httpx, `--client httpx`, costs more CPU per
+   request than the gateway). `--py-spy DIR` records the gateway and the worker meanwhile.
 3. Batch: `llm-worker batch run` of `--batch-lines` lines, SIGKILLed at a third and at two thirds of the
    answers, then run to the end; missing and duplicate custom_ids in the output.
 
     python -m benchmarks.bench_gateway    # about 3 minutes on 2 cores
+    python -m benchmarks.bench_gateway --phases throughput --concurrency 256 --duration-s 15
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -30,7 +35,8 @@ from pathlib import Path
 
 import httpx2 as httpx
 
-from benchmarks.bench_plumbing import process_cpu_s, start_broker
+from benchmarks.bench_plumbing import process_cpu_s
+from benchmarks.broker_target import start_broker
 from producer_examples.client import BackoffPolicy, LLMClient
 from schemas.request import ChatMessage, GenerationRequest
 from worker.broker.local import free_ports
@@ -113,35 +119,144 @@ async def ttft_phase(kafka: KafkaSettings, url: str, num: int) -> dict:
             "overhead_p50_ms": round(g - d, 2)}
 
 
-async def throughput_phase(url: str, concurrency: int, duration_s: float, gateway_pid: int) -> dict:
-    done = 0
-    failed = 0
-    stop_at = time.monotonic() + duration_s
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+def cpu_s(pid: int | None) -> float:
+    return process_cpu_s(pid) if pid is not None else 0.0
 
-    async def one_client(http: httpx.AsyncClient, k: int) -> None:
+
+def machine_busy_s() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine since boot, from /proc/stat: how loaded the cores were
+    (other work on a shared machine shows up here and in no process of ours)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]
+    tick = os.sysconf("SC_CLK_TCK")
+    return (sum(fields[:8]) - idle) / tick, sum(fields[:8]) / tick
+
+
+class RawStream:
+    """A lean HTTP/1.1 keep-alive client for streamed answers: one connection, one request at a time, the
+    chunked body read and dropped, only the status and the `data: [DONE]` ending checked. httpx costs the
+    client several times what the gateway spends on a request, and on a small machine the load generator
+    shares the cores with what it measures."""
+
+    def __init__(self, host: str, port: int, path: str) -> None:
+        self.host, self.port = host, port
+        self.head = (f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
+                     "content-length: ").encode()
+        self.reader = self.writer = None
+
+    async def post(self, payload: bytes) -> int:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        self.writer.write(self.head + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        status = int(head[9:12])
+        lower = head.lower()
+        last = b""
+        if b"transfer-encoding: chunked" in lower:
+            while True:
+                size = int((await self.reader.readuntil(b"\r\n"))[:-2].split(b";", 1)[0], 16)
+                if size == 0:
+                    await self.reader.readuntil(b"\r\n")
+                    break
+                last = (await self.reader.readexactly(size + 2))[:-2]
+        else:
+            start = lower.index(b"content-length:") + 15
+            last = await self.reader.readexactly(int(lower[start:lower.index(b"\r\n", start)]))
+        if b"connection: close" in lower:
+            await self.close()
+        if status == 200 and not last.endswith(b"data: [DONE]\n\n"):
+            raise RuntimeError(f"a stream that does not end with [DONE]: {last[-80:]!r}")
+        return status
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            with contextlib.suppress(OSError):
+                await self.writer.wait_closed()
+        self.reader = self.writer = None
+
+
+async def throughput_phase(url: str, concurrency: int, duration_s: float, pids: dict[str, int | None],
+                           client: str = "raw", warmup_s: float = 3.0, py_spy: Path | None = None) -> dict:
+    """Streamed requests back to back from `concurrency` connections; after `warmup_s`, for `duration_s`:
+    completed requests per second and CPU ms per request of each process (gateway, worker, broker, this
+    load generator) and of the whole machine."""
+    done = failed = 0
+    measuring = False
+    stop = asyncio.Event()
+    parsed = httpx.URL(url)
+
+    async def raw_client(k: int) -> None:
+        nonlocal done, failed
+        http = RawStream(parsed.host, parsed.port, parsed.path)
+        i = 0
+        try:
+            while not stop.is_set():
+                i += 1
+                try:
+                    ok = await http.post(json.dumps(body(k * 1_000_000 + i, 2)).encode()) == 200
+                except (OSError, asyncio.IncompleteReadError, RuntimeError, ValueError):
+                    ok = False
+                    await http.close()
+                if measuring:
+                    done, failed = done + ok, failed + (not ok)
+        finally:
+            await http.close()
+
+    async def httpx_client(http: httpx.AsyncClient, k: int) -> None:
         nonlocal done, failed
         i = 0
-        while time.monotonic() < stop_at:
+        while not stop.is_set():
             i += 1
             try:
                 async with http.stream("POST", url, json=body(k * 1_000_000 + i, 2)) as response:
                     async for _ in response.aiter_lines():
                         pass
-                    if response.status_code == 200:
-                        done += 1
-                    else:
-                        failed += 1
+                    ok = response.status_code == 200
             except httpx.HTTPError:
-                failed += 1
+                ok = False
+            if measuring:
+                done, failed = done + ok, failed + (not ok)
 
+    pids = dict(pids, client=os.getpid())
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=60, limits=limits) as http:
-        cpu0, t0 = process_cpu_s(gateway_pid), time.monotonic()
-        await asyncio.gather(*(one_client(http, k) for k in range(concurrency)))
-        cpu1, elapsed = process_cpu_s(gateway_pid), time.monotonic() - t0
-    return {"concurrency": concurrency, "seconds": round(elapsed, 1), "completed": done, "failed": failed,
-            "streamed_req_per_s": round(done / elapsed, 1),
-            "gateway_cpu_ms_per_req": round((cpu1 - cpu0) * 1000 / max(done, 1), 2)}
+        tasks = [asyncio.create_task(raw_client(k) if client == "raw" else httpx_client(http, k))
+                 for k in range(concurrency)]
+        await asyncio.sleep(warmup_s)
+        spies = []
+        if py_spy is not None:
+            py_spy.mkdir(parents=True, exist_ok=True)
+            for name in ("gateway", "worker"):
+                spies.append(await asyncio.create_subprocess_exec(
+                    str(Path(sys.executable).with_name("py-spy")), "record", "--nonblocking", "--rate", "200",
+                    "--format", "raw", "--duration", str(int(duration_s)), "--pid", str(pids[name]),
+                    "--output", str(py_spy / f"{name}.txt"), stdout=asyncio.subprocess.DEVNULL,
+                    stderr=asyncio.subprocess.DEVNULL))
+        cpu0 = {name: cpu_s(pid) for name, pid in pids.items()}
+        busy0, total0 = machine_busy_s()
+        t0 = time.monotonic()
+        measuring = True
+        await asyncio.sleep(duration_s)
+        measuring = False
+        elapsed = time.monotonic() - t0
+        cpu1 = {name: cpu_s(pid) for name, pid in pids.items()}
+        busy1, total1 = machine_busy_s()
+        loadavg = Path("/proc/loadavg").read_text().split()[:3]
+        stop.set()
+        await asyncio.gather(*tasks)
+        for spy in spies:
+            await spy.wait()
+    per_req = {name: round((cpu1[name] - cpu0[name]) * 1000 / max(done, 1), 3) for name in pids}
+    gateway_ms = per_req["gateway"]
+    return {"client": client, "concurrency": concurrency, "seconds": round(elapsed, 1), "completed": done,
+            "failed": failed, "streamed_req_per_s": round(done / elapsed, 1),
+            "gateway_cpu_ms_per_req": gateway_ms, "cpu_ms_per_req": per_req,
+            "cpu_util": {name: round((cpu1[name] - cpu0[name]) / elapsed, 2) for name in pids},
+            "machine_busy_cores": round((busy1 - busy0) / elapsed, 2),
+            "machine_cores": round((total1 - total0) / elapsed, 2),
+            "gateway_one_core_req_per_s_estimate": round(1000 / gateway_ms) if gateway_ms else None,
+            "loadavg_end": loadavg}
 
 
 async def batch_phase(kafka: KafkaSettings, tmp: Path, num_lines: int) -> dict:
@@ -173,14 +288,15 @@ async def batch_phase(kafka: KafkaSettings, tmp: Path, num_lines: int) -> dict:
 
 async def main(args) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
-    bootstrap, broker = start_broker(tmp)
+    target = start_broker(tmp)
+    bootstrap, broker = target.bootstrap, target.broker
     worker = gateway = None
     try:
         kafka = settings(bootstrap)
         await ensure_topics(kafka)
         worker = await spawn(kafka, tmp / "worker.log", "serve", "--engine", "instant")
         (port,) = free_ports(1)
-        gateway = await spawn(kafka, tmp / "gateway.log", "gateway", "--port", str(port))
+        gateway = await spawn(kafka, tmp / "gateway.log", "gateway", "--port", str(port), *args.gateway_args.split())
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
         async with httpx.AsyncClient() as http:
             for _ in range(600):
@@ -191,9 +307,15 @@ async def main(args) -> dict:
                     pass
                 await asyncio.sleep(0.1)
         result = {"loadavg_before": Path("/proc/loadavg").read_text().split()[:3], "cpus": os.cpu_count()}
-        result["ttft"] = await ttft_phase(kafka, url, args.ttft_requests)
-        result["throughput"] = await throughput_phase(url, args.concurrency, args.duration_s, gateway.pid)
-        result["batch"] = await batch_phase(kafka, tmp, args.batch_lines)
+        phases = set(args.phases.split(","))
+        if "ttft" in phases:
+            result["ttft"] = await ttft_phase(kafka, url, args.ttft_requests)
+        if "throughput" in phases:
+            pids = {"gateway": gateway.pid, "worker": worker.pid, "broker": broker.status().pid}
+            result["throughput"] = await throughput_phase(url, args.concurrency, args.duration_s, pids,
+                                                          args.client, py_spy=args.py_spy)
+        if "batch" in phases:
+            result["batch"] = await batch_phase(kafka, tmp, args.batch_lines)
         result["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
         return result
     finally:
@@ -210,6 +332,12 @@ if __name__ == "__main__":
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--duration-s", type=float, default=30.0)
     parser.add_argument("--batch-lines", type=int, default=10_000)
+    parser.add_argument("--phases", default="ttft,throughput,batch", help="which phases, comma-separated")
+    parser.add_argument("--client", choices=("raw", "httpx"), default="raw",
+                        help="the throughput phase's load generator: a lean asyncio HTTP/1.1 client, or httpx")
+    parser.add_argument("--gateway-args", default="", help="more arguments of `llm-worker gateway` (--loop, --http)")
+    parser.add_argument("--py-spy", type=Path, default=None,
+                        help="record the gateway and the worker with py-spy (raw stacks) into this folder")
     parser.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "raw" / "gateway.json")
     cli = parser.parse_args()
     outcome = asyncio.run(main(cli))
