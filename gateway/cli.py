@@ -19,6 +19,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--instance-id", default=None,
                         help="names this instance's reply topic (GATEWAY_INSTANCE_ID; default: random per start)")
     parser.add_argument("--bootstrap", default=None, help="Kafka bootstrap servers (KAFKA_BOOTSTRAP_SERVERS)")
+    parser.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
+                        help="event loop (auto: uvloop when installed, as the gateway extra does)")
+    parser.add_argument("--http", choices=("auto", "h11", "httptools"), default="auto",
+                        help="HTTP/1.1 parser (auto: httptools when installed, as the gateway extra does)")
 
 
 def build_app(kafka: KafkaSettings, settings: GatewaySettings):
@@ -42,5 +46,5 @@ def run(args: argparse.Namespace) -> int:
     app, _ = build_app(kafka, settings)
     # One process, one event loop: the Kafka client and the HTTP server share it; no access log per request.
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", access_log=False,
-                timeout_graceful_shutdown=10)
+                timeout_graceful_shutdown=10, loop=args.loop, http=args.http)
     return 0
