@@ -154,25 +154,33 @@ class Gateway:
                            "rate_limit_error", "rate_limit_exceeded", headers={"Retry-After": str(retry_s)})
         self.num_requests += 1
         handle = await self.door.submit(wire, priority)
-        watcher = asyncio.create_task(_wait_disconnect(request))
+        watch = Disconnect(request)
+        handed_over = False
         try:
-            first = await _first_of(handle, watcher)
-        except BaseException:
-            watcher.cancel()
-            await handle.cancel("client disconnected") if not handle.done else None
-            raise
-        if first is None:  # the client went away before anything came
-            await handle.cancel("client disconnected")
-            return Response(status_code=499)
-        if isinstance(first, FinalRecord) and first.status != "completed":
-            watcher.cancel()
-            raise final_error(first, self._retry_after(priority))
-        if not options.stream:
-            watcher.cancel()
-            final = await handle.result()
-            completions = await handle.completions()
-            return JSONResponse(completion_body(options, request_id, now_s(), final, completions, self.tokens))
-        return SSEResponse(self._events(handle, options, request_id, first), watcher, handle)
+            try:
+                first = await _first_record(handle)
+            except asyncio.CancelledError:
+                if not watch.gone:
+                    raise
+                asyncio.current_task().uncancel()  # the client went away before anything came
+                await handle.cancel("client disconnected")
+                return Response(status_code=499)
+            except BaseException:
+                watch.stop()
+                await handle.cancel("client disconnected") if not handle.done else None
+                raise
+            if isinstance(first, FinalRecord) and first.status != "completed":
+                raise final_error(first, self._retry_after(priority))
+            if not options.stream:
+                watch.stop()
+                final = await handle.result()
+                completions = await handle.completions()
+                return JSONResponse(completion_body(options, request_id, now_s(), final, completions, self.tokens))
+            handed_over = True
+            return SSEResponse(self._events(handle, options, request_id, first), watch, handle)
+        finally:
+            if not handed_over:
+                watch.stop()
 
     def _retry_after(self, priority: int) -> float:
         refused = self.door.refusal(priority)
@@ -270,51 +278,67 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def _first_of(handle: RequestHandle, watcher: asyncio.Task):
-    """The first chunk or the final, whichever comes first; None when the client disconnects first."""
-    async def first_record():
-        async for delta in handle.stream():
-            return delta
-        return await handle.result()
+class Disconnect:
+    """Cancels the task serving a request when its client goes away, until stop(). One watcher task and a
+    callback, where racing the work against the watcher with asyncio.wait would cost a task and two waits
+    more per request; the served task tells this cancellation from others by `gone`."""
 
-    reader = asyncio.ensure_future(first_record())
-    done, _ = await asyncio.wait({reader, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    if reader in done:
-        return reader.result()
-    reader.cancel()
-    with contextlib.suppress(asyncio.CancelledError, RequestTimeout):
-        await reader
-    return None
+    def __init__(self, request: Request) -> None:
+        self.task = asyncio.current_task()
+        self.gone = False
+        self.armed = True
+        self.watcher = asyncio.ensure_future(_wait_disconnect(request))
+        self.watcher.add_done_callback(self._on_done)
+
+    def _on_done(self, watcher: asyncio.Task) -> None:
+        if watcher.cancelled() or watcher.exception() is not None or not self.armed:
+            return
+        self.gone = True
+        self.task.cancel()
+
+    def stop(self) -> None:
+        """Called with no await since the last send: uvicorn's receive() also answers `http.disconnect` once
+        the response is complete, and that must not cancel anything."""
+        self.armed = False
+        self.watcher.cancel()
+
+
+async def _first_record(handle: RequestHandle):
+    """The first chunk or the final, whichever comes first."""
+    async for delta in handle.stream():
+        return delta
+    return await handle.result()
 
 
 class SSEResponse(Response):
     """Server-sent events from an async iterator of JSON objects, ending with `data: [DONE]`. While it streams,
-    a watcher task waits for the client to go; then the stream stops and the request is cancelled."""
+    `Disconnect` cancels it when the client goes; then the stream stops and the request is cancelled."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[dict], watcher: asyncio.Task, handle: RequestHandle) -> None:
+    def __init__(self, events: AsyncIterator[dict], watch: Disconnect, handle: RequestHandle) -> None:
         # No super().__init__: it would declare a Content-Length for an empty body.
         self.status_code = 200
         self.background = None
         self.init_headers(SSE_HEADERS)
         self.events = events
-        self.watcher = watcher
+        self.watch = watch
         self.handle = handle
 
     async def __call__(self, scope, receive, send) -> None:
-        sender = asyncio.ensure_future(self._send_all(send))
-        done, _ = await asyncio.wait({sender, self.watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if sender in done:
-            self.watcher.cancel()
-            with contextlib.suppress(OSError):
-                sender.result()
+        try:
+            await self._send_all(send)
+        except asyncio.CancelledError:
+            if not self.watch.gone:
+                raise
+            asyncio.current_task().uncancel()
+            if not self.handle.done:
+                await self.handle.cancel("client disconnected")
             return
-        sender.cancel()
-        with contextlib.suppress(asyncio.CancelledError, OSError):
-            await sender
-        if not self.handle.done:
-            await self.handle.cancel("client disconnected")
+        except OSError:
+            pass
+        finally:
+            self.watch.stop()
 
     async def _send_all(self, send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
