@@ -170,8 +170,8 @@ def test_a_compile_past_the_budget_is_refused_and_gives_its_slot_to_the_next(tin
         compiler = manager.compiler
         compiler._tokenizer.result()
         compile_grammar = compiler._compile
-        # A compile that hangs (as if the library never gave up), then an ordinary one queued behind it.
-        compiler._compile = lambda kind, spec: (release.wait(30) if spec == "[a-z]+" else None,
+        # A compile that spins (as if the library never gave up), then an ordinary one queued behind it.
+        compiler._compile = lambda kind, spec: (spin(release) if spec == "[a-z]+" else None,
                                                 compile_grammar(kind, spec))[1]
         start = time.monotonic()
         assert manager.add("slow", "regex", "[a-z]+", "slow", start) is None
@@ -181,10 +181,53 @@ def test_a_compile_past_the_budget_is_refused_and_gives_its_slot_to_the_next(tin
         while len(ready) < 2 and time.monotonic() < start + 10:
             ready.update((r.payload, r) for r in manager.take_ready(time.monotonic()))
             time.sleep(0.01)
-        assert "ENGINE_GRAMMAR_COMPILE_TIMEOUT_S" in ready["slow"].error
+        assert "ENGINE_GRAMMAR_COMPILE_TIMEOUT_S=0.2" in ready["slow"].error and "of CPU" in ready["slow"].error
         assert ready["fine"].error is None and manager.is_constrained("fine")
         assert time.monotonic() - start < 0.2 + 1.0  # the ordinary one waited about the budget, not the hang
         assert "ENGINE_GRAMMAR_COMPILE_TIMEOUT_S" in manager.add("again", "regex", "[a-z]+", None, 0.0).error
+    finally:
+        release.set()
+        manager.close()
+
+
+def spin(release: threading.Event) -> None:
+    while not release.is_set():
+        pass
+
+
+def test_a_compile_starved_of_cpu_is_refused_for_a_while_only(tiny_model_path: Path, monkeypatch):
+    # The budget counts the compile's CPU: one that gets none (a machine busy with other work) is refused after
+    # WALL_FACTOR budgets of wall time with a message that says so, and the same spec is compiled again later.
+    import worker.model.grammar as grammar
+    from transformers import AutoTokenizer
+
+    monkeypatch.setattr(grammar, "WALL_FACTOR", 3)
+    manager = StructuredOutputManager(AutoTokenizer.from_pretrained(tiny_model_path), 49152, (EOS,),
+                                      GrammarLimits(compile_timeout_s=0.1))
+    release = threading.Event()
+    try:
+        compiler = manager.compiler
+        compiler._tokenizer.result()
+        compile_grammar = compiler._compile
+        compiler._compile = lambda kind, spec: (release.wait(30) if not release.is_set() else None,
+                                                compile_grammar(kind, spec))[1]
+        start = time.monotonic()
+        assert manager.add("starved", "regex", "[a-z]+", "starved", start) is None
+        ready = []
+        while not ready and time.monotonic() < start + 10:
+            ready = manager.take_ready(time.monotonic())
+            time.sleep(0.01)
+        [starved] = ready
+        assert time.monotonic() - start >= 0.3
+        assert "3 x ENGINE_GRAMMAR_COMPILE_TIMEOUT_S=0.1" in starved.error and "busy" in starved.error
+        assert manager.add("soon", "regex", "[a-z]+", None, time.monotonic()).error == starved.error  # kept a while
+        release.set()
+        time.sleep(0.35)
+        again = manager.add("later", "regex", "[a-z]+", "later", time.monotonic())
+        if again is None:
+            manager.compiler.submit("regex", "[a-z]+").result(timeout=30)
+            [again] = manager.take_ready(time.monotonic())
+        assert again.error is None
     finally:
         release.set()
         manager.close()

@@ -160,3 +160,22 @@ def test_smollm2_50_requests_over_5_schemas_all_validate(smollm2_path: Path):
             failures[request.request_id] = (str(exc)[:120], result.text)
     assert not failures, failures
     print(f"50 structured requests on SmolLM2 in {elapsed:.1f} s, {engine.num_steps} steps")
+
+
+def test_closing_the_engine_stops_its_grammar_judges(tiny_model_path: Path, monkeypatch):
+    import worker.model.grammar as grammar
+    from tests.model.test_grammar import judges_gone
+
+    monkeypatch.setattr(grammar, "QUICK_LEXER_FUEL", 500)  # so an ordinary enum goes to a judge
+    engine = tiny_engine(tiny_model_path)
+    spec = json.dumps({"enum": [f"v{i}" for i in range(300)]})
+    request = EngineRequest("enum", prompt_token_ids=[5, 6, 7], sampling=SamplingParams(
+        max_new_tokens=8, structured=StructuredOutput("json_schema", spec)))
+    assert engine.generate([request])["enum"].finish_reason in ("stop", "length")
+    pids = engine.structured.compiler._judges.pids
+    assert pids
+    engine.close()
+    assert judges_gone(pids)
+    # A constrained request after close starts a fresh compiler.
+    assert engine.generate([request])["enum"].finish_reason in ("stop", "length")
+    engine.close()

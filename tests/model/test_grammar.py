@@ -290,5 +290,49 @@ def test_a_grammar_that_waited_past_its_wall_time_for_a_judge_is_refused(tokeniz
     try:
         result = compiled(compiler, "json_schema", json.dumps({"enum": [f"v{i}" for i in range(300)]}))
         assert "ENGINE_GRAMMAR_COMPILE_TIMEOUT_S" in result.error and compiler._judges.num_expired == 1
+        assert "waited" in result.error and result.retry_at is not None
     finally:
         compiler.close()
+
+
+def judges_gone(pids: list[int], timeout: float = 10.0) -> bool:
+    """Whether these processes have ended and been reaped (no /proc entry left)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(Path(f"/proc/{pid}").exists() for pid in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_closing_the_compiler_stops_its_judges_at_once(tokenizer, monkeypatch):
+    # A judge holds about 100 MB; it must not outlive the compiler (an engine's close closes it).
+    import worker.model.grammar as grammar
+
+    monkeypatch.setattr(grammar, "QUICK_LEXER_FUEL", 500)
+    compiler = GrammarCompiler(tokenizer, VOCAB, (EOS,), limits=GrammarLimits(compile_timeout_s=60))
+    assert compiled(compiler, "json_schema", json.dumps({"enum": [f"v{i}" for i in range(300)]})).error is None
+    pids = compiler._judges.pids
+    assert pids and compiler.num_judged == 1
+    # One judged right now (held up in the judge): close refuses it instead of waiting for it.
+    busy = compiler.submit("regex", "a{1000000}")
+    compiler.close()
+    assert judges_gone(pids)
+    assert busy.result(timeout=10).error is not None
+
+
+def test_a_dropped_compiler_stops_its_judges(tokenizer, monkeypatch):
+    import gc
+
+    import worker.model.grammar as grammar
+
+    monkeypatch.setattr(grammar, "QUICK_LEXER_FUEL", 500)
+    compiler = GrammarCompiler(tokenizer, VOCAB, (EOS,), limits=GrammarLimits(compile_timeout_s=60))
+    assert compiled(compiler, "json_schema", json.dumps({"enum": [f"v{i}" for i in range(301)]})).error is None
+    pids = compiler._judges.pids
+    assert pids
+    del compiler
+    gc.collect()
+    assert judges_gone(pids)

@@ -227,6 +227,11 @@ class LLMEngine:
     def set_input_ended(self, ended: bool = True) -> None:
         self.scheduler.set_input_ended(ended)
 
+    def close(self) -> None:
+        """Stops what the engine runs beside its own thread: the grammar compiler's judge processes (about 100 MB
+        each), which would otherwise live until the process exits. A later constrained request starts them again."""
+        self.structured.close()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self.structured.num_held > 0 or self._inflight is not None
 

@@ -35,8 +35,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import queue
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections import deque
 from concurrent.futures import Future
@@ -56,6 +58,19 @@ CACHE_SIZE = 256
 """Distinct grammars kept compiled (failures included)."""
 COMPILE_NICE = 10
 """Nice value of the compile threads (CFS gives a thread at 10 about a tenth of a core beside a busy one at 0)."""
+COMPILE_CPU_SHARE = 0.02
+"""CPU seconds per second of wall time that first passes may take at COMPILE_NICE; past it (a flood of
+distinct formats) they run at SCHED_IDLE, on what the forward pass leaves idle. Even a tenth of a core at
+nice 10 costs a two-thread forward pass far more than a tenth: its threads wait for each other at every op,
+and the compile thread takes the GIL in between (1,000 distinct hostile formats, about 1.7 s of first
+passes: ordinary throughput 0.62 of alone at nice 10, 0.93 at SCHED_IDLE, on the engine alone). The share
+still lets about 10 ordinary schemas a second through at nice 10 whatever the flood."""
+COMPILE_CPU_BURST_S = 0.2
+"""CPU seconds of first passes that may run at COMPILE_NICE at once after a quiet spell."""
+WALL_FACTOR = 10
+"""A compile (first pass or judge) starved of CPU is refused when this many compile budgets of wall time
+have passed: the budget itself counts CPU seconds, so a compile on a busy machine is not refused for the
+machine's load until then."""
 MAX_ABANDONED = 8
 """Compiles past their time budget whose threads may still run while others take their slots."""
 QUICK_LEXER_FUEL = 20_000
@@ -138,6 +153,9 @@ class Compiled:
 
     matcher: llguidance.LLMatcher | None
     error: str | None = None
+    retry_at: float | None = None
+    """For a refusal that says nothing of the grammar (its compile was starved of CPU, or waited too long for
+    a judge): time.monotonic() after which the same spec is compiled again instead of refused from the cache."""
 
 
 class Matcher:
@@ -217,8 +235,14 @@ class GrammarCompiler:
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self._queue: deque[tuple[str, str, Future[Compiled]]] = deque()
-        self._running: dict[Future[Compiled], float] = {}
-        """First passes on a thread, with their start (time.monotonic())."""
+        self._running: dict[Future[Compiled], tuple[float, int | None]] = {}
+        """First passes on a thread: their start (time.monotonic()) and their thread's CPU clock, once running."""
+        self._cpu_credit = COMPILE_CPU_BURST_S
+        self._credit_at = time.monotonic()
+        self._launches: queue.SimpleQueue = queue.SimpleQueue()
+        # Compile threads are started by this thread, never by a compile thread: a thread inherits its
+        # creator's scheduling class, and one at SCHED_IDLE may not go back without privilege.
+        threading.Thread(target=_launcher, args=(self._launches,), name="grammar-launcher", daemon=True).start()
         self._num_slots = max_workers
         self._num_abandoned = 0
         """Compiles past the budget whose threads still run (the library cannot be interrupted)."""
@@ -242,7 +266,7 @@ class GrammarCompiler:
         asked. Call from one thread."""
         key = (kind, hashlib.blake2b(spec.encode(), digest_size=16).digest())
         future = self._cache.get(key)
-        if future is not None:
+        if future is not None and not _may_retry(future):
             self._cache.move_to_end(key)
             return future
         future = Future()
@@ -255,41 +279,73 @@ class GrammarCompiler:
         return future
 
     def expire(self, now: float) -> None:
-        """Ends every first pass running longer than the time budget with a refusal (kept in the cache, so the
-        same spec is refused at once from then on) and gives its slot to the next compile in the queue: one
-        pathological grammar delays the others by the budget at most. Its thread runs on, unused, until the
-        library's own limits end it; at most `MAX_ABANDONED` such threads at a time, past that a slot waits
-        for its compile. (A second pass keeps its own budget: JudgePool.)"""
+        """Ends every first pass past the time budget with a refusal and gives its slot to the next compile in
+        the queue: one pathological grammar delays the others by the budget at most. The budget counts the
+        compile thread's CPU seconds (its refusal is kept in the cache, so the same spec is refused at once from
+        then on); a compile starved of CPU (WALL_FACTOR budgets of wall time) is refused for a while only
+        (`Compiled.retry_at`). Its thread runs on, unused, until the library's own limits end it; at most
+        `MAX_ABANDONED` such threads at a time, past that a slot waits for its compile. (A second pass keeps
+        its own budget: JudgePool.)"""
         budget = self.limits.compile_timeout_s
+        if not self._running:  # asked at every step: no lock while nothing compiles
+            return
         with self._lock:
-            overdue = [f for f, start in self._running.items() if now - start > budget]
-            for future in overdue:
+            overdue = []
+            for future, (start, clock) in self._running.items():
+                cpu = _clock_seconds(clock)
+                if cpu is None and clock is not None:
+                    continue  # its thread just ended: its own result comes
+                if cpu is not None and cpu > budget:
+                    overdue.append((future, Compiled(None, compile_timeout_message(self.limits, cpu, " of CPU"))))
+                elif now - start > WALL_FACTOR * budget or (clock is None and _NO_CPU_CLOCK and now - start > budget):
+                    overdue.append((future, Compiled(None, starved_message(self.limits, now - start, cpu),
+                                                     retry_at=now + WALL_FACTOR * budget)))
+            for future, refusal in overdue:
                 if self._num_abandoned >= MAX_ABANDONED:
                     break
                 del self._running[future]
                 self._num_abandoned += 1
                 self._num_slots += 1
-                future.set_result(Compiled(None, self.compile_timeout_message()))
+                future.set_result(refusal)
         if overdue:
             self._start_queued()
 
     def _start_queued(self) -> None:
+        starts = []
         with self._lock:
             while self._num_slots > 0 and self._queue and not self._closed:
                 kind, spec, future = self._queue.popleft()
                 if not future.set_running_or_notify_cancel():
                     continue
                 self._num_slots -= 1
-                self._running[future] = time.monotonic()
-                threading.Thread(target=self._run, args=(kind, spec, future), name="grammar", daemon=True).start()
+                self._running[future] = (time.monotonic(), None)
+                starts.append((kind, spec, future))
+        for kind, spec, future in starts:
+            self._launches.put((self._run, (kind, spec, future)))
+
+    def _take_cpu_share(self) -> bool:
+        """Whether the next first pass may run at COMPILE_NICE (within COMPILE_CPU_SHARE), else at SCHED_IDLE."""
+        with self._lock:
+            now = time.monotonic()
+            self._cpu_credit = min(COMPILE_CPU_BURST_S,
+                                   self._cpu_credit + (now - self._credit_at) * COMPILE_CPU_SHARE)
+            self._credit_at = now
+            return self._cpu_credit > 0
 
     def _run(self, kind: str, spec: str, future: Future[Compiled]) -> None:
-        _lower_priority()
+        shared = self._take_cpu_share()
+        _lower_priority(idle=not shared)
+        with self._lock:
+            if future in self._running:
+                self._running[future] = (self._running[future][0], _thread_clock())
+        cpu = time.thread_time()
         try:
             result = self._compile(kind, spec)
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
             result = exc
         with self._lock:
+            if shared:
+                self._cpu_credit -= time.thread_time() - cpu
             if self._running.pop(future, None) is None:  # the budget gave up on it: its refusal stands
                 self._num_abandoned -= 1
                 return
@@ -309,14 +365,17 @@ class GrammarCompiler:
         from worker.model.grammar_judge import JudgePool
 
         if self._judges is None:  # under self._lock
+            # A weak reference back: the pool's threads must not keep a dropped compiler alive, so that its
+            # finalizer stops the judges.
             self._judges = JudgePool(self._hf_tokenizer, self.vocab_size, self.eos_token_ids, self.limits,
-                                     self._num_judges, self._full_compile)
+                                     self._num_judges, weakref.WeakMethod(self._full_compile))
+            weakref.finalize(self, self._judges.close)
         return self._judges
 
     def _compile(self, kind: str, spec: str) -> Compiled | object:
         """The first pass: a Compiled, or _SECOND_PASS for a refusal on a limit the quick limits cut."""
         tokenizer = self._tokenizer.result()
-        start = time.perf_counter()
+        start = time.thread_time()
         grammar = _grammar(kind, spec)
         if isinstance(grammar, Compiled):
             compiled = grammar
@@ -330,16 +389,17 @@ class GrammarCompiler:
             compiled = Compiled(None, self.limits.explain(error)) if error else self._build(tokenizer, grammar)
         else:
             compiled = self._build(tokenizer, grammar)
-        return self._log(kind, spec, compiled, time.perf_counter() - start)
+        return self._log(kind, spec, compiled, time.thread_time() - start)
 
     def _full_compile(self, kind: str, spec: str) -> Compiled:
         """The grammar built here under the full limits (after the judge passed it)."""
-        start = time.perf_counter()
+        start = time.thread_time()
         grammar = _grammar(kind, spec)
         compiled = grammar if isinstance(grammar, Compiled) else self._build(self._tokenizer.result(), grammar)
-        return self._log(kind, spec, compiled, time.perf_counter() - start)
+        return self._log(kind, spec, compiled, time.thread_time() - start)
 
     def _log(self, kind: str, spec: str, compiled: Compiled, seconds: float) -> Compiled:
+        """`seconds`: CPU seconds of the compiling thread."""
         if compiled.error is None and seconds > self.limits.compile_timeout_s:
             compiled = Compiled(None, self.compile_timeout_message(seconds))
         if compiled.error is not None:
@@ -349,8 +409,8 @@ class GrammarCompiler:
             log.debug("grammar compiled (%s, %d chars) in %.2f ms", kind, len(spec), seconds * 1e3)
         return compiled
 
-    def compile_timeout_message(self, seconds: float | None = None) -> str:
-        return compile_timeout_message(self.limits, seconds)
+    def compile_timeout_message(self, seconds: float) -> str:
+        return compile_timeout_message(self.limits, seconds, " of CPU")
 
     def _build(self, tokenizer, grammar: str) -> Compiled:
         """Matcher and probe under the full limits; the probe's first mask warms the pristine matcher's lexer."""
@@ -388,6 +448,7 @@ class GrammarCompiler:
             queued, self._queue = self._queue, deque()
         for _, _, future in queued:
             future.cancel()
+        self._launches.put(None)
         if self._judges is not None:
             self._judges.close()
 
@@ -431,20 +492,76 @@ def _check(matcher: llguidance.LLMatcher, vocab_size: int) -> str | None:
     return None
 
 
-def compile_timeout_message(limits: GrammarLimits, seconds: float | None = None, what: str = "") -> str:
-    took = "did not finish in time" if seconds is None else f"took {seconds:.2f} s{what}"
-    return (f"compiling the grammar {took}, over the budget of {limits.compile_timeout_s:g} s "
-            f"(worker limit ENGINE_GRAMMAR_COMPILE_TIMEOUT_S)")
+def compile_timeout_message(limits: GrammarLimits, seconds: float, what: str = "") -> str:
+    return (f"compiling the grammar took {seconds:.2f} s{what}, over the budget of {limits.compile_timeout_s:g} s "
+            f"(worker limit ENGINE_GRAMMAR_COMPILE_TIMEOUT_S={limits.compile_timeout_s:g})")
 
 
-def _lower_priority() -> None:
-    """Compile threads run niced (Linux nice is per thread): a pathological grammar's compile then takes the
-    cores from the forward pass only when they would idle, and a compile starved that way meets the time
-    budget. The mask threads (llguidance's executor, started by the engine's thread) keep their priority."""
+def starved_message(limits: GrammarLimits, wall: float, cpu: float | None, where: str = "",
+                    factor: int | None = None) -> str:
+    """A compile refused for the machine's load, not for the grammar: it says which limit, and that the same
+    format may be sent again (Compiled.retry_at)."""
+    had = "" if cpu is None else f", having had {cpu:.2f} s of CPU"
+    return (f"compiling the grammar{where} did not finish within {wall:.1f} s of wall time{had} (worker limit "
+            f"{factor or WALL_FACTOR} x ENGINE_GRAMMAR_COMPILE_TIMEOUT_S={limits.compile_timeout_s:g} s): the worker's "
+            f"cores were busy with other work, which says nothing of the grammar; it may be sent again later")
+
+
+def _lower_priority(idle: bool = False) -> None:
+    """Compile threads run niced (Linux nice is per thread), or at SCHED_IDLE (`idle`): a pathological
+    grammar's compile then takes the cores from the forward pass only when they would idle, and a compile
+    starved that way meets the wall-time bound. The mask threads (llguidance's executor, started by the
+    engine's thread) keep their priority."""
+    tid = threading.get_native_id()
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
+        os.setpriority(os.PRIO_PROCESS, tid, COMPILE_NICE)
+        if idle:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
         pass
+
+
+def _launcher(launches: queue.SimpleQueue) -> None:
+    # No compile is held in this frame while it waits: a dropped compiler must be collectable (its finalizer
+    # stops its judges).
+    while _launch(launches.get()):
+        pass
+
+
+def _launch(launch) -> bool:
+    if launch is None:
+        return False
+    threading.Thread(target=launch[0], args=launch[1], name="grammar", daemon=True).start()
+    return True
+
+
+def _thread_clock() -> int | None:
+    """The calling thread's CPU clock (Linux), readable from other threads; None where there is none."""
+    try:
+        return time.pthread_getcpuclockid(threading.get_ident())
+    except (AttributeError, OSError):
+        return None
+
+
+def _clock_seconds(clock: int | None) -> float | None:
+    if clock is None:
+        return None
+    try:
+        return time.clock_gettime(clock)
+    except OSError:  # the thread has ended
+        return None
+
+
+_NO_CPU_CLOCK = not hasattr(time, "pthread_getcpuclockid")
+"""Where threads' CPU clocks cannot be read, the first pass's budget is wall time (as it was)."""
+
+
+def _may_retry(future: Future[Compiled]) -> bool:
+    """A cached refusal that said nothing of the grammar, past its retry time: compile the spec again."""
+    if not future.done() or future.cancelled() or future.exception() is not None:
+        return False
+    retry_at = future.result().retry_at
+    return retry_at is not None and time.monotonic() >= retry_at
 
 
 def _llg_tokenizer(hf_tokenizer, vocab_size: int, eos_token_ids: list[int] | None) -> llguidance.LLTokenizer:

@@ -11,9 +11,11 @@ and reaching them costs up to a second of CPU. That compile runs here, in a chil
 - it shares no lock with the worker (the GIL, the allocator's arenas), so a starved compile never holds up
   the worker's threads;
 - it can be stopped: past the compile budget in CPU seconds (`ENGINE_GRAMMAR_COMPILE_TIMEOUT_S`), or past
-  `JUDGE_WALL_FACTOR` times it in wall time since the grammar was sent (when starved or queued behind
-  others), it is killed and the grammar refused; the next grammar starts a fresh judge. A thread running the
-  library cannot be stopped, only abandoned;
+  `WALL_FACTOR` times it in wall time since a judge took the grammar (starved of CPU), it is killed and the
+  grammar refused; the next grammar starts a fresh judge. A grammar that waits `WALL_FACTOR` budgets for a
+  judge (behind a flood of others) is refused without one. Those two refusals say nothing of the grammar:
+  the same spec is judged again when sent after a while (`Compiled.retry_at`). A thread running the library
+  cannot be stopped, only abandoned;
 - a crash of the library on a hostile grammar ends the judge, not the worker: the grammar is refused.
 
 The verdict is a message or none. A grammar the judge passes is compiled again in the worker, under the full
@@ -39,15 +41,18 @@ from copy import copy
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
+from weakref import WeakMethod
 
-from worker.model.grammar import Compiled, GrammarLimits, _lower_priority, compile_timeout_message
+from worker.model.grammar import (WALL_FACTOR, Compiled, GrammarLimits, _lower_priority, compile_timeout_message,
+                                  starved_message)
 
 log = logging.getLogger(__name__)
 
-JUDGE_WALL_FACTOR = 10
-"""A grammar sent to the judges is refused when this many compile budgets of wall time have passed since it
-was sent, its wait for a judge included: starved of CPU (the cores busy with normal-priority work), or
-behind a flood of others, it ends in bounded time."""
+JUDGE_WALL_FACTOR = WALL_FACTOR
+"""A grammar is refused after this many compile budgets of wall time waiting for a judge, and again after as
+many while a judge has it (starved of CPU: the cores busy with normal-priority work). Either bounds its wait,
+and neither counts against the grammar (Compiled.retry_at)."""
+CLOSED = "the grammar compiler was closed"
 JUDGE_START_TIMEOUT_S = 120.0
 """A judge that has not read its tokenizer by then (about 0.5 s of CPU at idle priority) is killed."""
 _ROOT = str(Path(__file__).resolve().parents[2])
@@ -67,7 +72,7 @@ class JudgePool:
     judge starts at its first grammar (its tokenizer view costs about 0.5 s of idle CPU) and is kept."""
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], limits: GrammarLimits,
-                 processes: int, build: Callable[[str, str], Compiled]) -> None:
+                 processes: int, build: Callable[[str, str], Compiled] | WeakMethod) -> None:
         self._hf_tokenizer = hf_tokenizer
         self._eos = list(eos_token_ids) or hf_tokenizer.eos_token_id
         self._vocab_size = vocab_size
@@ -80,18 +85,30 @@ class JudgePool:
         self.num_killed = 0
         self.num_expired = 0
         """Grammars refused past their wall time before a judge took them."""
-        self._threads = [threading.Thread(target=self._serve, name="grammar-judge", daemon=True)
-                         for _ in range(max(1, processes))]
+        self.num_starved = 0
+        """Grammars refused past their wall time while a judge had them."""
+        self._judges = [_Judge(self) for _ in range(max(1, processes))]
+        self._threads = [threading.Thread(target=self._serve, args=(judge,), name="grammar-judge", daemon=True)
+                         for judge in self._judges]
         for thread in self._threads:
             thread.start()
 
     def submit(self, kind: str, spec: str, future: Future[Compiled]) -> None:
-        self._jobs.put((kind, spec, future, time.monotonic() + JUDGE_WALL_FACTOR * self.limits.compile_timeout_s))
+        self._jobs.put((kind, spec, future, time.monotonic()))
 
     def close(self) -> None:
+        """Ends the judges now: their processes are killed (a grammar being judged is refused, as are those
+        queued), and their threads end."""
         self._closed = True
         for _ in self._threads:
             self._jobs.put(None)
+        for judge in self._judges:
+            judge.kill()
+
+    @property
+    def pids(self) -> list[int]:
+        """The judge processes running now."""
+        return [judge.pid for judge in self._judges if judge.pid is not None]
 
     def setup_line(self) -> bytes:
         with self._setup_lock:
@@ -104,22 +121,40 @@ class JudgePool:
                                            "eos": self._eos, "limits": asdict(self.limits)}) + "\n").encode()
             return self._setup
 
-    def _serve(self) -> None:
+    def _built(self, kind: str, spec: str) -> Compiled:
+        """The grammar built in the worker after a judge passed it. The compiler is held only in this frame:
+        this thread must not keep a dropped one alive (its finalizer closes this pool)."""
+        build = self._build() if isinstance(self._build, WeakMethod) else self._build
+        return Compiled(None, CLOSED) if build is None else build(kind, spec)
+
+    def _serve(self, judge: _Judge) -> None:
         _lower_priority()  # the rebuild of a passed grammar runs here, like a first pass
-        judge = _Judge(self)
+        wall = JUDGE_WALL_FACTOR * self.limits.compile_timeout_s
         try:
             while (job := self._jobs.get()) is not None:
-                kind, spec, future, deadline = job
+                kind, spec, future, sent = job
                 if self._closed:
-                    future.set_result(Compiled(None, "the grammar compiler was closed"))
+                    future.set_result(Compiled(None, CLOSED))
                     continue
-                if time.monotonic() >= deadline:
+                now = time.monotonic()
+                if now - sent >= wall:
                     self.num_expired += 1
-                    future.set_result(Compiled(None, compile_timeout_message(self.limits, None)))
+                    future.set_result(Compiled(None, (
+                        f"the grammar waited {now - sent:.1f} s for a judge process behind other grammars that "
+                        f"need the full limits (worker limit {JUDGE_WALL_FACTOR} x ENGINE_GRAMMAR_COMPILE_TIMEOUT_S="
+                        f"{self.limits.compile_timeout_s:g} s) and was not compiled, which says nothing of it; it "
+                        "may be sent again later"), retry_at=now + wall))
                     continue
                 try:
-                    error = judge.ask(kind, spec, deadline)
-                    future.set_result(self._build(kind, spec) if error is None else Compiled(None, error))
+                    error = judge.ask(kind, spec, now + wall)
+                    if self._closed:
+                        future.set_result(Compiled(None, CLOSED))
+                    elif isinstance(error, Compiled):
+                        future.set_result(error)
+                    elif error is not None:
+                        future.set_result(Compiled(None, error))
+                    else:
+                        future.set_result(self._built(kind, spec))
                 except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
                     future.set_exception(exc)
         finally:
@@ -135,8 +170,23 @@ class _Judge:
         self._in_process = False
         """Set when no process could be started: the worker's full compile judges (the old single pass)."""
 
-    def ask(self, kind: str, spec: str, deadline: float) -> str | None:
-        """The judge's refusal of (kind, spec), or None when it may run (or when no judge could be started)."""
+    @property
+    def pid(self) -> int | None:
+        proc = self._proc
+        return None if proc is None or proc.poll() is not None else proc.pid
+
+    def kill(self) -> None:
+        """From another thread (close): the process ends; its feeding thread sees that and reaps it."""
+        proc = self._proc
+        if proc is not None:
+            try:
+                proc.kill()
+            except OSError:
+                pass
+
+    def ask(self, kind: str, spec: str, deadline: float) -> str | Compiled | None:
+        """The judge's refusal of (kind, spec) (a message, or a Compiled for a refusal that says nothing of the
+        grammar), or None when it may run (or when no judge could be started)."""
         limits = self._pool.limits
         if self._in_process:
             return None
@@ -155,6 +205,8 @@ class _Judge:
             if line is not None:
                 if not line:  # the library crashed on this grammar (or the judge was killed from outside)
                     code = self.stop()
+                    if self._pool._closed:
+                        return CLOSED
                     log.warning("the grammar judge exited (code %s) compiling a %s of %d chars", code, kind,
                                 len(spec))
                     return f"compiling the grammar ended its process (exit code {code})"
@@ -169,8 +221,11 @@ class _Judge:
                 self._pool.num_killed += 1
                 log.info("grammar judge killed past the budget (%s, %d chars, %.2f s CPU, %.2f s)", kind,
                          len(spec), used if used is not None else float("nan"), wall)
-                if not over_cpu:  # starved, or it waited for a judge: the CPU it had is not the reason
-                    return compile_timeout_message(limits, None)
+                if not over_cpu:  # starved: the CPU it had is not the reason
+                    self._pool.num_starved += 1
+                    return Compiled(None, starved_message(limits, wall, used, " in its judge process",
+                                                          JUDGE_WALL_FACTOR),
+                                    retry_at=time.monotonic() + JUDGE_WALL_FACTOR * budget)
                 return compile_timeout_message(limits, used if used is not None else wall,
                                                " of CPU" if used is not None else "")
 
@@ -182,9 +237,13 @@ class _Judge:
     def _start(self) -> bool:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH", "")) if p)
+        if self._pool._closed:
+            return False
         try:
             self._proc = subprocess.Popen([sys.executable, "-c", _JUDGE_MAIN], stdin=subprocess.PIPE,
                                           stdout=subprocess.PIPE, env=env, cwd=_ROOT)
+            if self._pool._closed:  # closed while it started: close() may have missed it
+                self._proc.kill()
             self._proc.stdin.write(self._pool.setup_line())
             self._proc.stdin.flush()
         except OSError as exc:
@@ -242,7 +301,10 @@ def main() -> None:
     # The protocol owns the real stdout; anything else printed goes to stderr.
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    setup = json.loads(sys.stdin.readline())
+    line = sys.stdin.readline()
+    if not line.endswith("\n"):  # the worker closed it while it started
+        return
+    setup = json.loads(line)
     tokenizer = llguidance.LLTokenizer(setup["tokenizer"], n_vocab=setup["vocab_size"], eos_token=setup["eos"])
     limits = GrammarLimits(**setup["limits"])
     parser_limits = limits.parser_limits()

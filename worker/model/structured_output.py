@@ -17,7 +17,8 @@ the format admits, and anything else ends in error/invalid_request with the reas
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+from collections import deque
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -54,6 +55,9 @@ class StructuredOutputManager:
         self._compiler: GrammarCompiler | None = None
         """Created by the first structured-output request (its tokenizer view costs about 0.4 s)."""
         self._held: dict[str, _Held] = {}
+        self._settled: deque[str] = deque()
+        """Held requests whose compile has settled, appended by the compile's thread (a future's callback): a
+        step looks only at these, not at every held request (a thousand hostile formats may be held at once)."""
         self._poll_at: float | None = None
         """When the held requests are looked at next: fixed once asked for, until a step looks (take_ready)."""
         self._matchers: dict[str, Matcher] = {}
@@ -77,23 +81,34 @@ class StructuredOutputManager:
         compiled = compiler.submit(kind, spec)
         held = _Held(request_id, payload, compiled)
         if compiled.done():
-            return self._settle(held, compiled.result())
+            return self._settle(held, compiled)
         self._held[request_id] = held
+        compiled.add_done_callback(lambda _future: self._settled.append(request_id))
         return None
 
     def take_ready(self, now: float) -> list[Ready]:
         """Held requests whose grammar compiled, was refused, or ran past the compile budget (which counts
         from the compile's start, not from the request's arrival: GrammarCompiler.expire)."""
         self._poll_at = None
-        self.compiler.expire(now)
+        if self._compiler is not None:
+            self._compiler.expire(now)
         ready = []
-        for request_id, held in list(self._held.items()):
-            if held.compiled.done():
+        settled = self._settled
+        while settled:
+            request_id = settled.popleft()
+            held = self._held.get(request_id)
+            # Not held (aborted), or held again since with a compile still running (a replay): its own callback
+            # comes later.
+            if held is not None and held.compiled.done():
                 del self._held[request_id]
-                ready.append(self._settle(held, held.compiled.result()))
+                ready.append(self._settle(held, held.compiled))
         return ready
 
-    def _settle(self, held: _Held, compiled: Compiled) -> Ready:
+    def _settle(self, held: _Held, future: Future[Compiled]) -> Ready:
+        try:
+            compiled = future.result()
+        except CancelledError:  # the compiler was closed before the compile started
+            return Ready(held.payload, "the grammar compiler was closed")
         if compiled.error is not None:
             return Ready(held.payload, compiled.error)
         self._matchers[held.request_id] = self.compiler.matcher(compiled)
@@ -112,6 +127,8 @@ class StructuredOutputManager:
         and an engine thread with only compiling requests would never step (its wait never came due)."""
         if not self._held:
             return None
+        if self._settled:
+            return now
         if self._poll_at is None:
             self._poll_at = now + GRAMMAR_POLL_S
         return self._poll_at
@@ -170,5 +187,7 @@ class StructuredOutputManager:
         return request_id in self._matchers
 
     def close(self) -> None:
-        if self._compiler is not None:
-            self._compiler.close()
+        """Stops the compiler (its judge processes); held requests stay held (the engine's abort ends them)."""
+        compiler, self._compiler = self._compiler, None
+        if compiler is not None:
+            compiler.close()
