@@ -19,7 +19,10 @@ is the default (grammar.py, grammar_judge.py).
 
     .venv/bin/python -m benchmarks.bench_hostile_formats --compare --out /tmp/hostile.json
 
-CPU timings on a shared machine move with its load: the load average is printed before and after.
+CPU timings on a shared machine move with its load: the load average is printed before and after. Each run
+also reports the CPU seconds this process spent while it ran (`cpu_s`: the engine thread, the rest of the
+process: transport, compile threads, the benchmark's own clients; and the judge processes), counted by the
+kernel, so a figure per request moves little with the machine's load.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -72,6 +76,45 @@ def ordinary_request(i: int, max_new_tokens: int) -> GenerationRequest:
                              timeout_ms=600_000)
 
 
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _ticks(stat: Path) -> float:
+    fields = stat.read_bytes().rsplit(b")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+def cpu_snapshot() -> dict[str, float]:
+    """CPU seconds so far: this process (its exited threads included), its engine thread (named "engine" in the
+    OS), and the grammar judges (child processes, by pid; counted while they live, so a judge killed during
+    the run is missing)."""
+    out = {"process": sum(os.times()[:2]), "engine": 0.0}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            if (task / "comm").read_text().strip() == "engine":
+                out["engine"] += _ticks(task / "stat")
+        except OSError:
+            continue
+    me = str(os.getpid())
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                stat = (proc / "stat").read_bytes()
+                if (stat.rsplit(b")", 1)[1].split()[1].decode() == me
+                        and b"grammar_judge" in (proc / "cmdline").read_bytes()):
+                    out[f"child {proc.name}"] = _ticks(proc / "stat")
+            except (OSError, IndexError):
+                continue
+    return out
+
+
+def cpu_used(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    engine = after["engine"] - before["engine"]
+    judges = sum(v - before.get(k, 0.0) for k, v in after.items() if k.startswith("child "))
+    rest = after["process"] - before["process"] - engine
+    return {"engine_thread": round(engine, 2), "rest_of_process": round(rest, 2), "judges": round(judges, 2)}
+
+
 async def run_once(kafka: KafkaSettings, engine_settings: EngineSettings, requests: list[GenerationRequest],
                    max_num_seqs: int, timeout_s: float) -> dict:
     from worker.engine.engine import LLMEngine
@@ -92,6 +135,7 @@ async def run_once(kafka: KafkaSettings, engine_settings: EngineSettings, reques
     dead_letters = []
     try:
         await asyncio.wait_for(worker.started.wait(), 60)
+        cpu_before = cpu_snapshot()
         producer = AIOKafkaProducer(**kafka.client_kwargs(), max_request_size=4 * 1024 * 1024)
         await producer.start()
         start = time.perf_counter()
@@ -114,12 +158,16 @@ async def run_once(kafka: KafkaSettings, engine_settings: EngineSettings, reques
                     if isinstance(record, FinalRecord) and record.id in ids:
                         finals.setdefault(record.id, []).append(record)
                         final_times.setdefault(record.id, time.perf_counter() - start)
+        cpu = cpu_used(cpu_before, cpu_snapshot())
+        steps = {"num_steps": engine.num_steps, "busy_s": round(engine.busy_s, 2),
+                 "num_batched_tokens": engine.num_batched_tokens}
     finally:
         worker.stop()
         await asyncio.wait_for(task, 120)
         await consumer.stop()
+        engine.close()
     return {"finals": finals, "final_times": final_times, "dead_letters": dead_letters,
-            "num_requests": len(requests)}
+            "num_requests": len(requests), "cpu_s": cpu, "engine_steps": steps}
 
 
 def summarize(run: dict, ordinary_ids: list[str]) -> dict:
@@ -131,7 +179,8 @@ def summarize(run: dict, ordinary_ids: list[str]) -> dict:
             "ordinary_tokens_per_s": round(tokens / wall, 2) if done else 0.0,
             "ordinary_latency_p50_s": round(statistics.median(times[i] for i in done), 2) if done else None,
             "num_finals": sum(len(f) for f in finals.values()), "num_requests": run["num_requests"],
-            "num_dead_letters": len(run["dead_letters"])}
+            "num_dead_letters": len(run["dead_letters"]), "cpu_s": run["cpu_s"],
+            "engine_steps": run["engine_steps"]}
 
 
 def checks(run: dict, ordinary_ids: list[str], hostile_ids: list[str]) -> dict:
