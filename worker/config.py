@@ -123,6 +123,13 @@ class EngineSettings(BaseSettings):
     auto: on with CUDA and the Triton backend (not under TRITON_INTERPRET), off otherwise. on: the same, but
     where nothing can be captured (the CPU, the interpreter) the padded static-buffer path runs eagerly (tests
     check it token for token against off); CUDA with the torch backend is refused. Simulated devices ignore it."""
+    row_buckets: Literal["auto", "on", "off"] = "auto"
+    """Pad every matmul's row count (tokens in a step, rows sampled) up to one of a fixed set of sizes, and
+    build each size's kernels at start-up. oneDNN, which runs bf16 and fp16 matmuls on the CPU, builds and
+    caches a kernel per distinct shape (about 0.6 MB each, up to 1,024 per cache), so without padding a worker
+    grows by hundreds of MB over hours as its steps meet new token counts. Padding adds at most 7 rows below
+    64, 15 below 256 and 31 beyond. auto: on for bf16 and fp16 on the CPU, off elsewhere (float32 on the CPU
+    goes to MKL, which caches nothing per shape; GPUs pad decode steps to CUDA-graph sizes instead)."""
     async_scheduling: Literal["auto", "on", "off"] = "auto"
     """Schedule and prepare step N+1 while step N's forward runs, and apply and detokenize step N's tokens
     while step N+1's runs (vLLM's async scheduling): on a GPU the scheduler, input building and detokenizing

@@ -9,9 +9,13 @@ from tests.model.batch import BLOCK, Chunk, assert_logits_close, hf_logits, make
 from worker.model.runner import ModelRunner
 
 
-@pytest.fixture(scope="module")
-def runner(tiny_model_path) -> ModelRunner:
-    return ModelRunner(tiny_model_path, tiny_settings())
+@pytest.fixture(scope="module", params=["off", "on"])
+def runner(tiny_model_path, request) -> ModelRunner:
+    """Every test twice: rows as they come, and padded to the row buckets (ENGINE_ROW_BUCKETS), whose padding
+    must change no real row's logits."""
+    runner = ModelRunner(tiny_model_path, tiny_settings(row_buckets=request.param))
+    assert bool(runner.model.row_buckets) == (request.param == "on")
+    return runner
 
 
 @pytest.fixture(scope="module")

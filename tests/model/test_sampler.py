@@ -403,3 +403,25 @@ def test_the_two_level_whole_row_draw_picks_the_tokens_of_one_running_sum():
         else:
             one = _draw_in_one_level(a, divisor, u, weights.copy())
             assert (two == one).sum() >= rows - 1
+
+
+def test_reserved_scratch_serves_every_step_up_to_its_rows_without_new_arrays():
+    """The draw's work arrays are made at their largest once (Sampler.reserve at engine start), so a burst
+    that fills the batch later adds no memory; a step with more rows than reserved still gets its arrays."""
+    from worker.model import sampler_numpy
+
+    scratch = sampler_numpy.Scratch()
+    scratch.reserve(8, 100)
+    made = {name: id(array) for name, array in scratch._arrays.items()}
+    assert set(made) == {name for name, _ in sampler_numpy._ARRAYS}
+    rng = np.random.default_rng(0)
+    for rows in (1, 3, 8):
+        logits = rng.standard_normal((rows, 100)).astype(np.float32)
+        sampler_numpy.draw(logits, np.full(rows, 0.8), np.full(rows, 5), np.full(rows, 0.9), rng.random(rows),
+                           (16,), scratch)
+        sampler_numpy.draw(logits, np.full(rows, 0.8), np.zeros(rows, np.int64), np.ones(rows), rng.random(rows),
+                           (16,), scratch)
+    assert {name: id(array) for name, array in scratch._arrays.items()} == made
+    sampler_numpy.draw(rng.standard_normal((9, 100)).astype(np.float32), np.full(9, 0.8), np.full(9, 5),
+                       np.full(9, 0.9), rng.random(9), (16,), scratch)
+    assert scratch._arrays["keys"].size >= 9 * 100

@@ -109,6 +109,8 @@ class LLMEngine:
         self.tokenizer = self.runner.tokenizer
         self.scheduler = Scheduler(self.settings, self.runner.num_blocks, self.runner.max_model_len)
         self.sampler = Sampler()
+        if str(getattr(self.runner, "device", "")) == "cpu":  # the draw runs in numpy there
+            self.sampler.reserve(self.settings.max_num_seqs, self.runner.vocab_size)
         self.step_time = StepTimeModel()
         self.num_steps = 0
         self.num_batched_tokens = 0

@@ -10,6 +10,8 @@ Parameters are created uninitialized: the loader overwrites every one of them.
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -65,18 +67,25 @@ class LlamaLayer(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        num_tokens: int | None = None,
     ) -> torch.Tensor:  # [T, H]
+        """`num_tokens` < T: rows past it are padding (see LlamaModel.row_buckets), left out of attention; the
+        matmuls run over all T rows."""
         c = self.config
-        num_tokens = hidden.shape[0]
+        num_rows = hidden.shape[0]
+        num_tokens = num_rows if num_tokens is None else num_tokens
         x = rms_norm(hidden, self.input_norm, c.rms_norm_eps)
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (Hq + 2 Hkv) D]
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)[:num_tokens]  # [T, (Hq + 2 Hkv) D]
         # q and k heads rotate together: one set of elementwise ops instead of two.
         qk = qkv[:, : c.q_size + c.kv_size].view(num_tokens, c.num_heads + c.num_kv_heads, c.head_dim)
         qk = apply_rope(qk, cos, sin)  # [T, Hq + Hkv, D]
         q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)  # [T, Hq, D], [T, Hkv, D]
         v = qkv[:, c.q_size + c.kv_size :].reshape(num_tokens, c.num_kv_heads, c.head_dim)  # [T, Hkv, D]
         attn = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, Hq, D]
-        hidden = hidden + F.linear(attn.reshape(num_tokens, c.q_size), self.o_weight, self.o_bias)
+        attn = attn.reshape(num_tokens, c.q_size)
+        if num_rows > num_tokens:
+            attn = F.pad(attn, (0, 0, 0, num_rows - num_tokens))
+        hidden = hidden + F.linear(attn, self.o_weight, self.o_bias)
 
         x = rms_norm(hidden, self.post_attn_norm, c.rms_norm_eps)
         gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)  # [T, 2I]
@@ -111,9 +120,24 @@ class LlamaModel(nn.Module):
         self.register_buffer("rope_cos", cos.to(device=device, dtype=dtype), persistent=False)
         self.register_buffer("rope_signed_sin", signed_sin.to(device=device, dtype=dtype), persistent=False)
 
+        self.row_buckets: tuple[int, ...] = ()
+        """Sizes every matmul's row count is padded up to (none: no padding). On the CPU, oneDNN builds and
+        caches a kernel for each distinct matmul shape it meets, about 0.6 MB each and up to 1,024 of them per
+        cache: a worker whose steps have every token count from 1 to 512 grows by hundreds of MB over hours.
+        Padding to a fixed set of sizes bounds the shapes, and ModelRunner builds them all at start-up."""
+
     @property
     def max_positions(self) -> int:
         return self.rope_cos.shape[0]
+
+    def padded_rows(self, rows: int) -> int:
+        """The smallest row bucket that holds `rows`; `rows` itself past the largest or without buckets."""
+        index = bisect.bisect_left(self.row_buckets, rows)
+        return self.row_buckets[index] if index < len(self.row_buckets) else rows
+
+    def _pad(self, indices: torch.Tensor) -> torch.Tensor:  # [N] -> [padded_rows(N)], padded with index 0
+        extra = self.padded_rows(indices.shape[0]) - indices.shape[0]
+        return F.pad(indices, (0, extra)) if extra else indices
 
     def forward(
         self,
@@ -123,11 +147,12 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [S] int64
     ) -> torch.Tensor:  # [S, V] in the model dtype
-        hidden = self.embed[input_ids]  # [T, H]
+        num_tokens, num_sampled = input_ids.shape[0], logits_indices.shape[0]
+        hidden = self.embed[self._pad(input_ids)]  # [T, H]
         cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.rope_signed_sin[positions].unsqueeze(1)  # [T, 1, D]
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, meta, self.backend)
+            hidden = layer(hidden, cos, sin, kv_cache, meta, self.backend, num_tokens)
         # Norm and LM head only for the rows that sample: the head is the largest matmul per token.
-        hidden = rms_norm(hidden[logits_indices], self.final_norm, self.config.rms_norm_eps)  # [S, H]
-        return F.linear(hidden, self.lm_head)  # [S, V]
+        hidden = rms_norm(hidden[self._pad(logits_indices)], self.final_norm, self.config.rms_norm_eps)  # [S, H]
+        return F.linear(hidden, self.lm_head)[:num_sampled]  # [S, V]

@@ -13,9 +13,11 @@ setting is `on`, run eagerly the same way).
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from worker.config import EngineSettings
 from worker.model.attention import AttentionBackend
@@ -77,6 +79,24 @@ def cpu_has_native_bf16() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
+def use_row_buckets(setting: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """What ENGINE_ROW_BUCKETS means here: auto pads where oneDNN runs the matmuls (bf16, fp16 on the CPU)."""
+    if setting != "auto":
+        return setting == "on"
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+
+
+def row_bucket_sizes(max_rows: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then steps of 8 to 64, of 16 to 256, of 32 beyond, up to `max_rows` (the last size,
+    whatever its step): 31 sizes cover 512 rows. A step pads at most 7 rows below 64 (where a matmul's time is
+    mostly reading its weights, whatever the rows), 15 below 256 and 31 beyond (at most 12 % of its rows)."""
+    sizes, size = [], 1
+    while size < max_rows:
+        sizes.append(size)
+        size = size * 2 if size < 8 else size + (8 if size < 64 else 16 if size < 256 else 32)
+    return tuple(sizes + [max_rows])
+
+
 def make_backend(setting: str, device: torch.device) -> AttentionBackend:
     name = setting if setting != "auto" else ("triton" if device.type == "cuda" else "torch")
     if name == "triton":
@@ -136,6 +156,11 @@ class ModelRunner(PersistentInputRunner):
             str(self.dtype).removeprefix("torch."), self.backend.name, self.num_blocks, self.block_size,
             self.num_blocks * self.block_size, self.num_blocks * self.bytes_per_block / 2**20, self.max_model_len,
         )
+        if use_row_buckets(settings.row_buckets, self.device, self.dtype):
+            self.model.row_buckets = row_bucket_sizes(max(settings.max_num_batched_tokens, settings.max_num_seqs))
+            seconds = self._build_matmul_kernels(self.model.padded_rows(settings.max_num_seqs))
+            log.info("matmul rows padded to %d sizes up to %d; their kernels built in %.2f s",
+                     len(self.model.row_buckets), self.model.row_buckets[-1], seconds)
         self.graphs: DecodeGraphs | None = None
         if self.graph_mode:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.inputs,
@@ -153,6 +178,23 @@ class ModelRunner(PersistentInputRunner):
                 "the KV cache holds %d tokens, fewer than max_model_len %d: one long request can exhaust it",
                 self.num_blocks * self.block_size, self.max_model_len,
             )
+
+    @torch.inference_mode()
+    def _build_matmul_kernels(self, max_sampled_rows: int) -> float:
+        """Run every weight's matmul at every row bucket once, so the library builds all the kernels a worker
+        will ever need now, and its memory is at its high-water mark before the first request. Every layer's
+        weights have the first layer's shapes, and a kernel is cached by shape. Seconds taken."""
+        start = time.perf_counter()
+        layer, c = self.model.layers[0], self.config
+        matmuls = [(c.hidden_size, layer.qkv_weight, layer.qkv_bias), (c.q_size, layer.o_weight, layer.o_bias),
+                   (c.hidden_size, layer.gate_up_weight, layer.gate_up_bias),
+                   (c.intermediate_size, layer.down_weight, layer.down_bias)]
+        for rows in self.model.row_buckets:
+            for width, weight, bias in matmuls:
+                F.linear(torch.zeros(rows, width, device=self.device, dtype=self.dtype), weight, bias)
+            if rows <= max_sampled_rows:
+                F.linear(torch.zeros(rows, c.hidden_size, device=self.device, dtype=self.dtype), self.model.lm_head)
+        return time.perf_counter() - start
 
     def _capture(self, setting: str) -> None:
         try:

@@ -207,6 +207,10 @@ class Sampler:
         self._scratch = sampler_numpy.Scratch()
         self._step_params: _StepParams | None = None
 
+    def reserve(self, rows: int, vocab: int) -> None:
+        """The CPU draw's work arrays at their largest now (sampler_numpy.Scratch.reserve)."""
+        self._scratch.reserve(rows, vocab)
+
     def _params_of(self, params: Sequence[RowSampling]) -> _StepParams:
         kept = self._step_params
         # By identity: a dataclass __eq__ per row costs more than rebuilding when rows have shifted.

@@ -31,6 +31,16 @@ class Scratch:
             array = self._arrays[name] = np.empty(size, dtype=dtype)
         return array[:size].reshape(shape)
 
+    def reserve(self, rows: int, vocab: int) -> None:
+        """Make and touch every work array at its largest (`rows` x `vocab`), so a worker's memory is at its
+        high-water mark from the start rather than rising the first time a burst fills the batch."""
+        for name, dtype in _ARRAYS:
+            self.get(name, (rows, vocab), dtype).fill(0)
+
+
+_ARRAYS = (("weights", np.float32), ("keys", np.int32), ("equal", bool))
+"""The work arrays `draw` asks Scratch for, each [rows, vocab]."""
+
 
 def draw(
     logits: np.ndarray,  # [R, V] float32

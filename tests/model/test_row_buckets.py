@@ -1,0 +1,68 @@
+"""Row buckets (ENGINE_ROW_BUCKETS): every matmul's row count padded to a fixed set of sizes whose kernels are
+built at start-up, so a CPU worker's memory stops depending on which token counts its steps happen to meet.
+(That padding changes no real row's logits is checked by every test of test_llama.py, run both ways.)"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from tests.model.batch import BLOCK, Chunk, make_input, random_tokens, tiny_settings
+from worker import memory
+from worker.model.runner import ModelRunner, cpu_has_native_bf16, row_bucket_sizes, use_row_buckets
+
+
+def test_sizes_cover_every_row_count_with_bounded_padding():
+    sizes = row_bucket_sizes(512)
+    assert len(sizes) == 31 and sizes[0] == 1 and sizes[-1] == 512
+    assert list(sizes) == sorted(set(sizes))
+    for rows in range(1, 513):
+        padded = min(s for s in sizes if s >= rows)
+        assert padded - rows <= (7 if rows <= 64 else 15 if rows <= 256 else 31)
+    assert row_bucket_sizes(100)[-1] == 100 and row_bucket_sizes(1) == (1,)
+
+
+def test_auto_pads_where_onednn_runs_the_matmuls():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert use_row_buckets("auto", cpu, torch.bfloat16) and use_row_buckets("auto", cpu, torch.float16)
+    assert not use_row_buckets("auto", cpu, torch.float32)
+    assert not use_row_buckets("auto", cuda, torch.bfloat16)
+    assert use_row_buckets("on", cpu, torch.float32) and not use_row_buckets("off", cpu, torch.bfloat16)
+
+
+def _in_use_mb() -> float:
+    gc.collect()
+    memory.trim()
+    heap = memory.native_heap()
+    if heap is None:
+        pytest.skip("no glibc mallinfo2 here")
+    return heap.in_use_bytes / 2**20
+
+
+def _sweep(runner: ModelRunner, row_counts: range) -> None:
+    """A step of k one-token prompts for each k: k rows in every matmul, each prompt's attention the same
+    shape (the attention kernels' own caches are keyed by prompt and context lengths, not by rows)."""
+    for k in row_counts:
+        chunks = [Chunk(random_tokens(1, seed=k * 1000 + i), 0, [1 + i]) for i in range(k)]
+        runner.execute(make_input(chunks, BLOCK))
+
+
+@pytest.mark.slow  # ~10 s: two bf16 runners, 64 forwards each
+@pytest.mark.skipif(not cpu_has_native_bf16(), reason="oneDNN runs bf16 matmuls only on CPUs with bf16 units")
+def test_new_row_counts_grow_memory_only_without_buckets(tiny_model_path):
+    """Steps of odd row counts first, then of even ones (shapes never met before). Unpadded, each new count
+    builds new oneDNN kernels that stay cached (about a MB each even for this tiny model); padded, the even
+    counts fall in buckets built at start-up."""
+    growth = {}
+    for mode in ("on", "off"):
+        runner = ModelRunner(tiny_model_path, tiny_settings(row_buckets=mode, dtype="bfloat16", num_kv_blocks=128,
+                                                            max_num_seqs=64))
+        _sweep(runner, range(1, 65, 2))
+        before = _in_use_mb()
+        _sweep(runner, range(2, 65, 2))
+        growth[mode] = _in_use_mb() - before
+        del runner
+    assert growth["on"] < 2.0, growth
+    assert growth["off"] > 10 * max(growth["on"], 1.0), growth
