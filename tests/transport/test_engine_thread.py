@@ -365,3 +365,26 @@ async def test_a_static_batch_probes_each_request_and_waits_again_after():
     results = await collect_outputs(outputs, {"member"}, results["member"])
     assert_replayed_then_complete(member, results["member"])
     thread.stop()
+
+
+class _ClosingEngine(InstantEngine):
+    def __init__(self, fail: bool) -> None:
+        super().__init__()
+        self.fail, self.num_closed = fail, 0
+
+    def close(self) -> None:
+        self.num_closed += 1
+        if self.fail:
+            raise RuntimeError("close failed")
+
+
+@pytest.mark.parametrize("fail", [False, True])
+async def test_stopping_the_thread_closes_its_engine_once(fail, caplog):
+    """What the engine runs beside the thread (LLMEngine's grammar judge processes) ends with the thread; a close
+    that fails is logged and the thread still ends."""
+    engine = _ClosingEngine(fail)
+    thread = EngineThread(engine, asyncio.get_running_loop(), asyncio.Queue())
+    thread.start()
+    thread.stop()
+    assert not thread.alive and engine.num_closed == 1
+    assert ("engine.close() failed" in caplog.text) == fail

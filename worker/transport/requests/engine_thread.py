@@ -144,6 +144,7 @@ class EngineThread:
             while command is not None:
                 if command is _STOP:
                     self._deliver(outputs)
+                    self._close_engine()
                     return
                 outputs += self._apply(command)
                 try:
@@ -163,6 +164,16 @@ class EngineThread:
                 log.exception("engine.stats() failed")
             else:
                 self._stats_updated(self._stats)
+
+    def _close_engine(self) -> None:
+        """What the engine runs beside this thread (the grammar judges' processes) ends with it, not at exit."""
+        close = getattr(self.engine, "close", None)
+        if close is None:
+            return
+        try:
+            close()
+        except Exception:  # stopping anyway: a failed close must not keep the thread alive
+            log.exception("engine.close() failed")
 
     def _stats_updated(self, stats: EngineStats) -> None:
         """After each round of commands and step (engine_process.py sends them to its parent)."""
