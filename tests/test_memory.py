@@ -58,3 +58,33 @@ def test_resident_size_and_python_blocks_are_read():
     kept = [object() for _ in range(10_000)]
     assert memory.python_allocated_blocks() - before >= 9_000
     del kept
+
+
+_HOLES = """
+import ctypes, sys
+from worker import memory
+if sys.argv[1] == "fixed":
+    assert memory.fix_mmap_threshold(128 * 1024)
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.free(libc.malloc(8 << 20))  # a step's logits, freed: glibc's own threshold rises to 8 MB
+pairs = [(libc.malloc(1 << 20), libc.malloc(64 << 10)) for _ in range(40)]  # 1 MB temporaries between live blocks
+for big, _ in pairs:
+    libc.free(big)
+memory.trim()
+print(memory.native_heap().free_bytes)
+"""
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "fixed"])
+def test_a_fixed_mmap_threshold_keeps_freed_temporaries_out_of_the_heap(mode):
+    """Megabyte temporaries freed between small live blocks: with glibc's rising threshold they are carved from
+    the arena and stay there as free heap; with the threshold fixed they have pages of their own, returned
+    when freed."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _HOLES, mode], capture_output=True, text=True, check=True)
+    kept = int(out.stdout.split()[-1])
+    assert (kept > 30 * MB) == (mode == "dynamic"), kept

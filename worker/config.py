@@ -333,6 +333,12 @@ class WorkerSettings(BaseSettings):
     compiled on one thread and freed on another leave holes in per-thread arenas: compiling 2,000 distinct
     schemas past a full grammar cache grew the process ~35 KB a schema with the default, not at all with 2
     (docs/memory.md)."""
+    malloc_mmap_threshold_bytes: int = Field(0, ge=0)
+    """Blocks of this size and more get pages of their own, handed back to the kernel when freed (glibc's
+    M_MMAP_THRESHOLD, set at start); 0: glibc's default, which rises with every large block freed. At 128 KiB
+    the soak's freed-but-kept heap stayed at 6.5 MB instead of growing from 16 to 30 MB in ten minutes (RSS
+    25 MB lower), but the engine lost 15 % of its throughput to page faults (5 % at 4 MiB), so it is off by
+    default (docs/memory.md)."""
     malloc_trim_interval_s: float = Field(60.0, ge=0)
     """How often free heap pages are handed back to the kernel (glibc malloc_trim, on a thread: 7-40 ms on the
     2-core machine with 250 MB free in 30,000 holes); 0 never."""

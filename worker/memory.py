@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 M_ARENA_MAX = -8
 """mallopt's parameter number for the arena cap (glibc malloc.h)."""
+M_MMAP_THRESHOLD = -3
+"""mallopt's parameter number for the size from which a block gets pages of its own (glibc malloc.h)."""
 
 
 class _Mallinfo2(ctypes.Structure):
@@ -63,6 +65,19 @@ def limit_arenas(max_arenas: int) -> bool:
     if libc is None or max_arenas <= 0:
         return False
     return bool(libc.mallopt(M_ARENA_MAX, max_arenas))
+
+
+def fix_mmap_threshold(threshold_bytes: int) -> bool:
+    """Blocks of `threshold_bytes` and more get pages of their own, returned to the kernel when freed; 0 leaves
+    glibc's default. Why fix it: glibc's threshold starts at 128 KiB and rises to the size of each mmapped block
+    freed (up to 32 MiB), so once torch frees a step's multi-megabyte logits, every later block up to that size
+    is carved from the arenas, between long-lived ones; the holes they leave are kept as free heap that
+    `malloc_trim` cannot return while a live block shares their pages. Setting it also stops the rise. True
+    when it was set."""
+    libc = _libc()
+    if libc is None or threshold_bytes <= 0:
+        return False
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold_bytes))
 
 
 def trim() -> bool:
