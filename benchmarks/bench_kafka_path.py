@@ -119,26 +119,25 @@ class ResultTracker:
         self.last_final_s = now_s if self.last_final_s is None else max(self.last_final_s, now_s)
 
 
+def _ratio(base: list[dict], other: list[dict], names: tuple[str, str], floor: float) -> dict:
+    """`other`'s output tok/s over `base`'s: per repetition (pairs in order) and as the ratio of the medians."""
+    pairs = [o["output_tokens_per_s"] / b["output_tokens_per_s"] for b, o in zip(base, other)
+             if b["output_tokens_per_s"] > 0]
+    med_b = statistics.median(m["output_tokens_per_s"] for m in base) if base else math.nan
+    med_o = statistics.median(m["output_tokens_per_s"] for m in other) if other else math.nan
+    ratio = med_o / med_b if med_b and not math.isnan(med_b) else math.nan
+    return {f"{names[0]}_tok_s_median": med_b, f"{names[1]}_tok_s_median": med_o, "ratio_of_medians": ratio,
+            "ratio_per_rep": pairs, "floor": floor, "meets_floor": bool(ratio >= floor)}
+
+
 def compare(inproc: list[dict], kafka: list[dict]) -> dict:
-    """Per-repetition ratios (pairs in order) and the ratio of the medians of Kafka / in-process output tok/s."""
-    pairs = [k["output_tokens_per_s"] / i["output_tokens_per_s"] for i, k in zip(inproc, kafka)
-             if i["output_tokens_per_s"] > 0]
-    med_i = statistics.median(m["output_tokens_per_s"] for m in inproc) if inproc else math.nan
-    med_k = statistics.median(m["output_tokens_per_s"] for m in kafka) if kafka else math.nan
-    ratio = med_k / med_i if med_i and not math.isnan(med_i) else math.nan
-    return {"inproc_tok_s_median": med_i, "kafka_tok_s_median": med_k, "ratio_of_medians": ratio,
-            "ratio_per_rep": pairs, "floor": KAFKA_FLOOR, "meets_floor": bool(ratio >= KAFKA_FLOOR)}
+    """Kafka / in-process output tok/s."""
+    return _ratio(inproc, kafka, ("inproc", "kafka"), KAFKA_FLOOR)
 
 
 def compare_secured(kafka: list[dict], secured: list[dict]) -> dict:
-    """The secured Kafka runs' output tok/s over the plaintext ones': ratio of medians and per repetition."""
-    pairs = [s["output_tokens_per_s"] / k["output_tokens_per_s"] for k, s in zip(kafka, secured)
-             if k["output_tokens_per_s"] > 0]
-    med_k = statistics.median(m["output_tokens_per_s"] for m in kafka) if kafka else math.nan
-    med_s = statistics.median(m["output_tokens_per_s"] for m in secured) if secured else math.nan
-    ratio = med_s / med_k if med_k and not math.isnan(med_k) else math.nan
-    return {"kafka_tok_s_median": med_k, "secured_tok_s_median": med_s, "ratio_of_medians": ratio,
-            "ratio_per_rep": pairs, "floor": SECURED_FLOOR, "meets_floor": bool(ratio >= SECURED_FLOOR)}
+    """The secured Kafka runs' output tok/s over the plaintext ones'."""
+    return _ratio(kafka, secured, ("kafka", "secured"), SECURED_FLOOR)
 
 
 # ---- Kafka path -----------------------------------------------------------------------------------------
