@@ -88,3 +88,22 @@ def test_a_fixed_mmap_threshold_keeps_freed_temporaries_out_of_the_heap(mode):
     out = subprocess.run([sys.executable, "-c", _HOLES, mode], capture_output=True, text=True, check=True)
     kept = int(out.stdout.split()[-1])
     assert (kept > 30 * MB) == (mode == "dynamic"), kept
+
+
+def test_the_workers_tokenizer_keeps_no_word_cache(smollm2_path):
+    """Prompts that each carry a new word (an id, a number): the tokenizer as transformers loads it keeps
+    every such word until its cache holds 10,000 (native memory, held for good); the worker's keeps none."""
+    from transformers import AutoTokenizer
+
+    from worker.model.config import load_tokenizer
+
+    growth = {}
+    for name, tokenizer in (("default", AutoTokenizer.from_pretrained(smollm2_path)),
+                            ("worker", load_tokenizer(smollm2_path))):
+        tokenizer.encode("warm up the tokenizer's own buffers")
+        before = memory.native_heap().in_use_bytes
+        for i in range(3000):
+            tokenizer.encode(f"Write one short sentence about the sea, reference Q{i}x{i * 7}.")
+        growth[name] = (memory.native_heap().in_use_bytes - before) / 2**20
+    assert growth["worker"] < 0.1, growth
+    assert growth["default"] > 0.4, growth

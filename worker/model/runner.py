@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from worker.config import EngineSettings
 from worker.model.attention import AttentionBackend
-from worker.model.config import ModelConfig, load_config, load_eos_token_ids
+from worker.model.config import ModelConfig, load_config, load_eos_token_ids, load_tokenizer
 from worker.model.cuda_graphs import BucketedInput, DecodeGraphs, batch_sizes, graph_mode, triton_interpreted
 from worker.model.input import ModelInput, PersistentInput, PersistentInputRunner, StepArrays
 from worker.model.loader import load_model
@@ -224,9 +224,7 @@ class ModelRunner(PersistentInputRunner):
     def tokenizer(self):
         """The Hugging Face tokenizer, loaded on first use (about a second; tests of the forward skip it)."""
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            self._tokenizer = load_tokenizer(self.model_path)
         return self._tokenizer
 
     def input_from(self, step: StepRequests, arrays: StepArrays) -> ModelInput:

@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 from worker.config import EngineSettings
-from worker.model.config import ModelConfig, load_eos_token_ids, parse_config
+from worker.model.config import ModelConfig, load_eos_token_ids, load_tokenizer, parse_config
 from worker.model.input import Launched, ModelInput, PersistentInput, PersistentInputRunner
 from worker.model.pull import resolve_model
 
@@ -187,9 +187,7 @@ def step_cost(
 @functools.lru_cache(maxsize=4)
 def _load_tokenizer(model_path: Path):
     """Shared by the runners of one process (benchmarks and tests build many; loading takes about a second)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_path)
+    return load_tokenizer(model_path)
 
 
 class SimRunner(PersistentInputRunner):
