@@ -247,6 +247,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "(e.g. 1,16,64: how step time scales with the batch on this machine)")
     parser.add_argument("--out", type=Path, help="write the metrics as JSON here")
     parser.add_argument("--threads", type=int, help="torch threads (default: see settings.set_threads)")
+    parser.add_argument("--dtype", default="float32", help="the model's dtype (float32 keeps earlier figures "
+                        "comparable; bfloat16 is what a worker runs on a CPU with bf16 units)")
+    parser.add_argument("--row-buckets", default="auto", choices=("auto", "on", "off"),
+                        help="ENGINE_ROW_BUCKETS: fixed matmul rows and attention kernels")
     args = parser.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = set(args.systems) - set(ALL_SYSTEMS)
@@ -259,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     print(f"torch threads: {set_threads(args.threads)}", flush=True)
-    runner = load_runner(args.model, args.profile)
+    runner = load_runner(args.model, args.profile, dtype=args.dtype, row_buckets=args.row_buckets)
     if args.trace:
         trace = Trace.load(args.trace)
     else:

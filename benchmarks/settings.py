@@ -71,9 +71,10 @@ def set_threads(threads: int | None) -> int:
     return threads
 
 
-def load_runner(model: str, profile: str) -> ModelRunner:
-    """The one ModelRunner (weights and KV memory) that every engine run of a process shares."""
-    return ModelRunner(model, engine_settings("continuous", bench_max_model_len(profile)))
+def load_runner(model: str, profile: str, **overrides) -> ModelRunner:
+    """The one ModelRunner (weights and KV memory) that every engine run of a process shares; `overrides`:
+    EngineSettings fields of the runner itself (dtype, row_buckets)."""
+    return ModelRunner(model, engine_settings("continuous", bench_max_model_len(profile), **overrides))
 
 
 def cpu_model() -> str:

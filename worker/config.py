@@ -128,8 +128,11 @@ class EngineSettings(BaseSettings):
     build each size's kernels at start-up. oneDNN, which runs bf16 and fp16 matmuls on the CPU, builds and
     caches a kernel per distinct shape (about 0.6 MB each, up to 1,024 per cache), so without padding a worker
     grows by hundreds of MB over hours as its steps meet new token counts. Padding adds at most 7 rows below
-    64, 15 below 256 and 31 beyond. auto: on for bf16 and fp16 on the CPU, off elsewhere (float32 on the CPU
-    goes to MKL, which caches nothing per shape; GPUs pad decode steps to CUDA-graph sizes instead)."""
+    64, 15 below 256 and 31 beyond. It also keeps the torch attention backend's prefill kernels to a fixed set
+    (its flash attention keeps one per prompt length in these dtypes): prompts are padded to whole blocks,
+    chunks after a cached context attend in float32. auto: on for bf16 and fp16 on the CPU, off elsewhere
+    (float32 on the CPU goes to MKL, which caches nothing per shape; GPUs pad decode steps to CUDA-graph sizes
+    instead)."""
     async_scheduling: Literal["auto", "on", "off"] = "auto"
     """Schedule and prepare step N+1 while step N's forward runs, and apply and detokenize step N's tokens
     while step N+1's runs (vLLM's async scheduling): on a GPU the scheduler, input building and detokenizing

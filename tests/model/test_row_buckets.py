@@ -66,3 +66,33 @@ def test_new_row_counts_grow_memory_only_without_buckets(tiny_model_path):
         del runner
     assert growth["on"] < 2.0, growth
     assert growth["off"] > 10 * max(growth["on"], 1.0), growth
+
+
+def _prompts(runner: ModelRunner, lengths: range) -> None:
+    """A step of one fresh prompt of each length, and one of a chunk of that length after a cached context."""
+    for n in lengths:
+        runner.execute(make_input([Chunk(random_tokens(n, seed=n), 0, list(range(1, 1 + -(-n // BLOCK))))], BLOCK))
+        context = n + 5
+        blocks = list(range(1, 1 + -(-(context + n) // BLOCK)))
+        runner.execute(make_input([Chunk(random_tokens(n, seed=n), context, blocks)], BLOCK))
+
+
+@pytest.mark.slow  # ~10 s: two bf16 runners, 200 forwards each
+@pytest.mark.skipif(not cpu_has_native_bf16(), reason="torch's flash attention keeps per-shape kernels in bf16")
+def test_new_prompt_lengths_grow_memory_only_without_fixed_attention_kernels(tiny_model_path):
+    """Prompts of even lengths first, then of odd ones, each alone and as a chunk after a cached context.
+    As they come, each new length builds bf16 attention kernels that stay (about 100 KB each); with
+    `fixed_kernels`, prompts fall in the padded lengths built at start-up and chunks after a context attend in
+    float32. Matmul rows are bucketed in both runs, so the difference is attention's."""
+    growth = {}
+    for pad in (True, False):
+        runner = ModelRunner(tiny_model_path, tiny_settings(row_buckets="on", dtype="bfloat16", num_kv_blocks=128))
+        assert runner.backend.fixed_kernels
+        runner.backend.fixed_kernels = pad
+        _prompts(runner, range(2, 200, 2))
+        before = _in_use_mb()
+        _prompts(runner, range(3, 200, 2))
+        growth[pad] = _in_use_mb() - before
+        del runner
+    assert growth[True] < 1.0, growth
+    assert growth[False] > 5 * max(growth[True], 0.5), growth

@@ -10,6 +10,13 @@ hundred tokens of context next to a few dozen) one padded group spent 3-5x the w
 Prefill chunks go one request at a time through scaled_dot_product_attention; a chunk with no cached
 context (a fresh prompt) attends to its own k/v with is_causal and never touches the cache.
 
+`fixed_kernels` (bf16 and fp16 on the CPU, with ENGINE_ROW_BUCKETS): torch's CPU flash attention in those
+dtypes builds a kernel for each prefill shape it meets (about 100 KB each for SmolLM2) and never frees it, so
+a worker would grow as new prompt lengths arrive. So a fresh prompt is padded to whole blocks (zeros after
+it, which causality hides from every real query), and every padded length's kernel is built at start-up
+(`build_kernels`); a chunk after a cached context attends in float32, which goes to MKL and keeps nothing
+per shape. Decode attention keeps nothing per shape either.
+
 Everything derived from the metadata (slot indices, masks, host-side lengths) is computed once per step
 (`_plan`) and reused by all layers: the model calls forward once per layer with the same metadata object.
 """
@@ -33,6 +40,8 @@ class _Prefill:
     """[ceil(seq_len / block_size)] block ids of the whole context, or None when the chunk is the whole context."""
     mask: torch.Tensor | None
     """[q_len, seq_len] bool, True where a query may attend (causal with the query offset)."""
+    padded_len: int
+    """q_len, or q_len padded to whole blocks (a fresh prompt under `TorchAttention.fixed_kernels`)."""
 
 
 @dataclass(slots=True)
@@ -83,12 +92,20 @@ class _Plan:
     prefills: list[_Prefill]
 
 
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:  # [n, H, D] -> a new [rows, H, D], zeros after
+    padded = x.new_zeros(rows, *x.shape[1:])
+    padded[: x.shape[0]] = x
+    return padded
+
+
 class TorchAttention(AttentionBackend):
     name = "torch"
 
-    def __init__(self, decode_padding: float = DECODE_PADDING) -> None:
+    def __init__(self, decode_padding: float = DECODE_PADDING, fixed_kernels: bool = False) -> None:
         self.decode_padding = decode_padding
         """math.inf: every decode row in one group padded to the step's longest context."""
+        self.fixed_kernels = fixed_kernels
+        """Keep prefill attention to shapes whose kernels `build_kernels` made (module docstring)."""
         self._plan_cache: _Plan | None = None
 
     def _plan(self, meta: AttentionMetadata, num_tokens: int, block_size: int) -> _Plan:
@@ -130,13 +147,14 @@ class TorchAttention(AttentionBackend):
                 continue
             start, seq_len = q_start_loc[b], seq_lens[b]
             if seq_len == q_len:
-                prefills.append(_Prefill(start, start + q_len, None, None))
+                padded_len = -(-q_len // block_size) * block_size if self.fixed_kernels else q_len
+                prefills.append(_Prefill(start, start + q_len, None, None, padded_len))
                 continue
             ctx = meta.block_tables[b, : -(-seq_len // block_size)].long()  # [blocks of the context]
             # Query i sits at position seq_len - q_len + i and sees every key at or before it.
             q_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
             mask = torch.arange(seq_len, device=device)[None, :] <= q_pos  # [q_len, seq_len]
-            prefills.append(_Prefill(start, start + q_len, ctx, mask))
+            prefills.append(_Prefill(start, start + q_len, ctx, mask, q_len))
 
         plan = _Plan(
             meta=meta,
@@ -180,19 +198,38 @@ class TorchAttention(AttentionBackend):
                             self._decode(q.index_select(0, group.tokens), k_cache, v_cache, group, scale))
         gqa = num_heads != num_kv_heads
         for p in plan.prefills:
-            q_b = q[p.q_start : p.q_end].transpose(0, 1)  # [Hq, n, D]
+            q_b = q[p.q_start : p.q_end]  # [n, Hq, D]
             if p.context_blocks is None:
-                k_b = k[p.q_start : p.q_end].transpose(0, 1)  # [Hkv, n, D]
-                v_b = v[p.q_start : p.q_end].transpose(0, 1)
-                o_b = F.scaled_dot_product_attention(q_b, k_b, v_b, is_causal=True, scale=scale, enable_gqa=gqa)
+                k_b, v_b = k[p.q_start : p.q_end], v[p.q_start : p.q_end]  # [n, Hkv, D]
+                if self.fixed_kernels:  # the layout build_kernels used: [padded_len, H, D], contiguous
+                    q_b, k_b, v_b = (_pad_rows(x, p.padded_len) for x in (q_b, k_b, v_b))
+                o_b = F.scaled_dot_product_attention(q_b.transpose(0, 1), k_b.transpose(0, 1), v_b.transpose(0, 1),
+                                                     is_causal=True, scale=scale, enable_gqa=gqa)
             else:
                 seq_len = p.mask.shape[1]
                 # Whole blocks gathered, then cut to the context: [Hkv, seq_len, D].
                 k_b = k_cache.index_select(0, p.context_blocks).flatten(0, 1)[:seq_len].transpose(0, 1)
                 v_b = v_cache.index_select(0, p.context_blocks).flatten(0, 1)[:seq_len].transpose(0, 1)
+                q_b = q_b.transpose(0, 1)
+                if self.fixed_kernels:
+                    q_b, k_b, v_b = q_b.float(), k_b.float(), v_b.float()
                 o_b = F.scaled_dot_product_attention(q_b, k_b, v_b, attn_mask=p.mask, scale=scale, enable_gqa=gqa)
-            out[p.q_start : p.q_end] = o_b.transpose(0, 1)
+            out[p.q_start : p.q_end] = o_b[:, : p.q_end - p.q_start].transpose(0, 1)
         return out
+
+    @torch.inference_mode()
+    def build_kernels(self, num_heads: int, num_kv_heads: int, head_dim: int, max_query_len: int,
+                      block_size: int, dtype: torch.dtype, device: torch.device) -> int:
+        """Run a fresh prompt's attention once at every padded length up to `max_query_len`, in the layout
+        forward gives it (the kernels are keyed by strides too), so that they are built now and memory is at
+        its high-water mark before the first request. Calls made."""
+        calls = 0
+        for q_len in range(block_size, -(-max_query_len // block_size) * block_size + 1, block_size):
+            q = torch.zeros(q_len, num_heads, head_dim, device=device, dtype=dtype).transpose(0, 1)
+            kv = torch.zeros(q_len, num_kv_heads, head_dim, device=device, dtype=dtype).transpose(0, 1)
+            F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=num_heads != num_kv_heads)
+            calls += 1
+        return calls
 
     @staticmethod
     def _decode(
