@@ -97,13 +97,14 @@ def test_the_workers_tokenizer_keeps_no_word_cache(smollm2_path):
 
     from worker.model.config import load_tokenizer
 
-    growth = {}
+    growth, tokens = {}, {}
     for name, tokenizer in (("default", AutoTokenizer.from_pretrained(smollm2_path)),
                             ("worker", load_tokenizer(smollm2_path))):
         tokenizer.encode("warm up the tokenizer's own buffers")
         before = memory.native_heap().in_use_bytes
-        for i in range(3000):
-            tokenizer.encode(f"Write one short sentence about the sea, reference Q{i}x{i * 7}.")
+        tokens[name] = [tokenizer.encode(f"Write one short sentence about the sea, reference Q{i}x{i * 7}.")
+                        for i in range(3000)]
         growth[name] = (memory.native_heap().in_use_bytes - before) / 2**20
+    assert tokens["worker"] == tokens["default"]  # the same tokens, only not remembered
     assert growth["worker"] < 0.1, growth
     assert growth["default"] > 0.4, growth

@@ -388,3 +388,26 @@ async def test_stopping_the_thread_closes_its_engine_once(fail, caplog):
     thread.stop()
     assert not thread.alive and engine.num_closed == 1
     assert ("engine.close() failed" in caplog.text) == fail
+
+
+async def test_stopping_the_thread_ends_its_engines_grammar_judges(tiny_model_path, monkeypatch):
+    """The outcome: after a worker's engine thread stops, no judge process of its engine is left running."""
+    import json
+
+    import worker.model.grammar as grammar
+    from tests.engine.test_structured_output import tiny_engine
+    from tests.model.test_grammar import judges_gone
+    from worker.engine.api import StructuredOutput
+
+    monkeypatch.setattr(grammar, "QUICK_LEXER_FUEL", 500)  # so an ordinary enum goes to a judge
+    engine = tiny_engine(tiny_model_path)
+    spec = json.dumps({"enum": [f"v{i}" for i in range(300)]})
+    request = EngineRequest("enum", prompt_token_ids=[5, 6, 7], sampling=SamplingParams(
+        max_new_tokens=8, structured=StructuredOutput("json_schema", spec)))
+    assert engine.generate([request])["enum"].finish_reason in ("stop", "length")
+    pids = engine.structured.compiler._judges.pids
+    assert pids and not judges_gone(pids, timeout=0.1)
+    thread = EngineThread(engine, asyncio.get_running_loop(), asyncio.Queue())
+    thread.start()
+    thread.stop()
+    assert judges_gone(pids)
