@@ -14,6 +14,12 @@ from worker.model.input import AttentionMetadata
 class AttentionBackend(ABC):
     name: str
 
+    def fix_kernels(self, num_heads: int, num_kv_heads: int, head_dim: int, max_query_len: int, block_size: int,
+                    dtype: torch.dtype, device: torch.device) -> int:
+        """Keep to attention shapes whose kernels are built now (ENGINE_ROW_BUCKETS), where the library would
+        otherwise keep one per shape met; the number of shapes built. A backend without such a cache: 0."""
+        return 0
+
     @abstractmethod
     def forward(
         self,

@@ -27,7 +27,6 @@ from worker.model.input import ModelInput, PersistentInput, PersistentInputRunne
 from worker.model.loader import load_model
 from worker.model.pull import resolve_model
 from worker.model.step_batch import StepRequests
-from worker.model.torch_attention import TorchAttention
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +104,8 @@ def make_backend(setting: str, device: torch.device) -> AttentionBackend:
         from worker.model.triton_attention import TritonAttention
 
         return TritonAttention()
+    from worker.model.torch_attention import TorchAttention
+
     return TorchAttention()
 
 
@@ -160,12 +161,10 @@ class ModelRunner(PersistentInputRunner):
             seconds = self._build_matmul_kernels(self.model.padded_rows(settings.max_num_seqs))
             log.info("matmul rows padded to %d sizes up to %d; their kernels built in %.2f s",
                      len(self.model.row_buckets), self.model.row_buckets[-1], seconds)
-            if isinstance(self.backend, TorchAttention):
-                self.backend.fixed_kernels = True
-                start = time.perf_counter()
-                calls = self.backend.build_kernels(c.num_heads, c.num_kv_heads, c.head_dim,
-                                                   settings.max_num_batched_tokens, self.block_size, self.dtype,
-                                                   self.device)
+            start = time.perf_counter()
+            calls = self.backend.fix_kernels(c.num_heads, c.num_kv_heads, c.head_dim, settings.max_num_batched_tokens,
+                                             self.block_size, self.dtype, self.device)
+            if calls:
                 log.info("prompts' attention padded to whole blocks; its kernels built in %.2f s (%d lengths)",
                          time.perf_counter() - start, calls)
         self.graphs: DecodeGraphs | None = None

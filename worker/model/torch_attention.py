@@ -14,7 +14,7 @@ context (a fresh prompt) attends to its own k/v with is_causal and never touches
 dtypes builds a kernel for each prefill shape it meets (about 100 KB each for SmolLM2) and never frees it, so
 a worker would grow as new prompt lengths arrive. So a fresh prompt is padded to whole blocks (zeros after
 it, which causality hides from every real query), and every padded length's kernel is built at start-up
-(`build_kernels`); a chunk after a cached context attends in float32, which goes to MKL and keeps nothing
+(`fix_kernels`); a chunk after a cached context attends in float32, which goes to MKL and keeps nothing
 per shape. Decode attention keeps nothing per shape either.
 
 Everything derived from the metadata (slot indices, masks, host-side lengths) is computed once per step
@@ -105,7 +105,7 @@ class TorchAttention(AttentionBackend):
         self.decode_padding = decode_padding
         """math.inf: every decode row in one group padded to the step's longest context."""
         self.fixed_kernels = fixed_kernels
-        """Keep prefill attention to shapes whose kernels `build_kernels` made (module docstring)."""
+        """Keep prefill attention to shapes whose kernels `fix_kernels` made (module docstring)."""
         self._plan_cache: _Plan | None = None
 
     def _plan(self, meta: AttentionMetadata, num_tokens: int, block_size: int) -> _Plan:
@@ -201,7 +201,7 @@ class TorchAttention(AttentionBackend):
             q_b = q[p.q_start : p.q_end]  # [n, Hq, D]
             if p.context_blocks is None:
                 k_b, v_b = k[p.q_start : p.q_end], v[p.q_start : p.q_end]  # [n, Hkv, D]
-                if self.fixed_kernels:  # the layout build_kernels used: [padded_len, H, D], contiguous
+                if self.fixed_kernels:  # the layout fix_kernels used: [padded_len, H, D], contiguous
                     q_b, k_b, v_b = (_pad_rows(x, p.padded_len) for x in (q_b, k_b, v_b))
                 o_b = F.scaled_dot_product_attention(q_b.transpose(0, 1), k_b.transpose(0, 1), v_b.transpose(0, 1),
                                                      is_causal=True, scale=scale, enable_gqa=gqa)
@@ -218,11 +218,12 @@ class TorchAttention(AttentionBackend):
         return out
 
     @torch.inference_mode()
-    def build_kernels(self, num_heads: int, num_kv_heads: int, head_dim: int, max_query_len: int,
-                      block_size: int, dtype: torch.dtype, device: torch.device) -> int:
-        """Run a fresh prompt's attention once at every padded length up to `max_query_len`, in the layout
-        forward gives it (the kernels are keyed by strides too), so that they are built now and memory is at
-        its high-water mark before the first request. Calls made."""
+    def fix_kernels(self, num_heads: int, num_kv_heads: int, head_dim: int, max_query_len: int, block_size: int,
+                    dtype: torch.dtype, device: torch.device) -> int:
+        """Turn `fixed_kernels` on, and run a fresh prompt's attention once at every padded length up to
+        `max_query_len`, in the layout forward gives it (the kernels are keyed by strides too), so that they are
+        built now and memory is at its high-water mark before the first request. Calls made."""
+        self.fixed_kernels = True
         calls = 0
         for q_len in range(block_size, -(-max_query_len // block_size) * block_size + 1, block_size):
             q = torch.zeros(q_len, num_heads, head_dim, device=device, dtype=dtype).transpose(0, 1)
