@@ -12,10 +12,11 @@ final, every ordinary one completed in one attempt, every hostile one error/inva
     .venv/bin/python -m benchmarks.bench_hostile_formats --ordinary 100 --hostile-per-ordinary 10
 
 --compare runs, in one process and against one broker: the ordinary requests alone, then mixed with the
-hostile ones for each of {repeated, distinct} x {one pass, two passes}, then alone again; each mixed run's
-ratio is taken against the mean of the two alone runs. "one pass" is the compile as it was before the judge
-(GrammarCompiler with judge_processes=0: every grammar at the full limits on a worker thread); "two passes"
-is the default (grammar.py, grammar_judge.py).
+hostile ones for each of {repeated, distinct} x {one pass, two passes, two passes unpaced}, then alone again;
+each mixed run's ratio is taken against the mean of the two alone runs. "one pass" is the compile as it was
+before the judge (GrammarCompiler with judge_processes=0: every grammar at the full limits on a worker
+thread); "two passes" is the default (grammar.py, grammar_judge.py); "unpaced", the judges at idle priority
+alone, not stopped while the engine has requests running (JUDGE_BUSY_SHARE = 1).
 
     .venv/bin/python -m benchmarks.bench_hostile_formats --compare --out /tmp/hostile.json
 
@@ -84,11 +85,16 @@ def _ticks(stat: Path) -> float:
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
-def cpu_snapshot() -> dict[str, float]:
+def cpu_snapshot(broker_pid: int | None = None) -> dict[str, float]:
     """CPU seconds so far: this process (its exited threads included), its engine thread (named "engine" in the
-    OS), and the grammar judges (child processes, by pid; counted while they live, so a judge killed during
-    the run is missing)."""
+    OS), the grammar judges (child processes, by pid; counted while they live, so a judge killed during the
+    run is missing), and the broker, which shares this machine's cores."""
     out = {"process": sum(os.times()[:2]), "engine": 0.0}
+    if broker_pid is not None:
+        try:
+            out["broker"] = _ticks(Path(f"/proc/{broker_pid}/stat"))
+        except OSError:
+            pass
     for task in Path("/proc/self/task").iterdir():
         try:
             if (task / "comm").read_text().strip() == "engine":
@@ -112,11 +118,14 @@ def cpu_used(before: dict[str, float], after: dict[str, float]) -> dict[str, flo
     engine = after["engine"] - before["engine"]
     judges = sum(v - before.get(k, 0.0) for k, v in after.items() if k.startswith("child "))
     rest = after["process"] - before["process"] - engine
-    return {"engine_thread": round(engine, 2), "rest_of_process": round(rest, 2), "judges": round(judges, 2)}
+    used = {"engine_thread": round(engine, 2), "rest_of_process": round(rest, 2), "judges": round(judges, 2)}
+    if "broker" in before and "broker" in after:
+        used["broker"] = round(after["broker"] - before["broker"], 2)
+    return used
 
 
 async def run_once(kafka: KafkaSettings, engine_settings: EngineSettings, requests: list[GenerationRequest],
-                   max_num_seqs: int, timeout_s: float) -> dict:
+                   max_num_seqs: int, timeout_s: float, broker_pid: int | None = None) -> dict:
     from worker.engine.engine import LLMEngine
     from worker.transport.worker import Worker
 
@@ -135,7 +144,7 @@ async def run_once(kafka: KafkaSettings, engine_settings: EngineSettings, reques
     dead_letters = []
     try:
         await asyncio.wait_for(worker.started.wait(), 60)
-        cpu_before = cpu_snapshot()
+        cpu_before = cpu_snapshot(broker_pid)
         producer = AIOKafkaProducer(**kafka.client_kwargs(), max_request_size=4 * 1024 * 1024)
         await producer.start()
         start = time.perf_counter()
@@ -158,7 +167,7 @@ async def run_once(kafka: KafkaSettings, engine_settings: EngineSettings, reques
                     if isinstance(record, FinalRecord) and record.id in ids:
                         finals.setdefault(record.id, []).append(record)
                         final_times.setdefault(record.id, time.perf_counter() - start)
-        cpu = cpu_used(cpu_before, cpu_snapshot())
+        cpu = cpu_used(cpu_before, cpu_snapshot(broker_pid))
         steps = {"num_steps": engine.num_steps, "busy_s": round(engine.busy_s, 2),
                  "num_batched_tokens": engine.num_batched_tokens}
     finally:
@@ -226,7 +235,8 @@ async def main_async(args) -> dict:
             runs = {}
             for name, requests in (("alone", ordinary), ("mixed", mixed)):
                 kafka = await fresh_topics(broker)
-                run = await run_once(kafka, engine_settings, requests, args.max_num_seqs, args.timeout_s)
+                run = await run_once(kafka, engine_settings, requests, args.max_num_seqs, args.timeout_s,
+                                     broker.status().pid)
                 runs[name] = run
                 out[name] = summarize(run, ordinary_ids)
                 print(name, json.dumps(out[name]), flush=True)
@@ -260,12 +270,17 @@ async def compare(args, broker, engine_settings: EngineSettings, ordinary: list[
                   out: dict) -> dict:
     """Alone; mixed for {repeated, distinct} x {one pass, two passes}; alone again (module docstring)."""
     import worker.model.grammar as grammar
+    import worker.model.grammar_judge as grammar_judge
 
     ordinary_ids = [r.id for r in ordinary]
-    default_judges = grammar.JUDGE_PROCESSES
+    default_judges, default_share = grammar.JUDGE_PROCESSES, grammar_judge.JUDGE_BUSY_SHARE
     plan = [("alone", None, None)] + [(f"mixed {formats}, {passes}", formats, passes)
-                                      for formats in args.formats.split(",") for passes in ("one pass", "two passes")]
+                                      for formats in args.formats.split(",") for passes in args.passes.split(",")]
     plan.append(("alone again", None, None))
+    if args.warmup:
+        # Not counted: the broker's JIT and the page cache warm up on the first runs after it starts (the
+        # first mixed run was about 0.1 below the same run repeated later, its broker CPU 1.5 times).
+        plan.insert(0, ("warm-up", "distinct", "two passes"))
     for name, formats, passes in plan:
         requests = ordinary
         if formats is not None:
@@ -274,12 +289,13 @@ async def compare(args, broker, engine_settings: EngineSettings, ordinary: list[
                        for i in range(args.ordinary * args.hostile_per_ordinary)]
             requests = interleave(ordinary, hostile, args.hostile_per_ordinary)
         grammar.JUDGE_PROCESSES = 0 if passes == "one pass" else default_judges
+        grammar_judge.JUDGE_BUSY_SHARE = 1.0 if passes == "two passes unpaced" else default_share
         started = time.perf_counter()
         try:
             run = await run_once(await fresh_topics(broker), engine_settings, requests, args.max_num_seqs,
-                                 args.timeout_s)
+                                 args.timeout_s, broker.status().pid)
         finally:
-            grammar.JUDGE_PROCESSES = default_judges
+            grammar.JUDGE_PROCESSES, grammar_judge.JUDGE_BUSY_SHARE = default_judges, default_share
         summary = summarize(run, ordinary_ids)
         summary["run_wall_s"] = round(time.perf_counter() - started, 1)
         summary["loadavg"] = Path("/proc/loadavg").read_text().split()[:3]
@@ -287,9 +303,10 @@ async def compare(args, broker, engine_settings: EngineSettings, ordinary: list[
             summary["checks"] = checks(run, ordinary_ids, [r.id for r in requests if r.id.startswith("hostile-")])
         out[name] = summary
         print(name, json.dumps(summary), flush=True)
+    out.pop("warm-up", None)
     alone = (out["alone"]["ordinary_tokens_per_s"] + out["alone again"]["ordinary_tokens_per_s"]) / 2
     out["ratios"] = {name: round(out[name]["ordinary_tokens_per_s"] / alone, 3)
-                     for name, formats, _ in plan if formats is not None}
+                     for name, formats, _ in plan if formats is not None and name in out}
     out["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
     return out
 
@@ -307,6 +324,10 @@ def main() -> None:
     parser.add_argument("--formats", default="repeated,distinct", help="with --compare: which hostile sets")
     parser.add_argument("--model", default="", help="a model folder; default: SmolLM2 (provisioned)")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per run")
+    parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                        help="with --compare: a mixed run first, not counted (the broker's JIT)")
+    parser.add_argument("--passes", default="one pass,two passes,two passes unpaced",
+                        help="with --compare: which compiles (docstring)")
     parser.add_argument("--out", type=Path, help="also write the summary here (JSON)")
     args = parser.parse_args()
     out = asyncio.run(main_async(args))

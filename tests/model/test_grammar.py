@@ -336,3 +336,93 @@ def test_a_dropped_compiler_stops_its_judges(tokenizer, monkeypatch):
     del compiler
     gc.collect()
     assert judges_gone(pids)
+
+
+# ---- the judges yield to the forward pass ------------------------------------------------------------
+
+
+def judge_cpu_seconds(pid: int) -> float:
+    from worker.model.grammar_judge import _cpu_seconds
+
+    return _cpu_seconds(pid)
+
+
+def test_while_the_engine_is_busy_a_judge_takes_only_its_share_and_finishes_once_it_is_idle(tokenizer,
+                                                                                              monkeypatch):
+    import time
+
+    import worker.model.grammar as grammar
+    from worker.model.grammar_judge import JUDGE_BUSY_SHARE
+
+    monkeypatch.setattr(grammar, "QUICK_LEXER_FUEL", 500)
+    busy = threading.Event()
+    compiler = GrammarCompiler(tokenizer, VOCAB, (EOS,), limits=GrammarLimits(compile_timeout_s=60,
+                                                                               lexer_fuel=5_000_000),
+                               judge_processes=1, busy=busy.is_set)
+    try:
+        # A judge started and ready (its start is not paced), then about 2.4 s of CPU to judge.
+        assert compiled(compiler, "json_schema", json.dumps({"enum": [f"v{i}" for i in range(300)]})).error is None
+        busy.set()
+        future = compiler.submit("regex", "a{3000000}")
+        time.sleep(0.3)
+        pid = compiler._judges.pids[0]
+        cpu_before, wall_before = judge_cpu_seconds(pid), time.monotonic()
+        time.sleep(1.0)
+        cpu = judge_cpu_seconds(pid) - cpu_before
+        share = cpu / (time.monotonic() - wall_before)
+        # Unpaced, the judge takes a whole idle core (about 1.0); a clock tick (10 ms) of slack a slice.
+        assert share <= 2 * JUDGE_BUSY_SHARE, share
+        assert not future.done(), "the grammar was judged while the engine was busy: nothing was measured"
+        busy.clear()
+        result = future.result(timeout=30)
+        assert "ENGINE_GRAMMAR_LEXER_FUEL" in result.error, result.error
+        assert compiler._judges.num_paused > 0
+    finally:
+        compiler.close()
+
+
+def test_a_judge_stopped_for_the_forward_pass_ends_with_its_worker(tiny_model_path: Path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root = Path(__file__).resolve().parents[2]
+    script = f"""
+import sys, time
+sys.path.insert(0, {str(root)!r})
+from transformers import AutoTokenizer
+import worker.model.grammar as grammar
+grammar.QUICK_LEXER_FUEL = 500
+compiler = grammar.GrammarCompiler(AutoTokenizer.from_pretrained({str(tiny_model_path)!r}), {VOCAB}, ({EOS},),
+                                   limits=grammar.GrammarLimits(compile_timeout_s=60), judge_processes=1,
+                                   busy=lambda: True)
+compiler.submit("regex", "a{{1000000}}")
+while compiler._judges is None or not compiler._judges.pids:
+    time.sleep(0.05)
+print(compiler._judges.pids[0], flush=True)
+time.sleep(120)
+"""
+    pid = 0
+
+    def state() -> str | None:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return None
+
+    worker = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(worker.stdout.readline())
+        deadline = time.monotonic() + 60
+        while state() != "T" and time.monotonic() < deadline:  # stopped: it would never read its stdin's end
+            time.sleep(0.01)
+        assert state() == "T"
+    finally:
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait()
+    deadline = time.monotonic() + 10
+    while state() not in (None, "Z") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert state() in (None, "Z"), state()

@@ -43,7 +43,7 @@ from collections import OrderedDict
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import llguidance
 import llguidance.numpy
@@ -219,8 +219,10 @@ class GrammarCompiler:
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], max_workers: int = 1,
                  cache_size: int = CACHE_SIZE, limits: GrammarLimits | None = None,
-                 judge_processes: int | None = None) -> None:
+                 judge_processes: int | None = None, busy: Callable[[], bool] | None = None) -> None:
+        """`busy`: whether the engine has requests running now; the judges yield to it (grammar_judge.py)."""
         self.vocab_size = vocab_size
+        self._busy = busy
         self.eos_token_ids = tuple(eos_token_ids)
         self.limits = limits or GrammarLimits()
         self._parser_limits = self.limits.parser_limits()
@@ -368,7 +370,7 @@ class GrammarCompiler:
             # A weak reference back: the pool's threads must not keep a dropped compiler alive, so that its
             # finalizer stops the judges.
             self._judges = JudgePool(self._hf_tokenizer, self.vocab_size, self.eos_token_ids, self.limits,
-                                     self._num_judges, weakref.WeakMethod(self._full_compile))
+                                     self._num_judges, weakref.WeakMethod(self._full_compile), self._busy)
             weakref.finalize(self, self._judges.close)
         return self._judges
 

@@ -10,6 +10,11 @@ and reaching them costs up to a second of CPU. That compile runs here, in a chil
   cores, and the judge takes only the time they would idle;
 - it shares no lock with the worker (the GIL, the allocator's arenas), so a starved compile never holds up
   the worker's threads;
+- it yields the cores to the forward pass: while the engine has requests running, a judge with a grammar runs
+  in slices, `JUDGE_BUSY_SHARE` of each `JUDGE_BUSY_PERIOD_S`, and is stopped (SIGSTOP) in between. Idle
+  priority alone leaves it every moment a core would idle, and a forward pass on two threads has many such
+  moments (each op's threads wait for each other); each one the judge takes costs the next op a wake-up, a
+  cold cache and memory bandwidth. Paced, the judges cost the forward pass at most their slices;
 - it can be stopped: past the compile budget in CPU seconds (`ENGINE_GRAMMAR_COMPILE_TIMEOUT_S`), or past
   `WALL_FACTOR` times it in wall time since a judge took the grammar (starved of CPU), it is killed and the
   grammar refused; the next grammar starts a fresh judge. A grammar that waits `WALL_FACTOR` budgets for a
@@ -32,6 +37,7 @@ import logging
 import os
 import queue
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -55,8 +61,25 @@ and neither counts against the grammar (Compiled.retry_at)."""
 CLOSED = "the grammar compiler was closed"
 JUDGE_START_TIMEOUT_S = 120.0
 """A judge that has not read its tokenizer by then (about 0.5 s of CPU at idle priority) is killed."""
+JUDGE_BUSY_SHARE = 0.1
+"""While the engine has requests running, the fraction of wall time a judge with a grammar may run (module
+docstring). Beside a flood of 1,000 distinct formats to judge, unpaced idle-priority judges added 2.5-3.0 s
+of CPU to the engine thread's 11.5 s for 100 ordinary requests; paced, 0.9-1.8 s (docs/structured-output.md).
+A grammar needing its whole CPU budget takes 1 / JUDGE_BUSY_SHARE budgets of wall time while the engine is
+busy, which is JUDGE_WALL_FACTOR's bound: past it, it is refused as starved and may be sent again. 1:
+unpaced."""
+JUDGE_BUSY_PERIOD_S = 0.1
+"""The pacing period: short enough that a grammar's wait moves in small steps, long enough that stopping and
+continuing a process (two signals) costs nothing beside it."""
 _ROOT = str(Path(__file__).resolve().parents[2])
-_JUDGE_MAIN = """import os
+_JUDGE_MAIN = """import ctypes, os, sys
+parent = os.getppid()
+try:  # killed with the worker, even while stopped for the forward pass (PR_SET_PDEATHSIG, SIGKILL)
+    ctypes.CDLL(None).prctl(1, 9)
+except (AttributeError, OSError):
+    pass
+if os.getppid() != parent:
+    sys.exit(0)
 try:
     os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 except (AttributeError, OSError):
@@ -72,8 +95,11 @@ class JudgePool:
     judge starts at its first grammar (its tokenizer view costs about 0.5 s of idle CPU) and is kept."""
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], limits: GrammarLimits,
-                 processes: int, build: Callable[[str, str], Compiled] | WeakMethod) -> None:
+                 processes: int, build: Callable[[str, str], Compiled] | WeakMethod,
+                 busy: Callable[[], bool] | None = None) -> None:
         self._hf_tokenizer = hf_tokenizer
+        self.busy = busy
+        """Whether the engine has requests running now (the judges are paced while it does); None: never."""
         self._eos = list(eos_token_ids) or hf_tokenizer.eos_token_id
         self._vocab_size = vocab_size
         self.limits = limits
@@ -87,6 +113,8 @@ class JudgePool:
         """Grammars refused past their wall time before a judge took them."""
         self.num_starved = 0
         """Grammars refused past their wall time while a judge had them."""
+        self.num_paused = 0
+        """Times a judge was stopped for the forward pass."""
         self._judges = [_Judge(self) for _ in range(max(1, processes))]
         self._threads = [threading.Thread(target=self._serve, args=(judge,), name="grammar-judge", daemon=True)
                          for judge in self._judges]
@@ -169,6 +197,8 @@ class _Judge:
         self._proc: subprocess.Popen | None = None
         self._in_process = False
         """Set when no process could be started: the worker's full compile judges (the old single pass)."""
+        self._paused = False
+        """Stopped (SIGSTOP) for the forward pass: continued before its feeding thread does anything else."""
 
     @property
     def pid(self) -> int | None:
@@ -187,7 +217,6 @@ class _Judge:
     def ask(self, kind: str, spec: str, deadline: float) -> str | Compiled | None:
         """The judge's refusal of (kind, spec) (a message, or a Compiled for a refusal that says nothing of the
         grammar), or None when it may run (or when no judge could be started)."""
-        limits = self._pool.limits
         if self._in_process:
             return None
         if self._proc is None and not self._start():
@@ -200,8 +229,17 @@ class _Judge:
             self.stop()
             return "compiling the grammar ended its process"
         cpu_start, wall_start = _cpu_seconds(proc.pid), time.monotonic()
+        try:
+            return self._await_verdict(kind, spec, deadline, cpu_start, wall_start)
+        finally:
+            self._resume()
+
+    def _await_verdict(self, kind: str, spec: str, deadline: float, cpu_start: float | None,
+                       wall_start: float) -> str | Compiled | None:
+        limits = self._pool.limits
+        proc = self._proc
         while True:
-            line = self._read_line(0.05)
+            line = self._read_paced()
             if line is not None:
                 if not line:  # the library crashed on this grammar (or the judge was killed from outside)
                     code = self.stop()
@@ -228,6 +266,38 @@ class _Judge:
                                     retry_at=time.monotonic() + JUDGE_WALL_FACTOR * budget)
                 return compile_timeout_message(limits, used if used is not None else wall,
                                                " of CPU" if used is not None else "")
+
+    def _read_paced(self) -> bytes | None:
+        """The judge's next line within a pacing period (None if none came), the judge stopped for the rest of
+        the period past its slice while the engine is busy."""
+        busy = self._pool.busy
+        if busy is None or JUDGE_BUSY_SHARE >= 1 or not busy():
+            self._resume()
+            return self._read_line(0.05)
+        self._resume()
+        line = self._read_line(JUDGE_BUSY_SHARE * JUDGE_BUSY_PERIOD_S)
+        if line is not None:
+            return line
+        if self._signal(signal.SIGSTOP):
+            self._paused = True
+            self._pool.num_paused += 1
+        # A line written just before the stop is still read here.
+        return self._read_line((1 - JUDGE_BUSY_SHARE) * JUDGE_BUSY_PERIOD_S)
+
+    def _resume(self) -> None:
+        if self._paused:
+            self._paused = False
+            self._signal(signal.SIGCONT)
+
+    def _signal(self, signum: int) -> bool:
+        proc = self._proc
+        if proc is None:
+            return False
+        try:
+            proc.send_signal(signum)  # nothing once the process is reaped (Popen polls first)
+        except OSError:
+            return False
+        return proc.returncode is None
 
     def _read_line(self, timeout: float) -> bytes | None:
         """A line from the judge (b"" at its end), or None when none came within the timeout."""
@@ -264,6 +334,7 @@ class _Judge:
 
     def stop(self) -> int | None:
         proc, self._proc = self._proc, None
+        self._paused = False  # killed below if still running: SIGKILL ends a stopped process too
         if proc is None:
             return None
         try:

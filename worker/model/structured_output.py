@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import deque
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -48,7 +48,9 @@ class Ready(NamedTuple):
 
 class StructuredOutputManager:
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], limits: GrammarLimits,
-                 num_threads: int = 1) -> None:
+                 num_threads: int = 1, busy: Callable[[], bool] | None = None) -> None:
+        """`busy`: whether the engine has requests running now (GrammarCompiler)."""
+        self._busy = busy
         self._tokenizer_args = (hf_tokenizer, vocab_size, tuple(eos_token_ids))
         self.limits = limits
         self._num_threads = num_threads
@@ -67,7 +69,7 @@ class StructuredOutputManager:
         if self._compiler is None:
             tokenizer, vocab_size, eos_token_ids = self._tokenizer_args
             self._compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids, max_workers=self._num_threads,
-                                             limits=self.limits)
+                                             limits=self.limits, busy=self._busy)
         return self._compiler
 
     # ---- requests in ------------------------------------------------------------------------------
