@@ -331,17 +331,20 @@ class WorkerSettings(BaseSettings):
     cancel_sync_timeout_s: float = Field(3.0, ge=0)
     """At start, how long request intake waits for the control topic to be read up to date (so that a
     redelivered request that was cancelled is not run first); past it intake starts anyway."""
-    malloc_arena_max: int = Field(2, ge=0)
-    """glibc malloc arenas the worker process may use, set at start (0: glibc's default, 8 per core). Grammars
-    compiled on one thread and freed on another leave holes in per-thread arenas: compiling 2,000 distinct
-    schemas past a full grammar cache grew the process ~35 KB a schema with the default, not at all with 2
-    (docs/memory.md)."""
-    malloc_mmap_threshold_bytes: int = Field(0, ge=0)
+    malloc_arena_max: int = Field(8, ge=0)
+    """glibc malloc arenas the worker process may use, set at start (0: glibc's default, 8 per core). With 2,
+    the grammar compile threads shared the engine thread's arena, and the grammars they built, kept for minutes
+    in the cache, pinned holes between the engine's per-step temporaries: the soak's free heap grew for its
+    first quarter hour. With 8 they get arenas of their own. Fewer arenas keep less free memory (3,000
+    distinct schemas compiled alone: 3 MB more with 8 than with 2, levelling); docs/memory.md."""
+    malloc_mmap_threshold_bytes: int = Field(4 * 1024**2, ge=0)
     """Blocks of this size and more get pages of their own, handed back to the kernel when freed (glibc's
-    M_MMAP_THRESHOLD, set at start); 0: glibc's default, which rises with every large block freed. At 128 KiB
-    the soak's freed-but-kept heap stayed at 6.5 MB instead of growing from 16 to 30 MB in ten minutes (RSS
-    25 MB lower), but the engine lost 15 % of its throughput to page faults (5 % at 4 MiB), so it is off by
-    default (docs/memory.md)."""
+    M_MMAP_THRESHOLD, set at start); 0: glibc's default, which rises to the size of every large block freed,
+    so that a burst's multi-megabyte temporaries stay in the arenas as free heap. 4 MiB reaches the float32
+    logits of steps with 22 rows and more (SmolLM2's vocabulary). With 8 arenas it kept the 30-minute soak's
+    RSS flat, its rebalance burst included. The cost is page faults on those steps: 10 % of throughput with
+    120 requests at once on the CPU (17 % at 128 KiB); 0 and WORKER_MALLOC_ARENA_MAX=2 give it back
+    (docs/memory.md)."""
     malloc_trim_interval_s: float = Field(60.0, ge=0)
     """How often free heap pages are handed back to the kernel (glibc malloc_trim, on a thread: 7-40 ms on the
     2-core machine with 250 MB free in 30,000 holes); 0 never."""

@@ -6,9 +6,12 @@ from many threads: the event loop, the engine thread, llguidance's compile threa
 mask pool, torch's. A compiled grammar is built on a compile thread, kept in the engine's cache, and freed on
 another thread when a newer one evicts it; each arena then holds holes between long-lived blocks that its own
 threads rarely fill. With a distinct schema per request that grew the process by ~35 KB per schema after the
-grammar cache was full (a 256-entry cache, 2,000 schemas compiled beside it), where two arenas kept the same
-run flat to the megabyte. So the worker caps the arenas (`WORKER_MALLOC_ARENA_MAX`, 2 by default) and hands
-free pages back to the kernel now and then (`malloc_trim`, every `WORKER_MALLOC_TRIM_INTERVAL_S`).
+grammar cache was full (a 256-entry cache, 2,000 schemas compiled beside it, glibc's default of 16 arenas).
+With two arenas, though, the compile threads share the engine thread's arena, and their grammars pin holes
+between its per-step temporaries. So the worker caps the arenas (`WORKER_MALLOC_ARENA_MAX`, 8), fixes the
+mmap threshold (`WORKER_MALLOC_MMAP_THRESHOLD_BYTES`, 4 MiB: a burst's largest temporaries get pages of their
+own), and hands free pages back to the kernel now and then (`malloc_trim`, every
+`WORKER_MALLOC_TRIM_INTERVAL_S`).
 
 Pure ctypes on the C library the process already has: on a libc without these calls (musl, macOS) every
 function here answers None or False and changes nothing.

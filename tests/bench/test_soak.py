@@ -54,3 +54,20 @@ def test_growth_ignores_the_warm_up_and_reports_per_1000_finals():
     assert g["python_blocks_per_1000"] == pytest.approx(0.0)
     assert g["native_in_use_kb_per_1000"] == pytest.approx(0.0)
     assert g["num_finals"] == 4900
+
+
+def test_the_engine_only_heap_bench_sends_the_soaks_requests_as_the_worker_would():
+    from benchmarks.bench_heap import engine_requests
+
+    by_kind = {}
+    for i in range(200):
+        kind, requests = engine_requests(i, 12)
+        by_kind.setdefault(kind, requests)
+        assert len({r.request_id for r in requests}) == len(requests)
+    assert set(by_kind) == set(MIX_WEIGHTS)
+    assert by_kind["schema"][0].sampling.structured.kind == "json_schema"
+    first, second = by_kind["n2"]
+    assert second.prefix_leader == first.request_id and first.sampling.seed != second.sampling.seed
+    assert by_kind["logprobs"][0].sampling.top_logprobs == 3
+    assert "\n\n" in by_kind["stop"][0].sampling.stop
+    assert len(by_kind["cancel"]) == 1 and by_kind["cancel"][0].sampling.structured is None
