@@ -16,7 +16,8 @@ hostile ones for each of {repeated, distinct} x {one pass, two passes, two passe
 each mixed run's ratio is taken against the mean of the two alone runs. "one pass" is the compile as it was
 before the judge (GrammarCompiler with judge_processes=0: every grammar at the full limits on a worker
 thread); "two passes" is the default (grammar.py, grammar_judge.py); "unpaced", the judges at idle priority
-alone, not stopped while the engine has requests running (JUDGE_BUSY_SHARE = 1).
+alone, not stopped while the engine has requests running (JUDGE_BUSY_SHARE = 1). A mixed run comes first and
+is not counted (`--no-warmup` leaves it out): the first runs after the broker starts pay its warm-up.
 
     .venv/bin/python -m benchmarks.bench_hostile_formats --compare --out /tmp/hostile.json
 
@@ -268,7 +269,7 @@ def interleave(ordinary: list[GenerationRequest], hostile: list[GenerationReques
 
 async def compare(args, broker, engine_settings: EngineSettings, ordinary: list[GenerationRequest],
                   out: dict) -> dict:
-    """Alone; mixed for {repeated, distinct} x {one pass, two passes}; alone again (module docstring)."""
+    """An uncounted warm-up; alone; mixed for each of --formats x --passes; alone again (module docstring)."""
     import worker.model.grammar as grammar
     import worker.model.grammar_judge as grammar_judge
 

@@ -72,10 +72,11 @@ JUDGE_BUSY_PERIOD_S = 0.1
 """The pacing period: short enough that a grammar's wait moves in small steps, long enough that stopping and
 continuing a process (two signals) costs nothing beside it."""
 _ROOT = str(Path(__file__).resolve().parents[2])
-_JUDGE_MAIN = """import ctypes, os, sys
+_JUDGE_MAIN = """import ctypes, os, signal, sys
+PR_SET_PDEATHSIG = 1
 parent = os.getppid()
-try:  # killed with the worker, even while stopped for the forward pass (PR_SET_PDEATHSIG, SIGKILL)
-    ctypes.CDLL(None).prctl(1, 9)
+try:  # killed with the worker, even while stopped for the forward pass
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 except (AttributeError, OSError):
     pass
 if os.getppid() != parent:
@@ -87,7 +88,8 @@ except (AttributeError, OSError):
 from worker.model.grammar_judge import main
 main()
 """
-"""The judge's entry: idle priority first, before its imports (about 0.1 s of CPU: llguidance and numpy)."""
+"""The judge's entry: bound to die with its worker, and at idle priority, before its imports (about 0.1 s of
+CPU: llguidance and numpy)."""
 
 
 class JudgePool:
@@ -270,11 +272,10 @@ class _Judge:
     def _read_paced(self) -> bytes | None:
         """The judge's next line within a pacing period (None if none came), the judge stopped for the rest of
         the period past its slice while the engine is busy."""
+        self._resume()
         busy = self._pool.busy
         if busy is None or JUDGE_BUSY_SHARE >= 1 or not busy():
-            self._resume()
             return self._read_line(0.05)
-        self._resume()
         line = self._read_line(JUDGE_BUSY_SHARE * JUDGE_BUSY_PERIOD_S)
         if line is not None:
             return line
