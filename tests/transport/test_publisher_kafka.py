@@ -70,9 +70,14 @@ async def test_records_gather_for_the_gather_time_before_a_send(kafka_topics):
         await publisher.start()
         try:
             await publisher.wait_acked(10)
-            for i in range(10):  # a record every 5 ms: 45 ms from the first to the last
+            # Know the topic first: records for a topic being looked up wait for the lookup and would go
+            # in one batch whatever the gather time.
+            known = asyncio.Event()
+            publisher.destinations.resolve(kafka.result_topic, on_done=known.set)
+            await asyncio.wait_for(known.wait(), 10)
+            for i in range(10):  # a record every 20 ms: 180 ms from the first to the last
                 publisher.publish_nowait(kafka.result_topic, b"k", f"{gather_s}:{i}".encode())
-                await asyncio.sleep(0.005)
+                await asyncio.sleep(0.02)
             assert await publisher.wait_acked(20)
             sent_batches[gather_s] = publisher.num_batches_sent
         finally:
