@@ -21,6 +21,10 @@ is not counted (`--no-warmup` leaves it out): the first runs after the broker st
 
     .venv/bin/python -m benchmarks.bench_hostile_formats --compare --out /tmp/hostile.json
 
+Two alone runs of the same requests differed by up to 0.3 of each other in one process on a quiet machine, so a
+single mixed run against them says little; `--rounds N` alternates alone and mixed runs N times and reports each
+mixed run against the alone runs either side of it, and the median of those ratios.
+
 CPU timings on a shared machine move with its load: the load average is printed before and after. Each run
 also reports the CPU seconds this process spent while it ran (`cpu_s`: the engine thread, the rest of the
 process: transport, compile threads, the benchmark's own clients; and the judge processes), counted by the
@@ -269,14 +273,19 @@ def interleave(ordinary: list[GenerationRequest], hostile: list[GenerationReques
 
 async def compare(args, broker, engine_settings: EngineSettings, ordinary: list[GenerationRequest],
                   out: dict) -> dict:
-    """An uncounted warm-up; alone; mixed for each of --formats x --passes; alone again (module docstring)."""
+    """An uncounted warm-up; then --rounds times: alone, and mixed for each of --formats x --passes; then alone
+    once more (module docstring). Each mixed run's ratio is taken against the alone runs either side of it."""
     import worker.model.grammar as grammar
     import worker.model.grammar_judge as grammar_judge
 
     ordinary_ids = [r.id for r in ordinary]
     default_judges, default_share = grammar.JUDGE_PROCESSES, grammar_judge.JUDGE_BUSY_SHARE
-    plan = [("alone", None, None)] + [(f"mixed {formats}, {passes}", formats, passes)
-                                      for formats in args.formats.split(",") for passes in args.passes.split(",")]
+    mixes = [(f"mixed {formats}, {passes}", formats, passes)
+             for formats in args.formats.split(",") for passes in args.passes.split(",")]
+    plan: list[tuple[str, str | None, str | None]] = []
+    for r in range(args.rounds):
+        tag = "" if r == 0 else f" #{r + 1}"
+        plan += [(f"alone{tag}", None, None)] + [(f"{name}{tag}", formats, passes) for name, formats, passes in mixes]
     plan.append(("alone again", None, None))
     if args.warmup:
         # Not counted: the broker's JIT and the page cache warm up on the first runs after it starts (the
@@ -305,11 +314,29 @@ async def compare(args, broker, engine_settings: EngineSettings, ordinary: list[
         out[name] = summary
         print(name, json.dumps(summary), flush=True)
     out.pop("warm-up", None)
-    alone = (out["alone"]["ordinary_tokens_per_s"] + out["alone again"]["ordinary_tokens_per_s"]) / 2
-    out["ratios"] = {name: round(out[name]["ordinary_tokens_per_s"] / alone, 3)
-                     for name, formats, _ in plan if formats is not None and name in out}
+    out["ratios"] = mixed_ratios([(name, formats is not None) for name, formats, _ in plan if name in out],
+                                 {name: out[name]["ordinary_tokens_per_s"] for name, _, _ in plan if name in out})
+    if args.rounds > 1:
+        out["median_ratios"] = {name: statistics.median(v for k, v in out["ratios"].items()
+                                                        if k == name or k.startswith(f"{name} #"))
+                                for name, _, _ in mixes}
     out["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
     return out
+
+
+def mixed_ratios(order: list[tuple[str, bool]], rates: dict[str, float]) -> dict[str, float]:
+    """Each mixed run's ordinary tokens/s over the mean of the nearest alone run before it and after it (the
+    machine's speed drifts over a long comparison: a run is held against its neighbours, not the first)."""
+    ratios = {}
+    for i, (name, mixed) in enumerate(order):
+        if not mixed:
+            continue
+        before = next((n for n, m in reversed(order[:i]) if not m), None)
+        after = next((n for n, m in order[i + 1:] if not m), None)
+        alone = [rates[n] for n in (before, after) if n is not None]
+        if alone:
+            ratios[name] = round(rates[name] / statistics.mean(alone), 3)
+    return ratios
 
 
 def main() -> None:
@@ -329,6 +356,8 @@ def main() -> None:
                         help="with --compare: a mixed run first, not counted (the broker's JIT)")
     parser.add_argument("--passes", default="one pass,two passes,two passes unpaced",
                         help="with --compare: which compiles (docstring)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="with --compare: alone and mixed runs this many times (a ratio each, and the median)")
     parser.add_argument("--out", type=Path, help="also write the summary here (JSON)")
     args = parser.parse_args()
     out = asyncio.run(main_async(args))
