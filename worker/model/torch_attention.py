@@ -10,12 +10,12 @@ hundred tokens of context next to a few dozen) one padded group spent 3-5x the w
 Prefill chunks go one request at a time through scaled_dot_product_attention; a chunk with no cached
 context (a fresh prompt) attends to its own k/v with is_causal and never touches the cache.
 
-`fixed_kernels` (bf16 and fp16 on the CPU, with ENGINE_ROW_BUCKETS): torch's CPU flash attention in those
-dtypes builds a kernel for each prefill shape it meets (about 100 KB each for SmolLM2) and never frees it, so
-a worker would grow as new prompt lengths arrive. So a fresh prompt is padded to whole blocks (zeros after
-it, which causality hides from every real query), and every padded length's kernel is built at start-up
-(`fix_kernels`); a chunk after a cached context attends in float32, which goes to MKL and keeps nothing
-per shape. Decode attention keeps nothing per shape either.
+`fixed_kernels` (bf16 and fp16 on the CPU, with ENGINE_ROW_BUCKETS): on a CPU with AMX, torch's CPU flash
+attention in those dtypes builds a kernel for each prefill shape it meets (about 100 KB each for SmolLM2) and
+never frees it, so a worker would grow as new prompt lengths arrive. So a fresh prompt is padded to whole
+blocks (zeros after it, which causality hides from every real query), and every padded length's kernel is
+built at start-up (`fix_kernels`); a chunk after a cached context attends in float32, which goes to MKL and
+keeps nothing per shape. Decode attention keeps nothing per shape either.
 
 Everything derived from the metadata (slot indices, masks, host-side lengths) is computed once per step
 (`_plan`) and reused by all layers: the model calls forward once per layer with the same metadata object.
