@@ -34,9 +34,13 @@ RECURSIVE_REQUIRED = {"$defs": {"n": {"type": "object", "properties": {"next": {
 HOSTILE = {
     "matches-nothing": (("regex", r"[^\s\S]"), ("error", "language is empty")),
     "start-start": (("grammar", "start: start start"), ("error", "language is empty")),
-    "a-million": (("regex", "a{1000000}"), ("error", "ENGINE_GRAMMAR_")),  # lexer fuel, or the time budget
+    "a-million": (("regex", "a{1000000}"), ("error", "MAX_REGEX_REPEAT")),  # read from the text
+    "a-million-nested": (("regex", "(a{1000}){1000}"), ("error", "ENGINE_GRAMMAR_")),  # lexer fuel, or the budget
     "alternations": (("json_schema", json.dumps({"type": "string", "pattern": "(x|y)" * 5000})), ("ok", None)),
-    "recursive-ref": (("json_schema", json.dumps(RECURSIVE_REQUIRED)), ("error", "ENGINE_GRAMMAR_")),
+    "recursive-ref": (("json_schema", json.dumps(RECURSIVE_REQUIRED)), ("error", "nest without end")),
+    "recursive-ref-one-of": (("json_schema", json.dumps({**RECURSIVE_REQUIRED, "$defs": {"n": {
+        **RECURSIVE_REQUIRED["$defs"]["n"], "properties": {"next": {"oneOf": [{"$ref": "#/$defs/n"}]}}}}})),
+        ("error", "ENGINE_GRAMMAR_")),
     "enum-50k": (("json_schema", json.dumps({"enum": [f"v{i}" for i in range(50_000)]})), ("ok", None)),
     "nested-200": (("json_schema", '{"type": "array", "items": ' * 200 + '{"type": "integer"}' + "}" * 200),
                    ("error", "recursion limit")),

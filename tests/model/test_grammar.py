@@ -125,6 +125,11 @@ def test_json_is_written_on_one_line_with_spaces_after_separators(compiler, toke
 
 RECURSIVE_REQUIRED = {"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}},
                                       "required": ["next"]}}, "$ref": "#/$defs/n"}
+# The same two pathologies in shapes grammar_screen does not read, so that the library's limits refuse them.
+NESTED_MILLION = "(a{1000}){1000}"
+RECURSIVE_THROUGH_ONE_OF = {"$defs": {"n": {"type": "object", "required": ["next"],
+                                            "properties": {"next": {"oneOf": [{"$ref": "#/$defs/n"}]}}}},
+                            "$ref": "#/$defs/n"}
 
 
 @pytest.fixture(scope="module")
@@ -139,8 +144,10 @@ def patient(tokenizer) -> GrammarCompiler:
 @pytest.mark.parametrize("kind, spec, message", [
     ("regex", r"[^\s\S]", "language is empty"),
     ("grammar", "start: start start", "language is empty"),
-    ("regex", "a{1000000}", "ENGINE_GRAMMAR_LEXER_FUEL=200000"),
-    ("json_schema", json.dumps(RECURSIVE_REQUIRED), "ENGINE_GRAMMAR_STEP_MAX_ITEMS=50000"),
+    ("regex", "a{1000000}", "MAX_REGEX_REPEAT=100000"),
+    ("json_schema", json.dumps(RECURSIVE_REQUIRED), "nest without end, through the required property 'next'"),
+    ("regex", NESTED_MILLION, "ENGINE_GRAMMAR_LEXER_FUEL=200000"),
+    ("json_schema", json.dumps(RECURSIVE_THROUGH_ONE_OF), "ENGINE_GRAMMAR_STEP_MAX_ITEMS=50000"),
     ("json_schema", '{"type": "integer", "minimum": 5, "maximum": 3}', "minimum (5) is greater than maximum (3)"),
 ])
 def test_what_the_library_can_tell_in_advance_is_refused_at_compile_time(patient, kind, spec, message):
@@ -221,7 +228,7 @@ def test_the_grammar_size_limit_is_applied(tokenizer):
 
 def test_a_refusal_on_a_cut_limit_is_judged_in_a_process_at_the_full_limits(patient):
     before = patient.num_judged
-    result = compiled(patient, "regex", "a{1000001}")
+    result = compiled(patient, "regex", "(a{1000}){1001}")
     assert result.matcher is None and "ENGINE_GRAMMAR_LEXER_FUEL=200000" in result.error, result.error
     assert patient.num_judged == before + 1
     # A refusal the first pass settles (no cut limit behind it) never goes to the judge.
@@ -253,7 +260,7 @@ def test_a_judge_past_the_cpu_budget_is_killed_and_the_next_grammar_gets_a_fresh
     compiler = GrammarCompiler(tokenizer, VOCAB, (EOS,), limits=GrammarLimits(compile_timeout_s=0.1),
                                judge_processes=1)
     try:
-        result = compiled(compiler, "regex", "a{1000000}")
+        result = compiled(compiler, "regex", NESTED_MILLION)
         assert result.matcher is None and "ENGINE_GRAMMAR_COMPILE_TIMEOUT_S" in result.error, result.error
         assert "of CPU" in result.error and compiler._judges.num_killed == 1
         enum = json.dumps({"enum": [f"v{i}" for i in range(300)]})
@@ -268,7 +275,7 @@ def test_with_no_judge_every_grammar_is_settled_in_one_pass_at_the_full_limits(t
                                                                              compile_timeout_s=120),
                              judge_processes=0)
     try:
-        result = compiled(single, "regex", "a{1000000}")
+        result = compiled(single, "regex", NESTED_MILLION)
         assert "ENGINE_GRAMMAR_LEXER_FUEL=200000" in result.error and single.num_judged == 0
     finally:
         single.close()
@@ -317,7 +324,7 @@ def test_closing_the_compiler_stops_its_judges_at_once(tokenizer, monkeypatch):
     pids = compiler._judges.pids
     assert pids and compiler.num_judged == 1
     # One judged right now (held up in the judge): close refuses it instead of waiting for it.
-    busy = compiler.submit("regex", "a{1000000}")
+    busy = compiler.submit("regex", NESTED_MILLION)
     compiler.close()
     assert judges_gone(pids)
     assert busy.result(timeout=10).error is not None
@@ -363,7 +370,7 @@ def test_while_the_engine_is_busy_a_judge_takes_only_its_share_and_finishes_once
         # A judge started and ready (its start is not paced), then about 2.4 s of CPU to judge.
         assert compiled(compiler, "json_schema", json.dumps({"enum": [f"v{i}" for i in range(300)]})).error is None
         busy.set()
-        future = compiler.submit("regex", "a{3000000}")
+        future = compiler.submit("regex", "(a{1000}){3000}")
         time.sleep(0.3)
         pid = compiler._judges.pids[0]
         cpu_before, wall_before = judge_cpu_seconds(pid), time.monotonic()
@@ -398,7 +405,7 @@ grammar.QUICK_LEXER_FUEL = 500
 compiler = grammar.GrammarCompiler(AutoTokenizer.from_pretrained({str(tiny_model_path)!r}), {VOCAB}, ({EOS},),
                                    limits=grammar.GrammarLimits(compile_timeout_s=60), judge_processes=1,
                                    busy=lambda: True)
-compiler.submit("regex", "a{{1000000}}")
+compiler.submit("regex", "(a{{1000}}){{1000}}")
 while compiler._judges is None or not compiler._judges.pids:
     time.sleep(0.05)
 print(compiler._judges.pids[0], flush=True)

@@ -28,8 +28,9 @@ def schema(value: dict) -> JsonSchemaFormat:
 HOSTILE = {
     "matches-nothing": (RegexFormat(regex=r"[^\s\S]"), "language is empty"),
     "start-start": (GrammarFormat(grammar="start: start start"), "language is empty"),
-    "a-million": (RegexFormat(regex="a{1000000}"), "ENGINE_GRAMMAR_"),
-    "recursive-ref": (schema(RECURSIVE_REQUIRED), "ENGINE_GRAMMAR_"),
+    "a-million": (RegexFormat(regex="a{1000000}"), "MAX_REGEX_REPEAT"),
+    "a-million-nested": (RegexFormat(regex="(a{1000}){1000}"), "ENGINE_GRAMMAR_"),
+    "recursive-ref": (schema(RECURSIVE_REQUIRED), "nest without end"),
     "nested-200": (schema(json.loads('{"type": "array", "items": ' * 200 + '{"type": "integer"}' + "}" * 200)),
                    "recursion limit"),
     "unsatisfiable": (schema({"type": "integer", "minimum": 5, "maximum": 3}), "minimum (5) is greater"),

@@ -22,11 +22,13 @@ until its token budget runs out, which no grammar can then complete.
 A grammar is refused at compile time, before its request runs, when the library can tell: a spec it cannot
 read, a limit of `GrammarLimits` exceeded while building it, an empty language (the first mask allows no
 token, or only an EOS while the grammar is not complete: llguidance then enters an error state), or a path
-every output is forced along (fast-forward tokens) that breaks a limit, such as `a{1000000}` or a required
-recursive `$ref`. The probe computes the first mask on the pristine matcher, so that cost is paid here and
-the copies start with a warm lexer. Reaching a limit is what makes a refusal expensive (a second of CPU for
-`a{1000000}` at the default lexer fuel), so it is first tried at cut limits, and only what those cannot settle
-goes to a judge process (GrammarCompiler, grammar_judge.py). What only shows while generating (a limit
+every output is forced along (fast-forward tokens) that breaks a limit, such as `(a{1000}){1000}` or a
+required recursive `$ref`. (The plainest shapes of those two, `a{1000000}` and a `$ref` cycle through required
+properties, are refused before the library sees them, from their text: grammar_screen.py.) The probe
+computes the first mask on the pristine matcher, so that cost is paid here and the copies start with a warm
+lexer. Reaching a limit is what makes a refusal expensive (a second of CPU for `(a{1000}){1000}` at the
+default lexer fuel), so it is first tried at cut limits, and only what those cannot settle goes to a judge
+process (GrammarCompiler, grammar_judge.py). What only shows while generating (a limit
 reached after the model's own choices) is a `GrammarError` at that step (engine/structured_output.py).
 """
 
@@ -48,6 +50,8 @@ from typing import TYPE_CHECKING, Callable
 import llguidance
 import llguidance.numpy
 import numpy as np
+
+from worker.model.grammar_screen import screen
 
 if TYPE_CHECKING:
     from worker.model.grammar_judge import JudgePool
@@ -461,7 +465,10 @@ EMPTY_LANGUAGE = "no output satisfies the format (its language is empty)"
 
 
 def _grammar(kind: str, spec: str) -> str | Compiled:
-    """The library's grammar for a response_format, or its refusal."""
+    """The library's grammar for a response_format, or its refusal (grammar_screen's, or the library's)."""
+    refusal = screen(kind, spec)
+    if refusal is not None:
+        return Compiled(None, refusal)
     try:
         if kind == "json_schema":
             return llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
