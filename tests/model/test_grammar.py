@@ -363,14 +363,13 @@ def test_while_the_engine_is_busy_a_judge_takes_only_its_share_and_finishes_once
 
     monkeypatch.setattr(grammar, "QUICK_LEXER_FUEL", 500)
     busy = threading.Event()
-    compiler = GrammarCompiler(tokenizer, VOCAB, (EOS,), limits=GrammarLimits(compile_timeout_s=60,
-                                                                               lexer_fuel=5_000_000),
+    compiler = GrammarCompiler(tokenizer, VOCAB, (EOS,), limits=GrammarLimits(compile_timeout_s=60),
                                judge_processes=1, busy=busy.is_set)
     try:
-        # A judge started and ready (its start is not paced), then about 2.4 s of CPU to judge.
+        # A judge started and ready (its start is not paced), then about 1.3 s of CPU to judge.
         assert compiled(compiler, "json_schema", json.dumps({"enum": [f"v{i}" for i in range(300)]})).error is None
         busy.set()
-        future = compiler.submit("regex", "(a{1000}){3000}")
+        future = compiler.submit("regex", NESTED_MILLION)
         time.sleep(0.3)
         pid = compiler._judges.pids[0]
         cpu_before, wall_before = judge_cpu_seconds(pid), time.monotonic()
@@ -388,6 +387,7 @@ def test_while_the_engine_is_busy_a_judge_takes_only_its_share_and_finishes_once
         compiler.close()
 
 
+@pytest.mark.slow  # ~5 s: a process of its own loads a tokenizer and starts a judge
 def test_a_judge_stopped_for_the_forward_pass_ends_with_its_worker(tiny_model_path: Path):
     import os
     import signal
