@@ -382,7 +382,8 @@ class GrammarCompiler:
         """The first pass: a Compiled, or _SECOND_PASS for a refusal on a limit the quick limits cut."""
         tokenizer = self._tokenizer.result()
         start = time.thread_time()
-        grammar = _grammar(kind, spec)
+        refusal = screen(kind, spec)  # only here: a judge or a full build gets a spec that already passed it
+        grammar = Compiled(None, refusal) if refusal is not None else _grammar(kind, spec)
         if isinstance(grammar, Compiled):
             compiled = grammar
         elif self._quick is not None:
@@ -465,10 +466,7 @@ EMPTY_LANGUAGE = "no output satisfies the format (its language is empty)"
 
 
 def _grammar(kind: str, spec: str) -> str | Compiled:
-    """The library's grammar for a response_format, or its refusal (grammar_screen's, or the library's)."""
-    refusal = screen(kind, spec)
-    if refusal is not None:
-        return Compiled(None, refusal)
+    """The library's grammar for a response_format, or its refusal."""
     try:
         if kind == "json_schema":
             return llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)

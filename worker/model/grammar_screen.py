@@ -30,29 +30,28 @@ def screen(kind: str, spec: str) -> str | None:
     """A refusal message for a format that certainly cannot be kept or built within the limits, else None."""
     if kind == "regex":
         return _regex_repeat(spec)
-    if kind != "json_schema":
+    big_count = _BIG_COUNT.search(spec)  # a schema's `pattern` is a regex too (an unanchored one)
+    has_ref = '"$ref"' in spec  # no endless nesting without a reference back
+    if kind != "json_schema" or not (big_count or has_ref):
         return None
-    if _BIG_COUNT.search(spec):  # a schema's `pattern` is a regex too (an unanchored one)
-        for pattern in _patterns(spec):
-            refusal = _regex_repeat(pattern)
-            if refusal is not None:
-                return f"in a schema's pattern, {refusal}"
-    if '"$ref"' in spec:  # no endless nesting without a reference back
-        return _endless_nesting(spec)
-    return None
+    try:
+        root = json.loads(spec)
+    except ValueError:
+        return None
+    for pattern in _patterns(root) if big_count else ():
+        refusal = _regex_repeat(pattern)
+        if refusal is not None:
+            return f"in a schema's pattern, {refusal}"
+    return _endless_nesting(root) if has_ref and isinstance(root, dict) else None
 
 
 _VALUES = frozenset({"const", "default", "enum", "example", "examples"})
 """Keywords whose contents are JSON values, not schemas: a "pattern" key inside them is data."""
 
 
-def _patterns(spec: str) -> list[str]:
+def _patterns(schema: object) -> list[str]:
     """Every `pattern` string and `patternProperties` key in a JSON schema, wherever it sits."""
-    try:
-        stack = [json.loads(spec)]
-    except ValueError:
-        return []
-    found = []
+    stack, found = [schema], []
     while stack:
         node = stack.pop()
         if isinstance(node, dict):
@@ -83,19 +82,12 @@ def _regex_repeat(regex: str) -> str | None:
     return None
 
 
-def _endless_nesting(spec: str) -> str | None:
+def _endless_nesting(root: dict) -> str | None:
     """A cycle of must-contain edges from the root: an object schema (type "object") that requires a property,
-    or an array schema (type "array", minItems at least 1) whose first item, has a schema that leads, through
-    `$ref` and `allOf`, back to it. Every document would hold an instance inside an
-    instance without end, so none is finite. Only edges every instance must follow count; a cycle that an
+    or an array schema (type "array", minItems at least 1) whose first item has a schema that leads, through
+    `$ref` and `allOf`, back to it. Every document would hold an instance inside an instance without end, so
+    none is finite. Only edges every instance must follow count; a cycle that an
     `anyOf`, a type list or an optional property can leave is left to the library."""
-    try:
-        root = json.loads(spec)
-    except ValueError:
-        return None
-    if not isinstance(root, dict):
-        return None
-
     def resolve(ref: object) -> dict | None:
         if not isinstance(ref, str) or not ref.startswith("#"):
             return None
