@@ -146,7 +146,8 @@ class LlamaModel(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer, 2 x [num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [S] int64
-    ) -> torch.Tensor:  # [S, V] in the model dtype
+        logits_out: torch.Tensor | None = None,  # [>= padded S, V] in the model dtype
+    ) -> torch.Tensor:  # [S, V] in the model dtype; a view of logits_out when given
         num_tokens, num_sampled = input_ids.shape[0], logits_indices.shape[0]
         hidden = self.embed[self._pad(input_ids)]  # [T, H]
         cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D]
@@ -155,4 +156,11 @@ class LlamaModel(nn.Module):
             hidden = layer(hidden, cos, sin, kv_cache, meta, self.backend, num_tokens)
         # Norm and LM head only for the rows that sample: the head is the largest matmul per token.
         hidden = rms_norm(hidden[self._pad(logits_indices)], self.final_norm, self.config.rms_norm_eps)  # [S, H]
-        return F.linear(hidden, self.lm_head)[:num_sampled]  # [S, V]
+        return self.lm_head_logits(hidden, logits_out)[:num_sampled]  # [S, V]
+
+    def lm_head_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[R, H] -> [R, V], written into the first R rows of `out` when it has them (the same kernel and the
+        same numbers as without)."""
+        if out is None or out.shape[0] < hidden.shape[0]:
+            return F.linear(hidden, self.lm_head)
+        return torch.mm(hidden, self.lm_head.t(), out=out[:hidden.shape[0]])

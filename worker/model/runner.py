@@ -23,7 +23,7 @@ from worker.config import EngineSettings
 from worker.model.attention import AttentionBackend
 from worker.model.config import ModelConfig, load_config, load_eos_token_ids, load_tokenizer
 from worker.model.cuda_graphs import BucketedInput, DecodeGraphs, batch_sizes, graph_mode, triton_interpreted
-from worker.model.input import ModelInput, PersistentInput, PersistentInputRunner, StepArrays
+from worker.model.input import Launched, ModelInput, PersistentInput, PersistentInputRunner, StepArrays
 from worker.model.loader import load_model
 from worker.model.pull import resolve_model
 from worker.model.step_batch import StepRequests
@@ -158,6 +158,8 @@ class ModelRunner(PersistentInputRunner):
         )
         if use_row_buckets(settings.row_buckets, self.device, self.dtype):
             self.model.row_buckets = row_bucket_sizes(max(settings.max_num_batched_tokens, settings.max_num_seqs))
+        self._logits_out = self._reserve_logits(self.model.padded_rows(settings.max_num_seqs))
+        if self.model.row_buckets:
             seconds = self._build_matmul_kernels(self.model.padded_rows(settings.max_num_seqs))
             log.info("matmul rows padded to %d sizes up to %d; their kernels built in %.2f s",
                      len(self.model.row_buckets), self.model.row_buckets[-1], seconds)
@@ -199,8 +201,21 @@ class ModelRunner(PersistentInputRunner):
             for width, weight, bias in matmuls:
                 F.linear(torch.zeros(rows, width, device=self.device, dtype=self.dtype), weight, bias)
             if rows <= max_sampled_rows:
-                F.linear(torch.zeros(rows, c.hidden_size, device=self.device, dtype=self.dtype), self.model.lm_head)
+                hidden = torch.zeros(rows, c.hidden_size, device=self.device, dtype=self.dtype)
+                self.model.lm_head_logits(hidden, None if self._logits_out is None else self._logits_out[0])
         return time.perf_counter() - start
+
+    def _reserve_logits(self, rows: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """On the CPU, where a step's logits go to the engine's step: [rows, V] in the model dtype and its
+        float32 copy, made and touched now at the largest step. A step's logits are the largest arrays it
+        allocates (SmolLM2: 96 KB a row in bf16, 192 KB in float32); fresh each step, a burst's larger ones
+        were carved from the allocator's arenas and left the heap a few MB larger for good (docs/memory.md),
+        and past glibc's mmap threshold each costs page faults. None on other devices, where they never touch
+        host memory."""
+        if self.device.type != "cpu":
+            return None
+        model_dtype = torch.zeros(rows, self.vocab_size, dtype=self.dtype)
+        return model_dtype, None if self.dtype == torch.float32 else torch.zeros(rows, self.vocab_size)
 
     def _capture(self, setting: str) -> None:
         try:
@@ -241,8 +256,17 @@ class ModelRunner(PersistentInputRunner):
                 return graphs.prepare(arrays, bucket)
         return self.inputs.tensors(arrays)
 
-    @torch.inference_mode()
     def execute(self, model_input: ModelInput) -> torch.Tensor:  # [S, V] float32
+        """The step's logits, a tensor of their own."""
+        return self._execute(model_input, None)
+
+    def launch(self, model_input: ModelInput) -> Launched:
+        """The engine's step: on the CPU its logits are written into the buffers kept for them, so they are
+        valid until the next launch (the engine samples a step before it launches the next)."""
+        return Launched(self._execute(model_input, self._logits_out))
+
+    @torch.inference_mode()
+    def _execute(self, model_input: ModelInput, out: tuple[torch.Tensor, torch.Tensor | None] | None) -> torch.Tensor:
         if isinstance(model_input, BucketedInput):
             return self.graphs.execute(model_input)
         attn = model_input.attn
@@ -254,5 +278,8 @@ class ModelRunner(PersistentInputRunner):
             self.kv_caches,
             attn,
             model_input.logits_indices,
+            None if out is None else out[0],
         )
-        return logits.float()
+        if out is None or out[1] is None or logits.data_ptr() != out[0].data_ptr():
+            return logits.float()  # no copy when it already is float32
+        return out[1][:logits.shape[0]].copy_(logits)
