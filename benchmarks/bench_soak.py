@@ -38,6 +38,7 @@ import datetime
 import json
 import os
 import random
+import shlex
 import signal
 import statistics
 import subprocess
@@ -207,7 +208,8 @@ class Soak:
         return env
 
     def start_worker(self) -> None:
-        cmd = [str(REPO / ".venv/bin/llm-worker"), "serve", "--engine", self.args.engine]
+        cmd = [*shlex.split(self.args.worker_wrapper), str(REPO / ".venv/bin/llm-worker"), "serve",
+               "--engine", self.args.engine]
         if self.args.engine == "instant":
             cmd += ["--instant-step-ms", str(self.args.instant_step_ms)]
         self.log = open(self.log_path, "wb")
@@ -443,6 +445,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--instant-step-ms", type=float, default=20.0)
     p.add_argument("--threads", type=int, default=2, help="the worker's torch threads")
     p.add_argument("--worker-env", action="append", default=[], help="KEY=VALUE for the worker (repeatable)")
+    p.add_argument("--worker-wrapper", default="",
+                   help="a command the worker runs under, e.g. 'heaptrack -o PATH' (RSS is then the wrapper's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drain-s", type=float, default=180.0)
     p.add_argument("--start-timeout-s", type=float, default=300.0)
