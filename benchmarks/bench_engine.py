@@ -184,10 +184,10 @@ def _time_decode_steps(engine: LLMEngine, runner: ModelRunner, num_steps: int) -
     execute = runner.execute
     forward_s: list[float] = []
 
-    def timed_execute(model_input):
+    def timed_execute(model_input, **kwargs):
         t0 = time.perf_counter()
         try:
-            return execute(model_input)
+            return execute(model_input, **kwargs)
         finally:
             forward_s.append(time.perf_counter() - t0)
 

@@ -57,7 +57,7 @@ def make_runner(model: str, max_running: int, device: str) -> ModelRunner:
 def remove_forward(runner: ModelRunner, logits: torch.Tensor) -> None:
     """runner.execute returns the first S rows of `logits` ([max rows, V]), S = rows that sample this step."""
 
-    def execute(model_input) -> torch.Tensor:
+    def execute(model_input, **_) -> torch.Tensor:
         return logits[: model_input.logits_indices.shape[0]]
 
     runner.execute = execute

@@ -279,9 +279,9 @@ def instrumented(runner: ModelRunner, device: str, current: dict) -> Iterator[No
                        num_sampled=int(sum(step.samples)))
         return input_from(step, arrays)
 
-    def timed_execute(model_input):
+    def timed_execute(model_input, **kwargs):
         start = time.perf_counter()
-        out = execute(model_input)
+        out = execute(model_input, **kwargs)
         sync(device)
         current.update(forward_s=time.perf_counter() - start, bucket=getattr(model_input, "bucket", None))
         return out

@@ -256,17 +256,16 @@ class ModelRunner(PersistentInputRunner):
                 return graphs.prepare(arrays, bucket)
         return self.inputs.tensors(arrays)
 
-    def execute(self, model_input: ModelInput) -> torch.Tensor:  # [S, V] float32
-        """The step's logits, a tensor of their own."""
-        return self._execute(model_input, None)
-
     def launch(self, model_input: ModelInput) -> Launched:
-        """The engine's step: on the CPU its logits are written into the buffers kept for them, so they are
-        valid until the next launch (the engine samples a step before it launches the next)."""
-        return Launched(self._execute(model_input, self._logits_out))
+        """The engine's step: on the CPU its logits go into the buffers kept for them (`execute`, keep)."""
+        return Launched(self.execute(model_input, keep=True))
 
     @torch.inference_mode()
-    def _execute(self, model_input: ModelInput, out: tuple[torch.Tensor, torch.Tensor | None] | None) -> torch.Tensor:
+    def execute(self, model_input: ModelInput, keep: bool = False) -> torch.Tensor:  # [S, V] float32
+        """The step's logits. `keep`: on the CPU, written into the buffers kept for the engine's steps, valid
+        until the next such call (the engine samples a step before it launches the next); otherwise a tensor
+        of their own, as tests and benchmarks that compare forwards need."""
+        out = self._logits_out if keep else None
         if isinstance(model_input, BucketedInput):
             return self.graphs.execute(model_input)
         attn = model_input.attn
