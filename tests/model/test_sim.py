@@ -3,6 +3,7 @@ deterministic logits and its wait (which must leave the GIL to other threads).""
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 
@@ -80,6 +81,24 @@ def test_kv_capacity_is_the_gpu_memory_left_by_the_weights_and_nothing_is_alloca
     assert SimRunner(sim_settings(tiny_model_path, num_kv_blocks=77), sleep=lambda s: None).num_blocks == 77
     with pytest.raises(ValueError, match="sim:h100"):
         SimRunner(sim_settings(tiny_model_path, device="cuda"))
+
+
+def test_special_tokens_past_the_logits_width_leave_every_id_below_it_ordinary(tmp_path, tiny_model_path):
+    # Llama 3's specials start at 128000, far past the 2048 columns the simulator narrows logits to; a special
+    # below the width (7 here) is still never produced.
+    from benchmarks.random_model import write_synthetic_tokenizer
+
+    shutil.copy(tiny_model_path / "config.json", tmp_path)  # the folder is a model's; sim_model sets the shape
+    write_synthetic_tokenizer(tmp_path, vocab_size=4096, bos_id=4000, eos_ids=(4001, 7), max_length=1024)
+    runner = SimRunner(sim_settings(tmp_path, sim_model="llama-3.2-1b"), sleep=lambda s: None)
+    runner.tokenizer
+    step = StepRequests(request_ids=["a"], block_ids=[[3]], num_computed=[0], num_new=[3], samples=[True],
+                        input_ids=[101, 102, 103])
+    logits = runner.execute(runner.prepare_input(step)).numpy()
+    assert logits.shape == (1, 2048)
+    assert np.isinf(logits[0, 7]) and np.isfinite(np.delete(logits[0], 7)).all()
+    produced = runner.next_token_ids(np.arange(5000), np.arange(5000))
+    assert 7 not in produced and produced.max() < 2048 and len(set(produced.tolist())) > 1500
 
 
 def test_logits_spike_on_a_deterministic_ordinary_token_and_the_step_waits_its_cost(tiny_model_path):

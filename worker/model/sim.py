@@ -222,8 +222,7 @@ class SimRunner(PersistentInputRunner):
         self._tokenizer = None
         self._logits: torch.Tensor | None = None  # [rows, W], background plus this step's spikes
         self._spikes: tuple[np.ndarray, np.ndarray] | None = None
-        self._first_id = 0
-        self._num_ids = 0
+        self._ordinary_ids = np.zeros(0, dtype=np.int64)
         self.last_cost: StepCost | None = None
         self.simulated_s = 0.0
         """Sum of the simulated step times so far."""
@@ -292,7 +291,7 @@ class SimRunner(PersistentInputRunner):
     def next_token_ids(self, last_token_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """The greedy token after `last_token_ids[i]` at `positions[i]`: an ordinary id the tokenizer knows."""
         mixed = (last_token_ids.astype(np.int64) * 1_000_003 + positions.astype(np.int64) * 7_919 + 17) % 2_147_483_647
-        return self._first_id + mixed % self._num_ids
+        return self._ordinary_ids[mixed % self._ordinary_ids.shape[0]]
 
     def _next_logits(self, model_input: ModelInput) -> torch.Tensor:
         rows = model_input.logits_indices.numpy()
@@ -311,15 +310,17 @@ class SimRunner(PersistentInputRunner):
 
     def _build_background(self, num_rows: int) -> None:
         tokenizer = self._tokenizer
+        # Special tokens sit first in some vocabularies (SmolLM2's 0-16) and last in others (Llama 3's from
+        # 128000), so the ordinary ids are whatever the narrowed width leaves once the specials are taken out.
         specials = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
-        self._first_id = max(specials, default=-1) + 1
-        end = min(self.logits_width, len(tokenizer))
-        self._num_ids = end - self._first_id
-        if self._num_ids < 1:
-            raise ValueError(f"logits width {self.logits_width} leaves no ordinary token of the tokenizer")
         ids = np.arange(self.logits_width)
+        ordinary = ids < min(self.logits_width, len(tokenizer))
+        ordinary[[i for i in specials if 0 <= i < self.logits_width]] = False
+        if not ordinary.any():
+            raise ValueError(f"logits width {self.logits_width} leaves no ordinary token of the tokenizer")
+        self._ordinary_ids = ids[ordinary]
         background = (-4.0 * ((ids * 0.6180339887498949) % 1.0)).astype(np.float32)  # distinct values
-        background[(ids < self._first_id) | (ids >= end)] = -np.inf
+        background[~ordinary] = -np.inf
         self._background = background
         self._logits = torch.from_numpy(np.tile(background, (num_rows, 1)))
         self._spikes = None
