@@ -30,7 +30,9 @@ MAX_SPLITS = 64
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# The block table's row stride is the step's longest context in blocks: specialized, each class of it (1, a
+# multiple of 16, other) would be a compile of its own the first time an eager decode step met it.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     q_ptr,  # [B, Hq, D]
     k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, Hkv, D] contiguous

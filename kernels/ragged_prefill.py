@@ -32,7 +32,11 @@ from kernels._dot import dot_options
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# Triton compiles a kernel per specialization of its integer arguments (equal to 1, a multiple of 16, other).
+# num_requests and the block table's row stride (the step's longest context in blocks) change from step to step,
+# so left specialized they would cost a compile (0.4 to 1.1 s on an H200) the first time a step met each class;
+# only the tile sizes pick the kernel, and the runner builds one per tile height at start-up.
+@triton.jit(do_not_specialize=["num_requests", "stride_bt"])
 def _prefill_kernel(
     q_ptr,  # [T, Hq, D]
     k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, Hkv, D] contiguous

@@ -82,3 +82,44 @@ def test_triton_backend_matches_torch_backend(requests) -> None:
     out_triton = TritonAttention().forward(case.q, k_new, v_new, case.k_cache, case.v_cache, meta, case.scale)
     assert torch.equal(case.k_cache, caches_torch[0]) and torch.equal(case.v_cache, caches_torch[1])
     assert_close(out_triton, out_torch)
+
+
+def _compiled_variants(kernel) -> int:
+    """How many specializations of a Triton kernel this process has compiled (its per-device caches)."""
+    return sum(len(caches[0]) for caches in kernel.device_caches.values())
+
+
+def test_a_started_runner_compiles_no_attention_kernel_for_any_prompt_step(tmp_path) -> None:
+    # Before the runner built them at start-up, a worker's first prompt of each tile height, and the first step
+    # of each class (1, a multiple of 16, other) of request count or of longest context in blocks, waited 0.4 to
+    # 1.1 s for a compile.
+    from benchmarks.random_model import build_random_model
+    from kernels.ragged_prefill import _prefill_kernel
+    from worker.config import EngineSettings
+    from worker.model.runner import ModelRunner
+    from worker.model.step_batch import StepRequests
+
+    folder = build_random_model(tmp_path, "smollm2-135m", num_hidden_layers=2)
+    settings = EngineSettings(model=str(folder), device="cuda", dtype="bfloat16", block_size=16, max_model_len=2048,
+                              max_num_seqs=16, max_num_batched_tokens=2048, num_kv_blocks=1024)
+    runner = ModelRunner(folder, settings)
+    built = _compiled_variants(_prefill_kernel)
+    assert built >= 3  # SmolLM2's three query heads a KV head: tiles of 16, 32, 64 and 128 rows
+    next_block = 0
+    # (new tokens, cached tokens) per request: lone prompts of each height, chunks after a cached context,
+    # mixed steps with decode rows, 16 requests at once.
+    for step_requests in ([(2, 0)], [(5, 0)], [(11, 0)], [(137, 0)], [(2000, 0)], [(512, 1024)],
+                          [(3, 0), (1, 40), (1, 100)], [(20, 0)] * 16, [(700, 0)] + [(1, 30)] * 15):
+        ids, tables = [], []
+        for i, (new, cached) in enumerate(step_requests):
+            blocks = -(-(new + cached) // 16)
+            ids.append(f"r{next_block}-{i}")
+            tables.append(list(range(next_block, next_block + blocks)))
+            next_block = (next_block + blocks) % 512
+        step = StepRequests(request_ids=ids, block_ids=tables, num_computed=[c for _, c in step_requests],
+                            num_new=[n for n, _ in step_requests], samples=[True] * len(ids),
+                            input_ids=[7] * sum(n for n, _ in step_requests))
+        assert torch.isfinite(runner.execute(runner.prepare_input(step))).all()
+        runner.release(ids)
+    torch.cuda.synchronize()
+    assert _compiled_variants(_prefill_kernel) == built

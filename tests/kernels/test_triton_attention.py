@@ -45,3 +45,19 @@ def test_forward_writes_new_kv_then_attends(device: str, requests: list[tuple[in
     assert torch.equal(case.k_cache.nan_to_num(7.0), k_ref.nan_to_num(7.0))
     assert torch.equal(case.v_cache.nan_to_num(7.0), v_ref.nan_to_num(7.0))
     assert_close(out, ref)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "max_query_len"),
+                         [(9, 3, 64, 2048), (32, 8, 128, 2048), (9, 3, 64, 40), (8, 8, 64, 5), (64, 1, 64, 512),
+                          (9, 3, 64, 2), (9, 3, 64, 1)])
+def test_prompt_lengths_to_compile_meet_each_tile_height_of_a_prompt_step_once(
+        num_heads: int, num_kv_heads: int, head_dim: int, max_query_len: int) -> None:
+    from kernels.ragged_prefill import prefill_block_sizes
+
+    group = num_heads // num_kv_heads
+    lengths = TritonAttention().prompt_lengths_to_compile(num_heads, num_kv_heads, head_dim, max_query_len)
+    heights = [prefill_block_sizes(group, length, head_dim)[0] for length in lengths]
+    assert len(set(heights)) == len(heights) and all(2 <= length <= max_query_len for length in lengths)
+    # Every step that reaches the prefill kernel has a longest request of 2 to max_query_len tokens (a step of
+    # one-token requests alone goes to the decode kernel).
+    assert set(heights) == {prefill_block_sizes(group, n, head_dim)[0] for n in range(2, max_query_len + 1)}

@@ -20,6 +20,12 @@ class AttentionBackend(ABC):
         otherwise keep one per shape met; the number of shapes built. A backend without such a cache: 0."""
         return 0
 
+    def prompt_lengths_to_compile(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                                  max_query_len: int) -> tuple[int, ...]:
+        """Prompt lengths whose steps, run once each at start-up, build every attention kernel this backend
+        compiles on first use, so that no request waits for a compile. A backend that compiles nothing: ()."""
+        return ()
+
     @abstractmethod
     def forward(
         self,

@@ -11,13 +11,29 @@ import torch
 
 from kernels.kv_write import write_kv
 from kernels.paged_decode import paged_decode_attention
-from kernels.ragged_prefill import ragged_prefill_attention
+from kernels.ragged_prefill import prefill_block_sizes, ragged_prefill_attention
 from worker.model.attention import AttentionBackend
 from worker.model.input import AttentionMetadata
 
 
 class TritonAttention(AttentionBackend):
     name = "triton"
+
+    def prompt_lengths_to_compile(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                                  max_query_len: int) -> tuple[int, ...]:
+        """One length per tile height the prefill kernel can pick (prefill_block_sizes), each a kernel of its
+        own. The height grows with next_power_of_2(length x group size), so the powers of two from 2 up to
+        `max_query_len` meet every height. 1 is left out: a lone one-token request goes to the decode kernel,
+        which the CUDA graphs' capture builds."""
+        group_size = num_heads // num_kv_heads
+        candidates = [2 ** k for k in range(1, max(1, max_query_len).bit_length()) if 2 ** k < max_query_len]
+        lengths, heights = [], set()
+        for length in [*candidates, max_query_len] if max_query_len > 1 else []:
+            height, _ = prefill_block_sizes(group_size, length, head_dim)
+            if height not in heights:
+                heights.add(height)
+                lengths.append(length)
+        return tuple(lengths)
 
     def forward(
         self,
