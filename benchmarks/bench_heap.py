@@ -11,6 +11,8 @@ prints the resident size and glibc's heap (in use, free); at the end, glibc's ow
 
     .venv/bin/python -m benchmarks.bench_heap --requests 5000 --in-flight 16
     .venv/bin/python -m benchmarks.bench_heap --requests 5000 --in-flight 16 --arena-max 8
+    .venv/bin/python -m benchmarks.bench_heap --requests 4000 --in-flight 8 --burst-every 500 --burst-size 64 \
+        --arena-max 8 --mmap-threshold 4194304        # the worker's defaults, with a burst every 500 finals
 
 Run it on a quiet machine: the rise depends on how the threads' allocations interleave, and a run beside
 other work came out flat where the same run alone rose.
@@ -50,6 +52,12 @@ def main() -> None:
     p.add_argument("--mmap-threshold", type=int, default=0, help="WORKER_MALLOC_MMAP_THRESHOLD_BYTES")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--every", type=int, default=250)
+    p.add_argument("--burst-every", type=int, default=0,
+                   help="every this many finals, hold --burst-size requests in flight until that many more are sent "
+                        "(a backlog, or a rebalance handing back what waited); 0: no bursts")
+    p.add_argument("--burst-size", type=int, default=64)
+    p.add_argument("--trim-at-print", action="store_true",
+                   help="malloc_trim before each line, so it shows what the allocator cannot give back")
     p.add_argument("--malloc-info", default="", help="write glibc's malloc_info XML here at the end")
     args = p.parse_args()
     # Before any thread starts, as the worker does.
@@ -74,10 +82,14 @@ def main() -> None:
     sent = finals = schemas = in_flight = 0
     start = time.perf_counter()
     print(f"load average {open('/proc/loadavg').read().split()[:3]}", flush=True)
+    burst_left, next_burst = 0, args.burst_every or None
     while finals < args.requests:
-        while in_flight < args.in_flight and sent < args.requests:
+        if next_burst is not None and finals >= next_burst:
+            burst_left, next_burst = args.burst_size, next_burst + args.burst_every
+        while in_flight < (args.burst_size if burst_left else args.in_flight) and sent < args.requests:
             kind, requests = engine_requests(sent, args.max_new_tokens)
             sent += 1
+            burst_left = max(0, burst_left - 1)
             schemas += kind == "schema"
             for request in requests:
                 engine.add_request(request)
@@ -87,6 +99,8 @@ def main() -> None:
                 in_flight -= 1
                 finals += 1
                 if finals % args.every == 0:
+                    if args.trim_at_print:
+                        memory.trim()
                     heap = memory.native_heap()
                     print(f"{time.perf_counter() - start:6.0f} s  finals {finals:5d}  schemas {schemas:5d}  "
                           f"rss {memory.resident_bytes() / 2**20:7.1f} MiB  in use {heap.in_use_bytes / 2**20:6.1f}"
