@@ -158,7 +158,7 @@ class ModelRunner(PersistentInputRunner):
         )
         if use_row_buckets(settings.row_buckets, self.device, self.dtype):
             self.model.row_buckets = row_bucket_sizes(max(settings.max_num_batched_tokens, settings.max_num_seqs))
-        self._logits_out = self._reserve_logits(self.model.padded_rows(settings.max_num_seqs))
+        self._kept_logits, self._kept_logits_f32 = self._reserve_logits(self.model.padded_rows(settings.max_num_seqs))
         if self.model.row_buckets:
             seconds = self._build_matmul_kernels(self.model.padded_rows(settings.max_num_seqs))
             log.info("matmul rows padded to %d sizes up to %d; their kernels built in %.2f s",
@@ -209,7 +209,7 @@ class ModelRunner(PersistentInputRunner):
                 F.linear(torch.zeros(rows, width, device=self.device, dtype=self.dtype), weight, bias)
             if rows <= max_sampled_rows:
                 hidden = torch.zeros(rows, c.hidden_size, device=self.device, dtype=self.dtype)
-                self.model.lm_head_logits(hidden, None if self._logits_out is None else self._logits_out[0])
+                self.model.lm_head_logits(hidden, self._kept_logits)
         return time.perf_counter() - start
 
     @torch.inference_mode()
@@ -229,15 +229,15 @@ class ModelRunner(PersistentInputRunner):
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
 
-    def _reserve_logits(self, rows: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def _reserve_logits(self, rows: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """On the CPU, where a step's logits go to the engine's step: [rows, V] in the model dtype and its
         float32 copy, made and touched now at the largest step. A step's logits are the largest arrays it
         allocates (SmolLM2: 96 KB a row in bf16, 192 KB in float32); fresh each step, a burst's larger ones
         were carved from the allocator's arenas and left the heap a few MB larger for good (docs/memory.md),
-        and past glibc's mmap threshold each costs page faults. None on other devices, where they never touch
-        host memory."""
+        and past glibc's mmap threshold each costs page faults. (None, None) on other devices, where they never
+        touch host memory; the float32 copy is None when the model dtype is float32."""
         if self.device.type != "cpu":
-            return None
+            return None, None
         model_dtype = torch.zeros(rows, self.vocab_size, dtype=self.dtype)
         return model_dtype, None if self.dtype == torch.float32 else torch.zeros(rows, self.vocab_size)
 
@@ -289,7 +289,6 @@ class ModelRunner(PersistentInputRunner):
         """The step's logits. `keep`: on the CPU, written into the buffers kept for the engine's steps, valid
         until the next such call (the engine samples a step before it launches the next); otherwise a tensor
         of their own, as tests and benchmarks that compare forwards need."""
-        out = self._logits_out if keep else None
         if isinstance(model_input, BucketedInput):
             return self.graphs.execute(model_input)
         attn = model_input.attn
@@ -301,8 +300,9 @@ class ModelRunner(PersistentInputRunner):
             self.kv_caches,
             attn,
             model_input.logits_indices,
-            None if out is None else out[0],
+            self._kept_logits if keep else None,
         )
-        if out is None or out[1] is None or logits.data_ptr() != out[0].data_ptr():
+        kept = keep and self._kept_logits is not None and logits.data_ptr() == self._kept_logits.data_ptr()
+        if not kept or self._kept_logits_f32 is None:  # not in the buffer (a step larger than it), or float32
             return logits.float()  # no copy when it already is float32
-        return out[1][:logits.shape[0]].copy_(logits)
+        return self._kept_logits_f32[:logits.shape[0]].copy_(logits)

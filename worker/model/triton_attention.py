@@ -25,10 +25,11 @@ class TritonAttention(AttentionBackend):
         own. The height grows with next_power_of_2(length x group size), so the powers of two from 2 up to
         `max_query_len` meet every height. 1 is left out: a lone one-token request goes to the decode kernel,
         which the CUDA graphs' capture builds."""
+        if max_query_len < 2:
+            return ()
         group_size = num_heads // num_kv_heads
-        candidates = [2 ** k for k in range(1, max(1, max_query_len).bit_length()) if 2 ** k < max_query_len]
         lengths, heights = [], set()
-        for length in [*candidates, max_query_len] if max_query_len > 1 else []:
+        for length in sorted({min(2 ** k, max_query_len) for k in range(1, max_query_len.bit_length() + 1)}):
             height, _ = prefill_block_sizes(group_size, length, head_dim)
             if height not in heights:
                 heights.add(height)
