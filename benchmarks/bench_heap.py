@@ -104,7 +104,8 @@ def main() -> None:
                     heap = memory.native_heap()
                     print(f"{time.perf_counter() - start:6.0f} s  finals {finals:5d}  schemas {schemas:5d}  "
                           f"rss {memory.resident_bytes() / 2**20:7.1f} MiB  in use {heap.in_use_bytes / 2**20:6.1f}"
-                          f"  free {heap.free_bytes / 2**20:6.1f}", flush=True)
+                          f"  free {heap.free_bytes / 2**20:6.1f}  anonymous "
+                          f"{memory.resident_parts()['anon'] / 2**20:7.1f}", flush=True)
     print(f"{finals / (time.perf_counter() - start):.2f} finals/s; load average "
           f"{open('/proc/loadavg').read().split()[:3]}", flush=True)
     if args.malloc_info:  # before close: the heap as the run left it

@@ -63,7 +63,7 @@ from schemas.result import FinalRecord
 from worker.broker.net import free_port
 from worker.broker.topics import ensure_topics
 from worker.config import KafkaSettings, WorkerSettings
-from worker.memory import resident_bytes
+from worker.memory import mappings, resident_bytes, resident_parts
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("plain", "schema", "n2", "logprobs", "stop", "cancel")
@@ -127,6 +127,8 @@ class Sample:
     num_sent: int
     num_finals: int
     rss_bytes: int | None
+    rss_anon_bytes: int | None = None
+    rss_file_bytes: int | None = None
     python_blocks: float | None = None
     native_in_use_bytes: float | None = None
     native_free_bytes: float | None = None
@@ -163,10 +165,56 @@ def growth(samples: list[Sample], warmup_s: float, end_s: float = float("inf")) 
         "num_samples": len(after),
         "num_finals": int(xs[-1] - xs[0]) if xs else 0,
         "rss_kb_per_1000": slope([s.rss_bytes for s in after], 1024.0),
+        "rss_anon_kb_per_1000": slope([s.rss_anon_bytes for s in after], 1024.0),
+        "rss_file_kb_per_1000": slope([s.rss_file_bytes for s in after], 1024.0),
         "native_in_use_kb_per_1000": slope([s.native_in_use_bytes for s in after], 1024.0),
         "python_blocks_per_1000": slope([s.python_blocks for s in after], 1.0),
         "rss_mb_at_warmup": round(after[0].rss_bytes / 2**20, 1) if after else None,
         "rss_mb_at_end": round(after[-1].rss_bytes / 2**20, 1) if after else None,
+    }
+
+
+GLIBC_HEAP_ALIGN = 64 * 2**20
+"""glibc maps each arena but the main one as a heap aligned to its 64 MiB maximum size (HEAP_MAX_SIZE); as the
+heap grows and shrinks, its range splits into several mappings."""
+
+
+def mapping_kinds(mappings: list) -> dict[int, str]:
+    """Start address -> kind for a snapshot's mappings: "main heap" (glibc's main arena), "glibc's other
+    arenas" (every anonymous mapping inside a 64 MiB range that one of them starts), "anonymous, other"
+    (glibc's mmapped blocks, Python's and torch's own mappings, thread stacks), "file", or the kernel's name."""
+    arenas = {start for start, _, _, name in mappings if name == "" and start % GLIBC_HEAP_ALIGN == 0}
+    kinds = {}
+    for start, _, _, name in mappings:
+        if name == "":
+            inside = start - start % GLIBC_HEAP_ALIGN in arenas
+            kinds[start] = "glibc's other arenas" if inside else "anonymous, other"
+        elif name == "[heap]":
+            kinds[start] = "main heap"
+        else:
+            kinds[start] = "file" if name.startswith("/") else name
+    return kinds
+
+
+def mapping_growth(first: dict, last: dict, top: int = 8) -> dict:
+    """What each kind of mapping gained in resident KB between two snapshots, and the `top` mappings that
+    gained most (a mapping is matched by its start address; one new since the first counts from 0)."""
+    before = {m[0]: m for m in first["mappings"]}
+    kinds = {**mapping_kinds(first["mappings"]), **mapping_kinds(last["mappings"])}
+    by_kind: dict[str, float] = {}
+    changes = []
+    for start, size, rss, name in last["mappings"]:
+        gained = rss - (before.pop(start)[2] if start in before else 0)
+        by_kind[kinds[start]] = by_kind.get(kinds[start], 0.0) + gained
+        changes.append((gained, start, size, name))
+    for start, _, rss, _ in before.values():  # gone since
+        by_kind[kinds[start]] = by_kind.get(kinds[start], 0.0) - rss
+    changes.sort(reverse=True)
+    return {
+        "from_s": first["t"], "to_s": last["t"], "finals": last["num_finals"] - first["num_finals"],
+        "kb_by_kind": {kind: round(b / 1024, 1) for kind, b in sorted(by_kind.items())},
+        "top": [{"start": hex(start), "size_kb": size // 1024, "gained_kb": round(g / 1024, 1), "name": name}
+                for g, start, size, name in changes[:top] if g > 0],
     }
 
 
@@ -185,6 +233,8 @@ class Soak:
         """(final's time, seconds from send to final) per request."""
         self.statuses: dict[str, int] = {}
         self.samples: list[Sample] = []
+        self.snapshots: list[dict] = []
+        """The worker's mappings every `--mappings-every-s`: {t, num_finals, mappings: [[start, size, rss, name]]}."""
         self.ready = asyncio.Event()
         self.t0 = 0.0
         self.num_sent = 0
@@ -242,16 +292,26 @@ class Soak:
             await consumer.stop()
 
     async def sample_loop(self) -> None:
+        next_snapshot = 0.0
         while True:
+            now = time.monotonic() - self.t0
+            if self.args.mappings_every_s and now >= next_snapshot:
+                next_snapshot = now + self.args.mappings_every_s
+                taken = await asyncio.to_thread(mappings, self.proc.pid)
+                if taken is not None:
+                    self.snapshots.append({"t": round(now, 2), "num_finals": len(self.final_times),
+                                           "mappings": [list(m) for m in taken]})
             metrics = {"tables": {}}
             try:
                 text = await asyncio.to_thread(self._scrape)
                 metrics = parse_metrics(text)
             except OSError:
                 pass
+            parts = resident_parts(self.proc.pid) or {}
             self.samples.append(Sample(
                 t=round(time.monotonic() - self.t0, 2), num_sent=self.num_sent, num_finals=len(self.final_times),
-                rss_bytes=resident_bytes(self.proc.pid), python_blocks=metrics.get("python_allocated_blocks"),
+                rss_bytes=resident_bytes(self.proc.pid), rss_anon_bytes=parts.get("anon"),
+                rss_file_bytes=parts.get("file"), python_blocks=metrics.get("python_allocated_blocks"),
                 native_in_use_bytes=metrics.get("native_heap_in_use_bytes"),
                 native_free_bytes=metrics.get("native_heap_free_bytes"), tables=metrics["tables"]))
             await asyncio.sleep(self.args.sample_s)
@@ -366,6 +426,11 @@ class Soak:
                 await asyncio.to_thread(self.proc.wait)
         return self.proc.returncode
 
+    def mapping_growth(self, warmup: float) -> dict | None:
+        """Resident growth by mapping from the first snapshot after warm-up to the last."""
+        after = [snap for snap in self.snapshots if snap["t"] >= warmup]
+        return mapping_growth(after[0], after[-1]) if len(after) > 1 else None
+
     def summary(self, duration: float) -> dict:
         args = self.args
         warmup = args.warmup_minutes * 60.0 if args.warmup_minutes is not None else min(300.0, duration / 3)
@@ -387,6 +452,7 @@ class Soak:
             "growth_before_rebalance": growth(self.samples, warmup, self.rebalance.get("joined_s", 0.0)),
             "growth_after_rebalance": growth(self.samples, self.rebalance.get("left_s", float("inf")) + 30.0),
             "floor_kb_per_1000": FLOOR_KB_PER_1000,
+            "resident_by_mapping": self.mapping_growth(warmup),
             "finals_per_s": {"minute_5_window": list(minute5),
                              "minute_5": round(window_rate(self.final_times, *minute5), 3),
                              "last_minute": round(window_rate(self.final_times, *last), 3)},
@@ -441,6 +507,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rebalance-hold-s", type=float, default=20.0)
     p.add_argument("--warmup-minutes", type=float, default=None, help="default: a third of the run, at most 5")
     p.add_argument("--sample-s", type=float, default=2.0)
+    p.add_argument("--mappings-every-s", type=float, default=60.0,
+                   help="how often to record the worker's mappings (/proc/<pid>/smaps); 0: never")
     p.add_argument("--engine", choices=("llm", "instant"), default="llm")
     p.add_argument("--instant-step-ms", type=float, default=20.0)
     p.add_argument("--threads", type=int, default=2, help="the worker's torch threads")
@@ -482,6 +550,7 @@ async def amain(args: argparse.Namespace) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         raw.mkdir(parents=True, exist_ok=True)
         (raw / f"samples-{args.kind}.json").write_text(json.dumps([asdict(s) for s in soak.samples]))
+        (raw / f"mappings-{args.kind}.json").write_text(json.dumps(soak.snapshots))
         summary["command"] = "python -m benchmarks.bench_soak " + " ".join(args.argv)
         (out / f"summary-{args.kind}.json").write_text(json.dumps(summary, indent=2) + "\n")
         plot(soak.samples, summary, out / f"memory-{args.kind}.png")
@@ -500,7 +569,8 @@ def main(argv: list[str] | None = None) -> int:
     after = summary["growth_after_rebalance"]
     print(f"\n{summary['kind']}: {summary['num_finals']}/{summary['num_sent']} finals, RSS {g['rss_mb_at_warmup']} -> "
           f"{g['rss_mb_at_end']} MB after warm-up; growth per 1,000 requests: RSS {g['rss_kb_per_1000']} KB "
-          f"(floor {FLOOR_KB_PER_1000:.0f}), glibc in use {g['native_in_use_kb_per_1000']} KB, Python blocks "
+          f"(floor {FLOOR_KB_PER_1000:.0f}; anonymous {g['rss_anon_kb_per_1000']} KB, file-backed "
+          f"{g['rss_file_kb_per_1000']} KB), glibc in use {g['native_in_use_kb_per_1000']} KB, Python blocks "
           f"{g['python_blocks_per_1000']}; after the rebalance: RSS {after['rss_kb_per_1000']} KB, glibc in use "
           f"{after['native_in_use_kb_per_1000']} KB; finals/s minute 5 {f['minute_5']} vs last minute "
           f"{f['last_minute']}")

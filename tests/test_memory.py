@@ -60,6 +60,17 @@ def test_resident_size_and_python_blocks_are_read():
     del kept
 
 
+def test_resident_parts_tell_heap_pages_from_file_pages():
+    before = memory.resident_parts()
+    held = bytearray(64 * MB)  # zero pages until written
+    held[::4096] = b"x" * len(held[::4096])
+    after = memory.resident_parts()
+    assert after["anon"] - before["anon"] >= 60 * MB
+    assert abs(after["file"] - before["file"]) < 8 * MB
+    assert memory.resident_parts(999_999_999) is None
+    del held
+
+
 _HOLES = """
 import ctypes, sys
 from worker import memory

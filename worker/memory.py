@@ -106,6 +106,40 @@ def python_allocated_blocks() -> int:
     return sys.getallocatedblocks()
 
 
+def resident_parts(pid: int | None = None) -> dict[str, int] | None:
+    """A process's resident set by kind, bytes: "anon" (its heaps and mappings of no file: what a leak grows),
+    "file" (pages of the libraries and files it maps, faulted in as code paths first run; the kernel may
+    drop them) and "shmem"; None where /proc has no answer."""
+    try:
+        with open(f"/proc/{pid or 'self'}/status") as status:
+            fields = dict(line.split(":", 1) for line in status if line.startswith("Rss"))
+        return {name.removeprefix("Rss").lower(): int(value.split()[0]) * 1024 for name, value in fields.items()}
+    except (OSError, ValueError):
+        return None
+
+
+def mappings(pid: int | None = None) -> list[tuple[int, int, int, str]] | None:
+    """A process's memory mappings from /proc/<pid>/smaps: (start address, size, resident, name) in bytes,
+    name "" for an anonymous mapping; None where /proc has no answer. Reads every mapping's page counts (a few
+    milliseconds for a worker's thousand): for a benchmark's occasional look at which mapping grew, not for
+    every scrape."""
+    out: list[tuple[int, int, int, str]] = []
+    try:
+        with open(f"/proc/{pid or 'self'}/smaps") as smaps:
+            for line in smaps:
+                head, _, rest = line.partition(" ")
+                if "-" in head and not head.endswith(":"):
+                    start, end = (int(x, 16) for x in head.split("-"))
+                    name = rest.split(None, 4)[4].strip() if len(rest.split(None, 4)) > 4 else ""
+                    out.append((start, end - start, 0, name))
+                elif head == "Rss:" and out:
+                    start, size, _, name = out[-1]
+                    out[-1] = (start, size, int(rest.split()[0]) * 1024, name)
+    except (OSError, ValueError, IndexError):
+        return None
+    return out
+
+
 def resident_bytes(pid: int | None = None) -> int | None:
     """Resident set size of a process (this one by default), from /proc; None where /proc has no answer."""
     try:

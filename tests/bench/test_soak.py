@@ -56,6 +56,27 @@ def test_growth_ignores_the_warm_up_and_reports_per_1000_finals():
     assert g["num_finals"] == 4900
 
 
+def test_mapping_growth_names_the_mappings_that_grew():
+    from benchmarks.bench_soak import mapping_growth
+
+    kb = 1024
+    first = {"t": 300.0, "num_finals": 2000, "mappings": [
+        [0x1000, 8192 * kb, 100 * kb, "[heap]"], [0x7f00000000, 65536 * kb, 4000 * kb, ""],
+        [0x7f10001000, 1024 * kb, 1024 * kb, ""], [0x7f20000000, 4096 * kb, 300 * kb, "/usr/lib/libtorch_cpu.so"]]}
+    last = {"t": 1800.0, "num_finals": 14000, "mappings": [
+        [0x1000, 8192 * kb, 100 * kb, "[heap]"], [0x7f00000000, 65536 * kb, 6500 * kb, ""],
+        [0x7f20000000, 4096 * kb, 340 * kb, "/usr/lib/libtorch_cpu.so"], [0x7f30001000, 2048 * kb, 512 * kb, ""],
+        [0x7f00000000 + 40 * 2**20, 4096 * kb, 256 * kb, ""]]}
+    g = mapping_growth(first, last)
+    # The arena gained 2,500 KB and split off a mapping of 256 inside its range, a new mapping 512, one of
+    # 1,024 went; the library's pages 40.
+    assert g["kb_by_kind"] == {"anonymous, other": -512.0, "file": 40.0, "glibc's other arenas": 2756.0,
+                               "main heap": 0.0}
+    assert [(m["start"], m["gained_kb"]) for m in g["top"]] == [("0x7f00000000", 2500.0), ("0x7f30001000", 512.0),
+                                                                 ("0x7f02800000", 256.0), ("0x7f20000000", 40.0)]
+    assert g["finals"] == 12000
+
+
 def test_the_engine_only_heap_bench_sends_the_soaks_requests_as_the_worker_would():
     from benchmarks.bench_heap import engine_requests
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 
-from worker.memory import native_heap, python_allocated_blocks, resident_bytes
+from worker.memory import native_heap, python_allocated_blocks, resident_bytes, resident_parts
 from worker.transport.metrics import NS
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,11 @@ class MemoryCollector:
         if rss is not None:
             yield GaugeMetricFamily(f"{NS}resident_memory_bytes", "Resident set size of the worker process.",
                                     value=rss)
+        parts = resident_parts()
+        if parts is not None and "anon" in parts:
+            yield GaugeMetricFamily(f"{NS}resident_anonymous_bytes", "The part of the resident size that maps no "
+                                    "file: heaps and anonymous mappings (what a leak grows; the rest is mostly "
+                                    "the libraries' pages).", value=parts["anon"])
         yield GaugeMetricFamily(f"{NS}python_allocated_blocks", "Memory blocks Python's allocator has handed out "
                                 "(sys.getallocatedblocks).", value=python_allocated_blocks())
         heap = native_heap()
