@@ -241,14 +241,16 @@ class GrammarCompiler:
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self._queue: deque[tuple[str, str, Future[Compiled]]] = deque()
-        self._running: dict[Future[Compiled], tuple[float, int | None]] = {}
-        """First passes on a thread: their start (time.monotonic()) and their thread's CPU clock, once running."""
+        self._running: dict[Future[Compiled], tuple[float, int | None, float]] = {}
+        """First passes on a thread: their start (time.monotonic()), and once running their thread's CPU clock
+        and its reading when the compile began (compile threads outlive their compiles)."""
         self._cpu_credit = COMPILE_CPU_BURST_S
         self._credit_at = time.monotonic()
         self._launches: queue.SimpleQueue = queue.SimpleQueue()
         # Compile threads are started by this thread, never by a compile thread: a thread inherits its
         # creator's scheduling class, and one at SCHED_IDLE may not go back without privilege.
         threading.Thread(target=_launcher, args=(self._launches,), name="grammar-launcher", daemon=True).start()
+        weakref.finalize(self, self._launches.put, None)  # a compiler dropped unclosed stops its threads
         self._num_slots = max_workers
         self._num_abandoned = 0
         """Compiles past the budget whose threads still run (the library cannot be interrupted)."""
@@ -297,10 +299,11 @@ class GrammarCompiler:
             return
         with self._lock:
             overdue = []
-            for future, (start, clock) in self._running.items():
+            for future, (start, clock, base) in self._running.items():
                 cpu = _clock_seconds(clock)
                 if cpu is None and clock is not None:
                     continue  # its thread just ended: its own result comes
+                cpu = None if cpu is None else cpu - base
                 if cpu is not None and cpu > budget:
                     overdue.append((future, Compiled(None, compile_timeout_message(self.limits, cpu, " of CPU"))))
                 elif now - start > WALL_FACTOR * budget or (clock is None and _NO_CPU_CLOCK and now - start > budget):
@@ -324,10 +327,11 @@ class GrammarCompiler:
                 if not future.set_running_or_notify_cancel():
                     continue
                 self._num_slots -= 1
-                self._running[future] = (time.monotonic(), None)
+                self._running[future] = (time.monotonic(), None, 0.0)
                 starts.append((kind, spec, future))
         for kind, spec, future in starts:
-            self._launches.put((self._run, (kind, spec, future)))
+            shared = self._take_cpu_share()
+            self._launches.put((self._run, (kind, spec, future, shared), not shared))
 
     def _take_cpu_share(self) -> bool:
         """Whether the next first pass may run at COMPILE_NICE (within COMPILE_CPU_SHARE), else at SCHED_IDLE."""
@@ -338,12 +342,12 @@ class GrammarCompiler:
             self._credit_at = now
             return self._cpu_credit > 0
 
-    def _run(self, kind: str, spec: str, future: Future[Compiled]) -> None:
-        shared = self._take_cpu_share()
-        _lower_priority(idle=not shared)
+    def _run(self, kind: str, spec: str, future: Future[Compiled], shared: bool) -> None:
+        """On a compile thread at COMPILE_NICE (`shared`) or at SCHED_IDLE."""
+        clock = _thread_clock()
         with self._lock:
             if future in self._running:
-                self._running[future] = (self._running[future][0], _thread_clock())
+                self._running[future] = (self._running[future][0], clock, _clock_seconds(clock) or 0.0)
         cpu = time.thread_time()
         try:
             result = self._compile(kind, spec)
@@ -529,17 +533,57 @@ def _lower_priority(idle: bool = False) -> None:
 
 
 def _launcher(launches: queue.SimpleQueue) -> None:
+    """Hands each compile to a waiting compile thread of its class (COMPILE_NICE or SCHED_IDLE), starting one
+    when none waits. The threads outlive their compiles, so each keeps the glibc arena it was given: a compile
+    thread started per compile took the next arena in turn, the engine's among them, and left its grammar
+    (alive in the cache for minutes) between the forward pass's temporaries there (docs/memory.md). A class
+    has at most as many threads as it ever ran compiles at once (the slots and the abandoned compiles)."""
+    waiting = {False: queue.SimpleQueue(), True: queue.SimpleQueue()}
+    """Per class (SCHED_IDLE or not): the job queues of its threads waiting for a compile."""
+    stopped = threading.Event()
+    for idle in waiting:  # one of each class now, while the worker starts and arenas are still free
+        waiting[idle].put(_start_compile_thread(waiting[idle], idle, stopped))
     # No compile is held in this frame while it waits: a dropped compiler must be collectable (its finalizer
-    # stops its judges).
-    while _launch(launches.get()):
+    # stops its judges and this thread).
+    while _launch(launches.get(), waiting, stopped):
         pass
+    stopped.set()  # a thread busy now ends after its compile; those waiting end here
+    for threads in waiting.values():
+        while not threads.empty():
+            threads.get_nowait().put(None)
 
 
-def _launch(launch) -> bool:
+def _launch(launch, waiting: dict[bool, queue.SimpleQueue], stopped: threading.Event) -> bool:
     if launch is None:
         return False
-    threading.Thread(target=launch[0], args=launch[1], name="grammar", daemon=True).start()
+    fn, args, idle = launch
+    if waiting[idle].empty():  # only this thread takes from it
+        jobs = _start_compile_thread(waiting[idle], idle, stopped)
+    else:
+        jobs = waiting[idle].get_nowait()
+    jobs.put((fn, args))
     return True
+
+
+def _start_compile_thread(waiting: queue.SimpleQueue, idle: bool, stopped: threading.Event) -> queue.SimpleQueue:
+    jobs: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_compile_thread, args=(jobs, waiting, idle, stopped), name="grammar", daemon=True).start()
+    return jobs
+
+
+def _compile_thread(jobs: queue.SimpleQueue, waiting: queue.SimpleQueue, idle: bool,
+                    stopped: threading.Event) -> None:
+    # A thread's first allocation from glibc's malloc binds it to an arena for life; made at once, while few
+    # threads exist, it finds one of its own (past the cap, glibc hands out the arenas in use in turn).
+    first = bytearray(4096)  # past Python's small-object allocator: a malloc
+    del first
+    _lower_priority(idle)
+    while (job := jobs.get()) is not None:
+        job[0](*job[1])
+        del job  # it holds the compiler, which must stay collectable while this thread waits
+        waiting.put(jobs)
+        if stopped.is_set():  # after joining the waiting: the launcher's last look finds it or this does
+            return
 
 
 def _thread_clock() -> int | None:
