@@ -335,8 +335,9 @@ class WorkerSettings(BaseSettings):
     """glibc malloc arenas the worker process may use, set at start (0: glibc's default, 8 per core). With 2,
     the grammar compile threads shared the engine thread's arena, and the grammars they built, kept for minutes
     in the cache, pinned holes between the engine's per-step temporaries: the soak's free heap grew for its
-    first quarter hour. With 8 they get arenas of their own. Fewer arenas keep less free memory (3,000
-    distinct schemas compiled alone: 3 MB more with 8 than with 2, levelling); docs/memory.md."""
+    first quarter hour. With 8 they get arenas of their own (the compile threads live as long as the worker, so
+    each keeps the one it was given). Fewer arenas keep less free memory (3,000 distinct schemas compiled
+    alone: 3 MB more with 8 than with 2, levelling); docs/memory.md."""
     malloc_mmap_threshold_bytes: int = Field(4 * 1024**2, ge=0)
     """Blocks of this size and more get pages of their own, handed back to the kernel when freed (glibc's
     M_MMAP_THRESHOLD, set at start); 0: glibc's default, which rises to the size of every large block freed,
