@@ -130,7 +130,8 @@ def mappings(pid: int | None = None) -> list[tuple[int, int, int, str]] | None:
                 head, _, rest = line.partition(" ")
                 if "-" in head and not head.endswith(":"):
                     start, end = (int(x, 16) for x in head.split("-"))
-                    name = rest.split(None, 4)[4].strip() if len(rest.split(None, 4)) > 4 else ""
+                    fields = rest.split(None, 4)  # perms, offset, device, inode, then the name if any
+                    name = fields[4].strip() if len(fields) > 4 else ""
                     out.append((start, end - start, 0, name))
                 elif head == "Rss:" and out:
                     start, size, _, name = out[-1]
