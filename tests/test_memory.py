@@ -51,6 +51,50 @@ def test_the_arena_cap_is_accepted_and_zero_leaves_the_default():
     assert memory.limit_arenas(8) is True
 
 
+_ARENAS_OF_THREADS = """
+import ctypes, sys, threading
+from worker import memory
+from worker.config import WorkerSettings
+memory.limit_arenas(WorkerSettings().malloc_arena_max)  # as serve() does, before any thread
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+
+def arena():
+    # A thread's first malloc binds it to an arena; a non-main arena's heaps are 64 MiB-aligned, and the main
+    # arena's lie in the program's brk heap, far from them.
+    block = libc.malloc(64)
+    libc.free(block)
+    return block & ~(64 * 2**20 - 1)
+
+count = int(sys.argv[1])
+arenas, all_in = [arena()], threading.Barrier(count + 1)
+
+def run():
+    arenas.append(arena())
+    all_in.wait()  # alive until all have allocated: a thread that ends hands its arena to the next one
+
+threads = [threading.Thread(target=run) for _ in range(count)]
+for t in threads:
+    t.start()
+all_in.wait()
+print(len(set(arenas)))
+"""
+
+
+def test_each_thread_of_a_worker_gets_an_arena_of_its_own_at_the_default_cap():
+    # A worker runs about 15 threads on 2 cores (the event loop, the engine, torch's and llguidance's pools, the
+    # grammar compile threads, the metrics server), more with more cores. Past the cap glibc hands out the
+    # arenas in use in turn, and a grammar compile thread that shared the engine thread's arena left grammars
+    # between the engine's per-step temporaries: 40 threads and the main one, each in an arena of its own.
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _ARENAS_OF_THREADS, "40"], capture_output=True, text=True,
+                         check=True, timeout=60)
+    assert int(out.stdout) == 41
+
+
 def test_resident_size_and_python_blocks_are_read():
     assert memory.resident_bytes() > 10 * MB
     assert memory.resident_bytes(999_999_999) is None

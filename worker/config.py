@@ -331,19 +331,21 @@ class WorkerSettings(BaseSettings):
     cancel_sync_timeout_s: float = Field(3.0, ge=0)
     """At start, how long request intake waits for the control topic to be read up to date (so that a
     redelivered request that was cancelled is not run first); past it intake starts anyway."""
-    malloc_arena_max: int = Field(8, ge=0)
-    """glibc malloc arenas the worker process may use, set at start (0: glibc's default, 8 per core). With 2,
-    the grammar compile threads shared the engine thread's arena, and the grammars they built, kept for minutes
-    in the cache, pinned holes between the engine's per-step temporaries: the soak's free heap grew for its
-    first quarter hour. With 8 they get arenas of their own (the compile threads live as long as the worker, so
-    each keeps the one it was given). Fewer arenas keep less free memory (3,000 distinct schemas compiled
-    alone: 3 MB more with 8 than with 2, levelling); docs/memory.md."""
+    malloc_arena_max: int = Field(128, ge=0)
+    """glibc malloc arenas the worker process may use, set at start (0: glibc's default, 8 per core). More than
+    the threads a worker runs (15 on 2 cores: the event loop, the engine, torch's and llguidance's pools, the
+    grammar compile threads, the metrics server), so that no thread shares another's arena: glibc binds a
+    thread to an arena at its first malloc and, past the cap, hands out the arenas in use in turn. With 8, a
+    grammar compile thread shared the engine thread's arena, and the grammars it built, kept for minutes in the
+    cache, pinned pages between the engine's per-step temporaries (docs/memory.md). An arena only holds what
+    its threads allocate, and the free pages of each go back to the kernel every WORKER_MALLOC_TRIM_INTERVAL_S.
+    """
     malloc_mmap_threshold_bytes: int = Field(4 * 1024**2, ge=0)
     """Blocks of this size and more get pages of their own, handed back to the kernel when freed (glibc's
     M_MMAP_THRESHOLD, set at start); 0: glibc's default, which rises to the size of every large block freed,
     so that a burst's multi-megabyte temporaries stay in the arenas as free heap. 4 MiB reaches the float32
-    logits of steps with 22 rows and more (SmolLM2's vocabulary). With 8 arenas it kept the 30-minute soak's
-    RSS flat, its rebalance burst included. The cost is page faults on those steps: 10 % of throughput with
+    logits of steps with 22 rows and more (SmolLM2's vocabulary). It keeps a burst's largest temporaries out of
+    the arenas. The cost is page faults on those steps: 10 % of throughput with
     120 requests at once on the CPU (17 % at 128 KiB); 0 and WORKER_MALLOC_ARENA_MAX=2 give it back
     (docs/memory.md)."""
     malloc_trim_interval_s: float = Field(60.0, ge=0)

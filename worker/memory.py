@@ -1,17 +1,15 @@
 """The process's memory: how glibc's allocator is set up, what it holds, and the Python heap (docs/memory.md).
 
-Why the allocator needs settings: glibc malloc gives each thread that allocates an arena of its own (up to
-8 x cores of them), and memory freed into an arena stays there for that arena's reuse. A worker allocates
-from many threads: the event loop, the engine thread, llguidance's compile threads (one per compile) and its
-mask pool, torch's. A compiled grammar is built on a compile thread, kept in the engine's cache, and freed on
-another thread when a newer one evicts it; each arena then holds holes between long-lived blocks that its own
-threads rarely fill. With a distinct schema per request that grew the process by ~35 KB per schema after the
-grammar cache was full (a 256-entry cache, 2,000 schemas compiled beside it, glibc's default of 16 arenas).
-With two arenas, though, the compile threads share the engine thread's arena, and their grammars pin holes
-between its per-step temporaries. So the worker caps the arenas (`WORKER_MALLOC_ARENA_MAX`, 8), fixes the
-mmap threshold (`WORKER_MALLOC_MMAP_THRESHOLD_BYTES`, 4 MiB: a burst's largest temporaries get pages of their
-own), and hands free pages back to the kernel now and then (`malloc_trim`, every
-`WORKER_MALLOC_TRIM_INTERVAL_S`).
+Why the allocator needs settings: glibc malloc binds each thread to an arena at its first malloc (a new one
+while fewer than the cap exist, else the arenas in use in turn), and memory freed into an arena stays there
+for that arena's reuse. A worker allocates from about 15 threads on 2 cores: the event loop, the engine
+thread, torch's and llguidance's pools, the grammar compile threads (which live as long as the worker), the
+metrics server's. A compiled grammar is built on a compile thread and kept for minutes in the engine's cache;
+when a compile thread shared the engine thread's arena (8 arenas for 15 threads), the grammars pinned pages
+between the engine's per-step temporaries, and the soak grew by megabytes. So the worker sets the cap above
+the threads it runs (`WORKER_MALLOC_ARENA_MAX`, 128: an arena each), fixes the mmap threshold
+(`WORKER_MALLOC_MMAP_THRESHOLD_BYTES`, 4 MiB: a burst's largest temporaries get pages of their own), and hands
+free pages back to the kernel now and then (`malloc_trim`, every `WORKER_MALLOC_TRIM_INTERVAL_S`).
 
 Pure ctypes on the C library the process already has: on a libc without these calls (musl, macOS) every
 function here answers None or False and changes nothing.
