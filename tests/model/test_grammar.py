@@ -62,35 +62,41 @@ def _schema(i: int) -> str:
     return json.dumps({"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]})
 
 
-def _grammar_threads() -> set[int]:
-    return {t.ident for t in threading.enumerate() if t.name == "grammar"}
+def _grammar_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "grammar"}
 
 
 @pytest.mark.parametrize("end", ["close", "drop"])
-def test_compiles_reuse_their_threads_and_a_finished_compiler_leaves_none(tokenizer, end):
+def test_compile_threads_start_with_the_compiler_and_a_finished_compiler_leaves_none(tokenizer, end):
     # A thread per compile took the next glibc arena in turn, the engine's among them, and left each grammar
-    # among the forward pass's temporaries there: the worker's resident size grew after every burst.
+    # among the forward pass's temporaries there; a thread started by a later burst takes a fresh arena and
+    # fills it with grammars while the others' arenas are left half empty: the worker's resident size grew
+    # after every burst. So the threads are a fixed set from the start: a thread per slot and priority class.
     import gc
     import time
 
     before = _grammar_threads()
-    compiler = GrammarCompiler(tokenizer, VOCAB, (EOS,))
-    for i in range(12):  # one after another: the same thread each time
+    compiler = GrammarCompiler(tokenizer, VOCAB, (EOS,), max_workers=2)
+    deadline = time.monotonic() + 10
+    while len(_grammar_threads() - before) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    started = _grammar_threads() - before
+    assert len(started) == 4
+    for i in range(12):  # one after another
         assert compiled(compiler, "json_schema", _schema(i)).error is None
-    # Twelve at once: at most the slots' worth of threads (and one more of the other priority class).
-    assert all(f.result(timeout=30).error is None
-               for f in [compiler.submit("json_schema", _schema(100 + i)) for i in range(12)])
-    used = _grammar_threads() - before
-    assert 1 <= len(used) <= 2
+    # Forty at once, each slot's next compile started as the last one ends: no thread more.
+    assert all(f.result(timeout=60).error is None
+               for f in [compiler.submit("json_schema", _schema(100 + i)) for i in range(40)])
+    assert _grammar_threads() - before == started
     if end == "close":
         compiler.close()
     else:
         del compiler
         gc.collect()
     deadline = time.monotonic() + 10
-    while _grammar_threads() & used and time.monotonic() < deadline:
+    while _grammar_threads() & started and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _grammar_threads() & used
+    assert not _grammar_threads() & started
 
 
 def test_the_cache_keeps_the_most_recent_specs(tokenizer):
@@ -133,6 +139,21 @@ def test_matchers_advance_independently_and_end_when_the_grammar_is_complete(com
     assert quote in allowed_ids(bitmask[0]) and EOS not in allowed_ids(bitmask[0])
     with pytest.raises(GrammarError, match="doesn't satisfy the grammar"):
         second.advance(tokenizer.encode("maybe", add_special_tokens=False)[0])
+
+
+def test_the_bitmask_buffer_is_made_at_the_largest_step_and_never_grown(tokenizer):
+    # Grown by a burst, it would be carved from the engine thread's arena above what that step left alive.
+    sized = GrammarCompiler(tokenizer, VOCAB, (EOS,), max_rows=6)
+    try:
+        grammar = compiled(sized, "regex", "[0-9]+")
+        buffer = sized._bitmask
+        assert buffer.shape[0] == 6
+        for rows in (1, 6, 3):
+            bitmask, dead = sized.fill_bitmask([sized.matcher(grammar) for _ in range(rows)])
+            assert bitmask.shape[0] == rows and dead == []
+            assert sized._bitmask is buffer
+    finally:
+        sized.close()
 
 
 def test_a_complete_grammar_that_could_go_on_ends_at_eos(compiler, tokenizer):

@@ -34,6 +34,7 @@ reached after the model's own choices) is a `GrammarError` at that step (engine/
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -223,8 +224,10 @@ class GrammarCompiler:
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], max_workers: int = 1,
                  cache_size: int = CACHE_SIZE, limits: GrammarLimits | None = None,
-                 judge_processes: int | None = None, busy: Callable[[], bool] | None = None) -> None:
-        """`busy`: whether the engine has requests running now; the judges yield to it (grammar_judge.py)."""
+                 judge_processes: int | None = None, busy: Callable[[], bool] | None = None,
+                 max_rows: int = 0) -> None:
+        """`busy`: whether the engine has requests running now; the judges yield to it (grammar_judge.py).
+        `max_rows`: the most matchers a step fills at once (the engine's max_num_seqs)."""
         self.vocab_size = vocab_size
         self._busy = busy
         self.eos_token_ids = tuple(eos_token_ids)
@@ -249,7 +252,8 @@ class GrammarCompiler:
         self._launches: queue.SimpleQueue = queue.SimpleQueue()
         # Compile threads are started by this thread, never by a compile thread: a thread inherits its
         # creator's scheduling class, and one at SCHED_IDLE may not go back without privilege.
-        threading.Thread(target=_launcher, args=(self._launches,), name="grammar-launcher", daemon=True).start()
+        threading.Thread(target=_launcher, args=(self._launches, max_workers), name="grammar-launcher",
+                         daemon=True).start()
         weakref.finalize(self, self._launches.put, None)  # a compiler dropped unclosed stops its threads
         self._num_slots = max_workers
         self._num_abandoned = 0
@@ -264,7 +268,10 @@ class GrammarCompiler:
         self._judges: JudgePool | None = None
         self._num_judges = judge_processes
         self._executor = llguidance.LLExecutor()
-        self._bitmask = np.empty((0, bitmask_width(vocab_size)), dtype=np.int32)
+        # Made and touched at its largest now, on the engine's thread: grown later by a burst, it would be carved
+        # from the engine thread's arena above whatever that step left alive there (docs/memory.md).
+        self._bitmask = np.zeros((max_rows, bitmask_width(vocab_size)), dtype=np.int32)
+        self._bitmask.fill(0)
         self.num_compiled = 0
         self.num_judged = 0
         """Grammars the first pass could not settle, sent to the judge."""
@@ -342,8 +349,9 @@ class GrammarCompiler:
             self._credit_at = now
             return self._cpu_credit > 0
 
-    def _run(self, kind: str, spec: str, future: Future[Compiled], shared: bool) -> None:
-        """On a compile thread at COMPILE_NICE (`shared`) or at SCHED_IDLE."""
+    def _run(self, kind: str, spec: str, future: Future[Compiled], shared: bool) -> Callable[[], None]:
+        """On a compile thread at COMPILE_NICE (`shared`) or at SCHED_IDLE; returns what settles the compile,
+        which the thread calls once it waits for the next one (_compile_thread)."""
         clock = _thread_clock()
         with self._lock:
             if future in self._running:
@@ -353,9 +361,12 @@ class GrammarCompiler:
             result = self._compile(kind, spec)
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
             result = exc
+        return functools.partial(self._settle, kind, spec, future, result, time.thread_time() - cpu if shared else 0.0)
+
+    def _settle(self, kind: str, spec: str, future: Future[Compiled], result, cpu_s: float) -> None:
+        """A first pass's outcome to its future (or to the judges), its slot to the next compile queued."""
         with self._lock:
-            if shared:
-                self._cpu_credit -= time.thread_time() - cpu
+            self._cpu_credit -= cpu_s
             if self._running.pop(future, None) is None:  # the budget gave up on it: its refusal stands
                 self._num_abandoned -= 1
                 return
@@ -532,46 +543,49 @@ def _lower_priority(idle: bool = False) -> None:
         pass
 
 
-def _launcher(launches: queue.SimpleQueue) -> None:
+def _launcher(launches: queue.SimpleQueue, num_slots: int) -> None:
     """Hands each compile to a waiting compile thread of its class (COMPILE_NICE or SCHED_IDLE), starting one
-    when none waits. The threads outlive their compiles, so each keeps the glibc arena it was given: a compile
-    thread started per compile took the next arena in turn, the engine's among them, and left its grammar
-    (alive in the cache for minutes) between the forward pass's temporaries there (docs/memory.md). A class
-    has at most as many threads as it ever ran compiles at once (the slots and the abandoned compiles)."""
-    waiting = {False: queue.SimpleQueue(), True: queue.SimpleQueue()}
-    """Per class (SCHED_IDLE or not): the job queues of its threads waiting for a compile."""
+    when none waits. The threads outlive their compiles, so each keeps the glibc arena it was given, and the
+    grammars it builds (alive in the cache for minutes) stay there, away from the forward pass's temporaries
+    (docs/memory.md). Each class starts with a thread per slot, while the worker starts; a later one starts
+    only beside an abandoned compile, so a burst of distinct formats never brings a thread with a fresh arena
+    to fill with grammars while the old ones' arenas are left half empty."""
+    waiting: dict[bool, deque[queue.SimpleQueue]] = {False: deque(), True: deque()}
+    """Per class (SCHED_IDLE or not): the job queues of its threads waiting for a compile, the thread that
+    waited least last (its caches and pages are warm; the others' arenas stay as they were)."""
     stopped = threading.Event()
-    for idle in waiting:  # one of each class now, while the worker starts and arenas are still free
-        waiting[idle].put(_start_compile_thread(waiting[idle], idle, stopped))
+    for idle in waiting:
+        for _ in range(num_slots):
+            waiting[idle].append(_start_compile_thread(waiting[idle], idle, stopped))
     # No compile is held in this frame while it waits: a dropped compiler must be collectable (its finalizer
     # stops its judges and this thread).
     while _launch(launches.get(), waiting, stopped):
         pass
     stopped.set()  # a thread busy now ends after its compile; those waiting end here
     for threads in waiting.values():
-        while not threads.empty():
-            threads.get_nowait().put(None)
+        while threads:
+            threads.pop().put(None)
 
 
-def _launch(launch, waiting: dict[bool, queue.SimpleQueue], stopped: threading.Event) -> bool:
+def _launch(launch, waiting: dict[bool, deque[queue.SimpleQueue]], stopped: threading.Event) -> bool:
     if launch is None:
         return False
     fn, args, idle = launch
-    if waiting[idle].empty():  # only this thread takes from it
+    try:
+        jobs = waiting[idle].pop()
+    except IndexError:  # every thread of the class is busy: a compile was abandoned to its budget
         jobs = _start_compile_thread(waiting[idle], idle, stopped)
-    else:
-        jobs = waiting[idle].get_nowait()
     jobs.put((fn, args))
     return True
 
 
-def _start_compile_thread(waiting: queue.SimpleQueue, idle: bool, stopped: threading.Event) -> queue.SimpleQueue:
+def _start_compile_thread(waiting: deque[queue.SimpleQueue], idle: bool, stopped: threading.Event) -> queue.SimpleQueue:
     jobs: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_compile_thread, args=(jobs, waiting, idle, stopped), name="grammar", daemon=True).start()
     return jobs
 
 
-def _compile_thread(jobs: queue.SimpleQueue, waiting: queue.SimpleQueue, idle: bool,
+def _compile_thread(jobs: queue.SimpleQueue, waiting: deque[queue.SimpleQueue], idle: bool,
                     stopped: threading.Event) -> None:
     # A thread's first allocation from glibc's malloc binds it to an arena for life; made at once, while few
     # threads exist, it finds one of its own (past the cap, glibc hands out the arenas in use in turn).
@@ -579,11 +593,15 @@ def _compile_thread(jobs: queue.SimpleQueue, waiting: queue.SimpleQueue, idle: b
     del first
     _lower_priority(idle)
     while (job := jobs.get()) is not None:
-        job[0](*job[1])
+        then = job[0](*job[1])
         del job  # it holds the compiler, which must stay collectable while this thread waits
-        waiting.put(jobs)
-        if stopped.is_set():  # after joining the waiting: the launcher's last look finds it or this does
-            return
+        # Waiting again before `then` frees the compile's slot: the next compile it starts finds this thread.
+        waiting.append(jobs)
+        if then is not None:
+            then()
+            del then
+        if stopped.is_set() and jobs.empty():  # after joining the waiting: the launcher's last look finds it
+            return                              # or this does; a compile handed over before the stop still runs
 
 
 def _thread_clock() -> int | None:

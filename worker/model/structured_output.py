@@ -48,9 +48,11 @@ class Ready(NamedTuple):
 
 class StructuredOutputManager:
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], limits: GrammarLimits,
-                 num_threads: int = 1, busy: Callable[[], bool] | None = None) -> None:
-        """`busy`: whether the engine has requests running now (GrammarCompiler)."""
+                 num_threads: int = 1, busy: Callable[[], bool] | None = None, max_rows: int = 0) -> None:
+        """`busy`: whether the engine has requests running now; `max_rows`: the most rows a step has
+        (GrammarCompiler)."""
         self._busy = busy
+        self._max_rows = max_rows
         self._tokenizer_args = (hf_tokenizer, vocab_size, tuple(eos_token_ids))
         self.limits = limits
         self._num_threads = num_threads
@@ -69,7 +71,7 @@ class StructuredOutputManager:
         if self._compiler is None:
             tokenizer, vocab_size, eos_token_ids = self._tokenizer_args
             self._compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids, max_workers=self._num_threads,
-                                             limits=self.limits, busy=self._busy)
+                                             limits=self.limits, busy=self._busy, max_rows=self._max_rows)
         return self._compiler
 
     # ---- requests in ------------------------------------------------------------------------------
