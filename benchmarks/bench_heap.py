@@ -10,9 +10,9 @@ prints the resident size and glibc's heap (in use, free); at the end, glibc's ow
 (malloc_info) goes to `--malloc-info` when given.
 
     .venv/bin/python -m benchmarks.bench_heap --requests 5000 --in-flight 16
-    .venv/bin/python -m benchmarks.bench_heap --requests 5000 --in-flight 16 --arena-max 8
+    .venv/bin/python -m benchmarks.bench_heap --requests 5000 --in-flight 16 --arena-max 2
     .venv/bin/python -m benchmarks.bench_heap --requests 4000 --in-flight 8 --burst-every 500 --burst-size 64 \
-        --arena-max 8 --mmap-threshold 4194304        # the worker's defaults, with a burst every 500 finals
+        --mmap-threshold 4194304        # the worker's defaults, with a burst every 500 finals
 
 Run it on a quiet machine: the rise depends on how the threads' allocations interleave, and a run beside
 other work came out flat where the same run alone rose.
@@ -48,7 +48,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=5000, help="finals to wait for (an n = 2 request gives two)")
     p.add_argument("--in-flight", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=12)
-    p.add_argument("--arena-max", type=int, default=2, help="WORKER_MALLOC_ARENA_MAX")
+    p.add_argument("--arena-max", type=int, default=128, help="WORKER_MALLOC_ARENA_MAX (the worker's default)")
     p.add_argument("--mmap-threshold", type=int, default=0, help="WORKER_MALLOC_MMAP_THRESHOLD_BYTES")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--every", type=int, default=250)
