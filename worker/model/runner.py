@@ -181,6 +181,8 @@ class ModelRunner(PersistentInputRunner):
                        if triton_interpreted() else "as the caller asked")
                 log.info("decode steps of up to %d requests run padded to batch sizes %s from static buffers, "
                          "eagerly (no CUDA graph capture %s)", self.graphs.sizes[-1], self.graphs.sizes, why)
+        if self.device.type == "cpu":
+            log.info("burst-sized steps run once in %.2f s", self._run_burst_steps())
         if self.device.type == "cuda" and not triton_interpreted():
             lengths = self.backend.prompt_lengths_to_compile(
                 c.num_heads, c.num_kv_heads, c.head_dim,
@@ -210,6 +212,51 @@ class ModelRunner(PersistentInputRunner):
             if rows <= max_sampled_rows:
                 hidden = torch.zeros(rows, c.hidden_size, device=self.device, dtype=self.dtype)
                 self.model.lm_head_logits(hidden, self._kept_logits)
+        return time.perf_counter() - start
+
+    def burst_steps(self) -> list[list[tuple[int, int]]]:
+        """Steps of the shapes a burst brings (a rebalance handing back a backlog, a flood): each a list of
+        (new tokens, cached tokens) per request, within the engine's limits."""
+        s = self.settings
+        rows, budget = min(64, s.max_num_seqs), s.max_num_batched_tokens
+        room = min(self.max_model_len, self.num_blocks * self.block_size)
+
+        def fit(new: int, cached: int) -> tuple[int, int]:  # scaled down to the context the cache holds
+            new = 1 if new == 1 else max(1, min(new, budget, room // 2))
+            return new, max(0, min(cached, room - new))
+
+        steps = [
+            [fit(1, 8 + 6 * i) for i in range(rows)],  # decodes over many contexts: several groups
+            [fit(1, 40)] * rows,
+            [fit(1, 300)] * rows,
+            [fit(64, 0)] * max(1, min(rows, budget // 64)),  # fresh prompts
+            [fit(200, 300)],  # a chunk after a cached context
+            [fit(budget // 4, 50), fit(budget // 8, 20)] + [fit(1, 100)] * (rows // 2),
+            [fit(budget // 2, 0), fit(budget // 4, 0)] + [fit(1, 60)] * (rows // 4),
+        ]
+        return [step for step in steps if sum(new for new, _ in step) <= budget]
+
+    @torch.inference_mode()
+    def _run_burst_steps(self) -> float:
+        """Run `burst_steps` once through the whole forward, so that the libraries' code a burst runs (torch
+        picks its kernels, and whether to run them on its thread pool, by size) is paged in now: first run
+        by a rebalance's burst, it added 0.7 MB of libtorch's pages to the resident size for good
+        (docs/memory.md). The steps write K/V into the first blocks, zeroed again after (no request holds a
+        block yet). Seconds taken."""
+        start, used = time.perf_counter(), 0
+        for n, step in enumerate(self.burst_steps()):
+            ids = [f"burst-{n}-{i}" for i in range(len(step))]
+            tables = [list(range(-(-(new + cached) // self.block_size))) for new, cached in step]
+            used = max(used, *(len(t) for t in tables))
+            batch = StepRequests(request_ids=ids, block_ids=tables, num_computed=[c for _, c in step],
+                                 num_new=[new for new, _ in step], samples=[True] * len(step),
+                                 input_ids=[0] * sum(new for new, _ in step))
+            self.execute(self.prepare_input(batch), keep=True)
+            self.release(ids)
+        self.kv_cache[:, :, :used].zero_()
+        if self.graphs is not None:  # its step counts are the engine's, from the first request on
+            self.graphs.steps_by_bucket.clear()
+            self.graphs.num_padding_rows = 0
         return time.perf_counter() - start
 
     @torch.inference_mode()
