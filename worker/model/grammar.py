@@ -600,9 +600,8 @@ def _compile_thread(jobs: queue.SimpleQueue, waiting: deque[queue.SimpleQueue], 
         del job  # it holds the compiler, which must stay collectable while this thread waits
         # Waiting again before `then` frees the compile's slot: the next compile it starts finds this thread.
         waiting.append(jobs)
-        if then is not None:
-            then()
-            del then
+        then()
+        del then
         if stopped.is_set() and jobs.empty():  # after joining the waiting: the launcher's last look finds it
             return                              # or this does; a compile handed over before the stop still runs
 

@@ -236,16 +236,25 @@ class ModelRunner(PersistentInputRunner):
         ]
         return [step for step in steps if sum(new for new, _ in step) <= budget]
 
-    @torch.inference_mode()
     def _run_burst_steps(self) -> float:
         """Run `burst_steps` once through the whole forward, so that the libraries' code a burst runs (torch
         picks its kernels, and whether to run them on its thread pool, by size) is paged in now: first run
         by a rebalance's burst, it added 0.7 MB of libtorch's pages to the resident size for good
-        (docs/memory.md). The steps write K/V into the first blocks, zeroed again after (no request holds a
-        block yet). Seconds taken."""
-        start, used = time.perf_counter(), 0
-        for n, step in enumerate(self.burst_steps()):
-            ids = [f"burst-{n}-{i}" for i in range(len(step))]
+        (docs/memory.md). Seconds taken."""
+        start = time.perf_counter()
+        self._run_steps(self.burst_steps())
+        if self.graphs is not None:  # its step counts are the engine's, from the first request on
+            self.graphs.steps_by_bucket.clear()
+            self.graphs.num_padding_rows = 0
+        return time.perf_counter() - start
+
+    @torch.inference_mode()
+    def _run_steps(self, steps: list[list[tuple[int, int]]]) -> None:
+        """Steps of (new tokens, cached tokens) per request through the whole forward before any request
+        comes. They write K/V into the first blocks, zeroed again after (no request holds a block yet)."""
+        used = 0
+        for n, step in enumerate(steps):
+            ids = [f"start-up-{n}-{i}" for i in range(len(step))]
             tables = [list(range(-(-(new + cached) // self.block_size))) for new, cached in step]
             used = max(used, *(len(t) for t in tables))
             batch = StepRequests(request_ids=ids, block_ids=tables, num_computed=[c for _, c in step],
@@ -254,25 +263,13 @@ class ModelRunner(PersistentInputRunner):
             self.execute(self.prepare_input(batch), keep=True)
             self.release(ids)
         self.kv_cache[:, :, :used].zero_()
-        if self.graphs is not None:  # its step counts are the engine's, from the first request on
-            self.graphs.steps_by_bucket.clear()
-            self.graphs.num_padding_rows = 0
-        return time.perf_counter() - start
 
-    @torch.inference_mode()
     def _run_prompts(self, lengths: tuple[int, ...]) -> float:
         """One prompt step of each length through the whole forward, so that every kernel compiled on first use
         (the backend's `prompt_lengths_to_compile`) is built before the first request; on an H200 each compile
-        took 0.4 to 1.1 s, which the first request of its kind waited. The steps write K/V into the first
-        blocks, zeroed again after (no request holds a block yet). Seconds taken."""
+        took 0.4 to 1.1 s, which the first request of its kind waited. Seconds taken."""
         start = time.perf_counter()
-        for length in lengths:
-            blocks = list(range(-(-length // self.block_size)))
-            step = StepRequests(request_ids=["compile"], block_ids=[blocks], num_computed=[0], num_new=[length],
-                                samples=[True], input_ids=[0] * length)
-            self.execute(self.prepare_input(step))
-            self.release(["compile"])
-            self.kv_cache[:, :, :len(blocks)].zero_()
+        self._run_steps([[(length, 0)] for length in lengths])
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
 
