@@ -179,3 +179,18 @@ def test_closing_the_engine_stops_its_grammar_judges(tiny_model_path: Path, monk
     # A constrained request after close starts a fresh compiler.
     assert engine.generate([request])["enum"].finish_reason in ("stop", "length")
     engine.close()
+
+
+@pytest.mark.parametrize("cache_size, compiled_again", [(2, 1), (4, 0)])
+def test_a_format_is_compiled_again_once_more_than_the_cache_size_came_after_it(tiny_model_path: Path, cache_size,
+                                                                               compiled_again):
+    engine = LLMEngine(EngineSettings(model=str(tiny_model_path), device="cpu", dtype="float32",
+                                      attention_backend="torch", block_size=16, num_kv_blocks=64,
+                                      max_num_batched_tokens=128, max_num_seqs=4, max_model_len=192,
+                                      grammar_compile_timeout_s=60.0, grammar_cache_size=cache_size))
+    names = ["enums", "numbers", "arrays"]
+    for name in names:
+        engine.generate([schema_request(f"{name}-first", name, max_new_tokens=4)])
+    before = engine.structured.compiler.num_compiled
+    engine.generate([schema_request("enums-again", "enums", max_new_tokens=4)])
+    assert engine.structured.compiler.num_compiled - before == compiled_again

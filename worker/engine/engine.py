@@ -121,7 +121,8 @@ class LLMEngine:
             self.tokenizer, self.runner.vocab_size, tuple(self.runner.eos_token_ids),
             grammar_limits(self.settings), self.settings.grammar_compile_threads,
             # The list's own method: the judges' threads must not keep the engine alive.
-            busy=self.scheduler.running.__len__, max_rows=self.settings.max_num_seqs)
+            busy=self.scheduler.running.__len__, max_rows=self.settings.max_num_seqs,
+            cache_size=self.settings.grammar_cache_size)
         self.async_scheduling = async_scheduling(self.settings.async_scheduling, self.runner)
         self._inflight: _InFlight | None = None
         """With async scheduling: the step launched by the last step() call, whose tokens the next one applies."""

@@ -59,8 +59,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-CACHE_SIZE = 256
-"""Distinct grammars kept compiled (failures included)."""
+CACHE_SIZE = 64
+"""Distinct grammars kept compiled (failures included); the engine passes ENGINE_GRAMMAR_CACHE_SIZE."""
 COMPILE_NICE = 10
 """Nice value of the compile threads (CFS gives a thread at 10 about a tenth of a core beside a busy one at 0)."""
 COMPILE_CPU_SHARE = 0.02

@@ -24,7 +24,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from worker.model.grammar import Compiled, GrammarCompiler, GrammarError, GrammarLimits, Matcher
+from worker.model.grammar import CACHE_SIZE, Compiled, GrammarCompiler, GrammarError, GrammarLimits, Matcher
 
 GRAMMAR_POLL_S = 0.002
 """While a grammar compiles (on its own thread) and nothing else can run, the engine looks again this often."""
@@ -48,10 +48,12 @@ class Ready(NamedTuple):
 
 class StructuredOutputManager:
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], limits: GrammarLimits,
-                 num_threads: int = 1, busy: Callable[[], bool] | None = None, max_rows: int = 0) -> None:
-        """`busy`: whether the engine has requests running now; `max_rows`: the most rows a step has
-        (GrammarCompiler)."""
+                 num_threads: int = 1, busy: Callable[[], bool] | None = None, max_rows: int = 0,
+                 cache_size: int = CACHE_SIZE) -> None:
+        """`busy`: whether the engine has requests running now; `max_rows`: the most rows a step has;
+        `cache_size`: distinct grammars kept compiled (GrammarCompiler)."""
         self._busy = busy
+        self._cache_size = cache_size
         self._max_rows = max_rows
         self._tokenizer_args = (hf_tokenizer, vocab_size, tuple(eos_token_ids))
         self.limits = limits
@@ -71,7 +73,8 @@ class StructuredOutputManager:
         if self._compiler is None:
             tokenizer, vocab_size, eos_token_ids = self._tokenizer_args
             self._compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids, max_workers=self._num_threads,
-                                             limits=self.limits, busy=self._busy, max_rows=self._max_rows)
+                                             limits=self.limits, busy=self._busy, max_rows=self._max_rows,
+                                             cache_size=self._cache_size)
         return self._compiler
 
     # ---- requests in ------------------------------------------------------------------------------
