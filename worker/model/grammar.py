@@ -657,8 +657,19 @@ def fill_word_cache(tokenizer: llguidance.LLTokenizer, num_words: int = WORD_CAC
     property names, a regex's fixed text. The Rust library keeps every new word, up to 10,000 (about 2 MB)
     and never evicts one. Distinct formats (a property name per request) filled it for hours, about 225 bytes
     each: 6,000 distinct schemas grew glibc's heap 1.36 MB, and 0.06 MB once it was full. Full from the
-    start, it holds the same 2 MB and a later word is tokenized without being kept (60 ms, once)."""
-    tokenizer.tokenize_str("".join(f" llgfill{i}x" for i in range(num_words)))
+    start, it holds the same 2-3 MB and a later word is tokenized without being kept (60 ms, once). The words
+    are letters only: a pre-tokenizer splits digits off a word (Llama 3's into groups of three), so numbered
+    words would be too few distinct ones."""
+    tokenizer.tokenize_str("".join(f" llg{_letters(i)}" for i in range(num_words)))
+
+
+def _letters(i: int) -> str:
+    """i written in the letters a-z (a distinct word for each i)."""
+    out = chr(97 + i % 26)
+    while i >= 26:
+        i //= 26
+        out += chr(97 + i % 26)
+    return out
 
 
 def _run_into(future: Future, fn, *args) -> None:
