@@ -654,12 +654,12 @@ def fill_word_cache(tokenizer: llguidance.LLTokenizer, num_words: int = WORD_CAC
 
     llguidance rebuilds the Rust tokenizer from its JSON, which does not carry the worker's cache setting
     (load_tokenizer turns the cache off), and tokenizes each grammar's literals with it: a JSON schema's
-    property names, a regex's fixed text. The Rust library keeps every new word, up to 10,000 (about 2 MB)
-    and never evicts one. Distinct formats (a property name per request) filled it for hours, about 225 bytes
-    each: 6,000 distinct schemas grew glibc's heap 1.36 MB, and 0.06 MB once it was full. Full from the
-    start, it holds the same 2-3 MB and a later word is tokenized without being kept (60 ms, once). The words
-    are letters only: a pre-tokenizer splits digits off a word (Llama 3's into groups of three), so numbered
-    words would be too few distinct ones."""
+    property names, a regex's fixed text. The Rust library keeps every new word, up to 10,000 (2-3 MB by
+    the words' length) and never evicts one. Distinct formats (a property name per request) filled it for
+    hours, about 225 bytes each: 6,000 distinct schemas grew glibc's heap 1.36 MB, and 0.06 MB once it was
+    full. Full from the start, it holds the same 2-3 MB and a later word is tokenized without being kept
+    (60 ms, once). The words are letters only: a pre-tokenizer splits digits off a word (Llama 3's into
+    groups of three), so numbered words would be too few distinct ones."""
     tokenizer.tokenize_str("".join(f" llg{_letters(i)}" for i in range(num_words)))
 
 
