@@ -5,6 +5,7 @@ built at start-up, so a CPU worker's memory stops depending on which token count
 from __future__ import annotations
 
 import gc
+import threading
 
 import pytest
 import torch
@@ -66,6 +67,39 @@ def test_new_row_counts_grow_memory_only_without_buckets(tiny_model_path):
         del runner
     assert growth["on"] < 2.0, growth
     assert growth["off"] > 10 * max(growth["on"], 1.0), growth
+
+
+def _sweep_on_a_new_thread(runner: ModelRunner, prepare: bool) -> float:
+    """MB of glibc's heap that a sweep over every row count leaves on a thread that starts after the runner's
+    start-up (as the engine thread does), with and without `prepare_thread` first."""
+    grown = []
+
+    def sweep() -> None:
+        if prepare:
+            runner.prepare_thread()
+        before = _in_use_mb()
+        _sweep(runner, range(1, 65))
+        grown.append(_in_use_mb() - before)
+
+    thread = threading.Thread(target=sweep)
+    thread.start()
+    thread.join()
+    return grown[0]
+
+
+@pytest.mark.slow  # ~10 s: a bf16 runner, 256 forwards
+@pytest.mark.skipif(not cpu_has_native_bf16(), reason="oneDNN runs bf16 matmuls only on CPUs with bf16 units")
+def test_a_thread_that_steps_after_start_up_grows_memory_at_new_buckets_only_unprepared(tiny_model_path):
+    """ideep caches its kernel descriptors per thread: the buckets built at start-up serve the thread that built
+    them, and another thread that steps builds each bucket's again as it meets it, kept for the thread's life.
+    prepare_thread builds them all for the calling thread before its first step."""
+    runner = ModelRunner(tiny_model_path, tiny_settings(row_buckets="on", dtype="bfloat16", num_kv_blocks=128,
+                                                        max_num_seqs=64))
+    _sweep_on_a_new_thread(runner, prepare=True)  # what any first sweep pages in, once per process
+    prepared = _sweep_on_a_new_thread(runner, prepare=True)
+    unprepared = _sweep_on_a_new_thread(runner, prepare=False)
+    assert prepared < 0.15, (prepared, unprepared)
+    assert unprepared > 2.5 * max(prepared, 0.05), (prepared, unprepared)
 
 
 def _prompts(runner: ModelRunner, lengths: range) -> None:

@@ -3,6 +3,7 @@
 
 import asyncio
 import dataclasses
+import threading
 import time
 
 import pytest
@@ -54,6 +55,38 @@ async def test_abort_ends_a_long_request():
     results = await collect(outputs, {"long"})
     assert results["long"][1].finish_reason == "abort"
     thread.stop()
+
+
+class PreparedEngine(InstantEngine):
+    """Notes on which thread `prepare_thread` ran and how many steps came before it; fails it when asked."""
+
+    def __init__(self, fail: bool) -> None:
+        super().__init__()
+        self.fail, self.prepared_on, self.num_steps = fail, [], 0
+
+    def prepare_thread(self) -> None:
+        self.prepared_on.append((threading.current_thread().name, self.num_steps))
+        if self.fail:
+            raise RuntimeError("no kernels")
+
+    def step(self):
+        self.num_steps += 1
+        return InstantEngine.step(self)
+
+
+@pytest.mark.parametrize("fail", [False, True])
+async def test_the_engine_prepares_the_thread_that_steps_it_before_its_first_step(fail):
+    """The model's per-thread kernel caches are built on the engine thread (docs/memory.md); a failure there
+    costs memory, never serving."""
+    engine = PreparedEngine(fail)
+    outputs: asyncio.Queue = asyncio.Queue()
+    thread = EngineThread(engine, asyncio.get_running_loop(), outputs)
+    thread.start()
+    thread.add(request("r"))
+    results = await collect(outputs, {"r"})
+    assert results["r"][1].finish_reason == "length"
+    thread.stop()
+    assert engine.prepared_on == [("engine", 0)]
 
 
 def ids_in(engine: InstantEngine) -> list[str]:

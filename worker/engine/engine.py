@@ -237,6 +237,15 @@ class LLMEngine:
         each), which would otherwise live until the process exits. A later constrained request starts them again."""
         self.structured.close()
 
+    def prepare_thread(self) -> None:
+        """What the thread that will step this engine builds for itself before its first step (the runner's
+        per-thread kernel caches)."""
+        prepare = getattr(self.runner, "prepare_thread", None)
+        if prepare is not None:
+            seconds = prepare()
+            if seconds:
+                log.info("matmul kernels built again for the stepping thread in %.2f s", seconds)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self.structured.num_held > 0 or self._inflight is not None
 

@@ -214,6 +214,17 @@ class ModelRunner(PersistentInputRunner):
                 self.model.lm_head_logits(hidden, self._kept_logits)
         return time.perf_counter() - start
 
+    def prepare_thread(self) -> float:
+        """Build this thread's own matmul kernel caches; call it on the thread that will step the engine, before
+        its first step. ideep, through which torch runs its CPU matmuls, keeps the kernel descriptors it has
+        made in a per-thread cache, so the kernels built at start-up serve only the thread that built them: a
+        thread that steps next met each row bucket anew, and a rebalance's burst, bringing the largest buckets
+        first, left their descriptors in the engine thread's heap for good (docs/memory.md). Seconds taken
+        (0.0 where rows are not padded to buckets)."""
+        if not self.model.row_buckets:
+            return 0.0
+        return self._build_matmul_kernels(self.model.padded_rows(self.settings.max_num_seqs))
+
     def burst_steps(self) -> list[list[tuple[int, int]]]:
         """Steps of the shapes a burst brings (a rebalance handing back a backlog, a flood): each a list of
         (new tokens, cached tokens) per request, within the engine's limits."""

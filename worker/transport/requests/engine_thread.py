@@ -134,6 +134,7 @@ class EngineThread:
 
     def _run(self) -> None:
         name_os_thread(self._thread.name)
+        self._prepare_engine()
         while True:
             outputs: list[RequestOutput] = []
             try:
@@ -164,6 +165,16 @@ class EngineThread:
                 log.exception("engine.stats() failed")
             else:
                 self._stats_updated(self._stats)
+
+    def _prepare_engine(self) -> None:
+        """What the engine builds per thread (the model's kernel caches) is built for this one, which steps it."""
+        prepare = getattr(self.engine, "prepare_thread", None)
+        if prepare is None:
+            return
+        try:
+            prepare()
+        except Exception:  # only memory rides on it: serve anyway
+            log.exception("engine.prepare_thread() failed")
 
     def _close_engine(self) -> None:
         """What the engine runs beside this thread (the grammar judges' processes) ends with it, not at exit."""
