@@ -5,8 +5,9 @@ drives it is how many distinct grammars have passed through the cache, and at th
 1.6 a second. Here the soak's requests (bench_soak.make_request, turned into engine requests by the worker's
 own conversion; a cancel is sent as the request it would cancel) go straight to an LLMEngine, `--in-flight`
 at once, so a thousand schemas take minutes. The allocator is set up as `llm-worker serve` sets it (the arena
-cap; the mmap threshold when asked) and trimmed every 60 s, as the worker does. Every `--every` finals it
-prints the resident size and glibc's heap (in use, free); at the end, glibc's own account per arena
+cap; the mmap threshold when asked) and trimmed every 60 s, and the engine steps on a thread of its own,
+prepared as the worker's engine thread is. Every `--every` finals it prints the resident size, glibc's heap
+(in use, free) and the resident size of the stepping thread's arena; at the end, glibc's own account per arena
 (malloc_info) goes to `--malloc-info` when given.
 
     .venv/bin/python -m benchmarks.bench_heap --requests 5000 --in-flight 16
@@ -25,7 +26,7 @@ import ctypes
 import threading
 import time
 
-from benchmarks.bench_soak import kind_at, make_request
+from benchmarks.bench_soak import GLIBC_HEAP_ALIGN, kind_at, make_request
 from worker import memory
 
 
@@ -79,6 +80,42 @@ def main() -> None:
             memory.trim()
 
     threading.Thread(target=trim_every_minute, daemon=True).start()
+    # The worker steps its engine on a thread of its own, whose glibc arena and per-thread kernel caches are not
+    # the main thread's, so this run does too.
+    stepping = threading.Thread(target=run, args=(engine, args), name="engine")
+    stepping.start()
+    stepping.join()
+    if args.malloc_info:  # before close: the heap as the run left it
+        libc = ctypes.CDLL("libc.so.6")
+        libc.fopen.restype = ctypes.c_void_p
+        stream = ctypes.c_void_p(libc.fopen(args.malloc_info.encode(), b"w"))
+        libc.malloc_info(0, stream)
+        libc.fclose(stream)
+    engine.close()
+
+
+def own_arena() -> int | None:
+    """The start of the calling thread's glibc arena (a heap aligned to its 64 MiB maximum), from where a small
+    malloc of its lands; None on the main arena, which grows as the process's [heap]."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    probe = libc.malloc(64)
+    libc.free(ctypes.c_void_p(probe))
+    start = probe - probe % GLIBC_HEAP_ALIGN
+    return start if any(begin == start for begin, _, _, _ in memory.mappings() or []) else None
+
+
+def arena_resident(start: int | None) -> int:
+    """Resident bytes of the arena starting at `start` (every mapping inside its 64 MiB range)."""
+    if start is None:
+        return 0
+    return sum(rss for begin, _, rss, _ in memory.mappings() or [] if start <= begin < start + GLIBC_HEAP_ALIGN)
+
+
+def run(engine, args: argparse.Namespace) -> None:
+    """The run itself, on the thread that steps the engine, prepared as the worker's engine thread is."""
+    engine.prepare_thread()
+    arena = own_arena()
     sent = finals = schemas = in_flight = 0
     start = time.perf_counter()
     print(f"load average {open('/proc/loadavg').read().split()[:3]}", flush=True)
@@ -105,16 +142,10 @@ def main() -> None:
                     print(f"{time.perf_counter() - start:6.0f} s  finals {finals:5d}  schemas {schemas:5d}  "
                           f"rss {memory.resident_bytes() / 2**20:7.1f} MiB  in use {heap.in_use_bytes / 2**20:6.1f}"
                           f"  free {heap.free_bytes / 2**20:6.1f}  anonymous "
-                          f"{memory.resident_parts()['anon'] / 2**20:7.1f}", flush=True)
+                          f"{memory.resident_parts()['anon'] / 2**20:7.1f}  this thread's arena "
+                          f"{arena_resident(arena) / 2**10:6.0f} KB", flush=True)
     print(f"{finals / (time.perf_counter() - start):.2f} finals/s; load average "
           f"{open('/proc/loadavg').read().split()[:3]}", flush=True)
-    if args.malloc_info:  # before close: the heap as the run left it
-        libc = ctypes.CDLL("libc.so.6")
-        libc.fopen.restype = ctypes.c_void_p
-        stream = ctypes.c_void_p(libc.fopen(args.malloc_info.encode(), b"w"))
-        libc.malloc_info(0, stream)
-        libc.fclose(stream)
-    engine.close()
 
 
 if __name__ == "__main__":
