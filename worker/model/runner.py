@@ -160,7 +160,7 @@ class ModelRunner(PersistentInputRunner):
             self.model.row_buckets = row_bucket_sizes(max(settings.max_num_batched_tokens, settings.max_num_seqs))
         self._kept_logits, self._kept_logits_f32 = self._reserve_logits(self.model.padded_rows(settings.max_num_seqs))
         if self.model.row_buckets:
-            seconds = self._build_matmul_kernels(self.model.padded_rows(settings.max_num_seqs))
+            seconds = self.prepare_thread()  # the constructing thread's; the engine thread builds its own
             log.info("matmul rows padded to %d sizes up to %d; their kernels built in %.2f s",
                      len(self.model.row_buckets), self.model.row_buckets[-1], seconds)
             start = time.perf_counter()

@@ -167,24 +167,24 @@ class EngineThread:
                 self._stats_updated(self._stats)
 
     def _prepare_engine(self) -> None:
-        """What the engine builds per thread (the model's kernel caches) is built for this one, which steps it."""
-        prepare = getattr(self.engine, "prepare_thread", None)
-        if prepare is None:
-            return
-        try:
-            prepare()
-        except Exception:  # only memory rides on it: serve anyway
-            log.exception("engine.prepare_thread() failed")
+        """What the engine builds per thread (the model's kernel caches) is built for this one, which steps it;
+        a failure costs memory, never serving."""
+        self._call_engine("prepare_thread")
 
     def _close_engine(self) -> None:
-        """What the engine runs beside this thread (the grammar judges' processes) ends with it, not at exit."""
-        close = getattr(self.engine, "close", None)
-        if close is None:
+        """What the engine runs beside this thread (the grammar judges' processes) ends with it, not at exit;
+        a failed close must not keep the thread alive."""
+        self._call_engine("close")
+
+    def _call_engine(self, name: str) -> None:
+        """The engine's optional method `name`, where it has one; a failure is logged and the thread goes on."""
+        method = getattr(self.engine, name, None)
+        if method is None:
             return
         try:
-            close()
-        except Exception:  # stopping anyway: a failed close must not keep the thread alive
-            log.exception("engine.close() failed")
+            method()
+        except Exception:
+            log.exception("engine.%s() failed", name)
 
     def _stats_updated(self, stats: EngineStats) -> None:
         """After each round of commands and step (engine_process.py sends them to its parent)."""
