@@ -14,7 +14,9 @@ requests/s. Kinds of traffic (`--kind`, or `mix` for all of them by MIX_WEIGHTS)
 
 Besides requests, `--unknown-cancels` (0.1) cancel records of ids no request has are sent per request. Midway
 (`--rebalance`), a second consumer joins the group for `--rebalance-hold-s`: the worker gives up half its
-partitions, their requests wait, and come back to it when that consumer leaves.
+partitions, their requests wait, and come back to it when that consumer leaves. `--rebalances N` does that N
+times, evenly spaced, and reports what each left behind (`rebalance_steps`): does every burst add memory, or
+only the first?
 
 Every `--sample-s` the worker's resident size is read from /proc and its metrics endpoint is scraped for the
 Python heap (allocated blocks), glibc's heap (in use, free) and each per-request table's entries
@@ -174,6 +176,27 @@ def growth(samples: list[Sample], warmup_s: float, end_s: float = float("inf")) 
     }
 
 
+STEP_WINDOW_S = 60.0
+
+
+def rebalance_step(samples: list[Sample], rebalance: dict) -> dict:
+    """What one rebalance left behind: the median of each gauge over the STEP_WINDOW_S after it (from 30 s
+    after the second member left, once the burst is served) less its median over the STEP_WINDOW_S before
+    that member joined. RSS and glibc's in-use heap in KB, Python blocks."""
+    joined, left = rebalance["joined_s"], rebalance["left_s"]
+    before = [s for s in samples if joined - STEP_WINDOW_S <= s.t < joined]
+    after = [s for s in samples if left + 30.0 <= s.t < left + 30.0 + STEP_WINDOW_S]
+
+    def step(value, scale: float) -> float | None:
+        a = [v for v in map(value, after) if v is not None]
+        b = [v for v in map(value, before) if v is not None]
+        return round((statistics.median(a) - statistics.median(b)) / scale, 1) if a and b else None
+
+    return {"joined_s": joined, "left_s": left, "rss_kb": step(lambda s: s.rss_bytes, 1024.0),
+            "native_in_use_kb": step(lambda s: s.native_in_use_bytes, 1024.0),
+            "python_blocks": step(lambda s: s.python_blocks, 1.0)}
+
+
 GLIBC_HEAP_ALIGN = 64 * 2**20
 """glibc maps each arena but the main one as a heap aligned to its 64 MiB maximum size (HEAP_MAX_SIZE); as the
 heap grows and shrinks, its range splits into several mappings."""
@@ -238,7 +261,7 @@ class Soak:
         self.ready = asyncio.Event()
         self.t0 = 0.0
         self.num_sent = 0
-        self.rebalance: dict = {}
+        self.rebalances: list[dict] = []
 
     def worker_env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -362,13 +385,18 @@ class Soak:
             except BufferError:
                 producer.poll(0.1)
 
-    async def rebalance_midway(self, at_s: float) -> None:
+    async def rebalance_at(self, times_s: list[float]) -> None:
+        for n, at_s in enumerate(times_s):
+            await asyncio.sleep(max(0.0, self.t0 + at_s - time.monotonic()))
+            await self.rebalance_once(n)
+
+    async def rebalance_once(self, n: int) -> None:
         """A second member of the group for `rebalance_hold_s`: it takes half the partitions, reads nothing,
         commits nothing, and leaves; the worker gets them back and serves what waited there."""
         from worker.transport.kafka.kafka_clients import make_consumer
 
-        await asyncio.sleep(max(0.0, self.t0 + at_s - time.monotonic()))
-        member = make_consumer(self.kafka, WorkerSettings(worker_id=f"soak-member-{self.run_id}", metrics_port=0))
+        member = make_consumer(self.kafka, WorkerSettings(worker_id=f"soak-member-{self.run_id}-{n}",
+                                                          metrics_port=0))
         member.subscribe([self.kafka.request_topic])
         await member.start()
         started = time.monotonic() - self.t0
@@ -376,11 +404,11 @@ class Soak:
         while not member.assignment() and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         member.pause(*member.assignment())
-        self.rebalance = {"joined_s": round(started, 1),
-                          "partitions": sorted(tp.partition for tp in member.assignment())}
+        rebalance = {"joined_s": round(started, 1), "partitions": sorted(tp.partition for tp in member.assignment())}
+        self.rebalances.append(rebalance)
         await asyncio.sleep(self.args.rebalance_hold_s)
         await member.stop()
-        self.rebalance["left_s"] = round(time.monotonic() - self.t0, 1)
+        rebalance["left_s"] = round(time.monotonic() - self.t0, 1)
 
     async def run(self) -> dict:
         from confluent_kafka import Producer
@@ -399,7 +427,8 @@ class Soak:
             duration = args.minutes * 60.0
             self.t0 = time.monotonic()
             sampler = asyncio.create_task(self.sample_loop())
-            extra = [asyncio.create_task(self.rebalance_midway(duration / 2))] if args.rebalance else []
+            count = args.rebalances if args.rebalance else 0
+            extra = [asyncio.create_task(self.rebalance_at([duration * (k + 1) / (count + 1) for k in range(count)]))]
             await self.send_loop(producer, duration)
             drain_deadline = time.monotonic() + args.drain_s
             while self.sent_at and time.monotonic() < drain_deadline and self.proc.poll() is None:
@@ -435,6 +464,7 @@ class Soak:
         args = self.args
         warmup = args.warmup_minutes * 60.0 if args.warmup_minutes is not None else min(300.0, duration / 3)
         minute5 = (240.0, 300.0) if duration >= 360 else (warmup, min(duration, warmup + 60.0))
+        first_rebalance, last_rebalance = (self.rebalances[0], self.rebalances[-1]) if self.rebalances else ({}, {})
         last = (duration - 60.0, duration)
 
         def latency_p50(window: tuple[float, float]) -> float | None:
@@ -445,12 +475,14 @@ class Soak:
             "kind": args.kind, "engine": args.engine, "rate": args.rate, "minutes": args.minutes,
             "max_new_tokens": args.max_new_tokens, "threads": args.threads, "worker_env": args.worker_env,
             "warmup_s": warmup, "num_sent": self.num_sent, "num_finals": len(self.final_times),
-            "num_missing": len(self.sent_at), "statuses": self.statuses, "rebalance": self.rebalance,
+            "num_missing": len(self.sent_at), "statuses": self.statuses,
+            "rebalance": self.rebalances[0] if self.rebalances else {}, "rebalances": self.rebalances,
             "growth": growth(self.samples, warmup),
             # A rebalance hands a burst of requests back at once: a one-off rise to a larger batch's high-water
-            # mark, which the windows on either side of it leave out.
-            "growth_before_rebalance": growth(self.samples, warmup, self.rebalance.get("joined_s", 0.0)),
-            "growth_after_rebalance": growth(self.samples, self.rebalance.get("left_s", float("inf")) + 30.0),
+            # mark, which the windows before the first and after the last leave out.
+            "growth_before_rebalance": growth(self.samples, warmup, first_rebalance.get("joined_s", 0.0)),
+            "growth_after_rebalance": growth(self.samples, last_rebalance.get("left_s", float("inf")) + 30.0),
+            "rebalance_steps": [rebalance_step(self.samples, r) for r in self.rebalances if "left_s" in r],
             "floor_kb_per_1000": FLOOR_KB_PER_1000,
             "resident_by_mapping": self.mapping_growth(warmup),
             "finals_per_s": {"minute_5_window": list(minute5),
@@ -474,10 +506,9 @@ def plot(samples: list[Sample], summary: dict, path: Path) -> None:
     top.plot(minutes, [(s.rss_bytes or 0) / 2**20 for s in samples], label="RSS")
     top.plot(minutes, [(s.native_in_use_bytes or 0) / 2**20 for s in samples], label="glibc heap in use")
     top.axvline(summary["warmup_s"] / 60, color="grey", linestyle=":", label="end of warm-up")
-    rebalance = summary.get("rebalance") or {}
-    if "left_s" in rebalance:
+    for n, rebalance in enumerate(r for r in summary.get("rebalances", []) if "left_s" in r):
         top.axvspan(rebalance["joined_s"] / 60, rebalance["left_s"] / 60, color="orange", alpha=0.2,
-                    label="second group member")
+                    label=None if n else "second group member")
     top.set_ylabel("MB")
     top.legend(loc="center right")
     g = summary["growth"]
@@ -504,6 +535,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=12)
     p.add_argument("--unknown-cancels", type=float, default=0.1, help="cancels of unknown ids per request")
     p.add_argument("--rebalance", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--rebalances", type=int, default=1, help="how many, evenly spaced (1: midway)")
     p.add_argument("--rebalance-hold-s", type=float, default=20.0)
     p.add_argument("--warmup-minutes", type=float, default=None, help="default: a third of the run, at most 5")
     p.add_argument("--sample-s", type=float, default=2.0)
@@ -574,6 +606,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{g['python_blocks_per_1000']}; after the rebalance: RSS {after['rss_kb_per_1000']} KB, glibc in use "
           f"{after['native_in_use_kb_per_1000']} KB; finals/s minute 5 {f['minute_5']} vs last minute "
           f"{f['last_minute']}")
+    for n, step in enumerate(summary["rebalance_steps"]):
+        print(f"rebalance {n + 1} at {step['joined_s'] / 60:.1f} min: RSS {step['rss_kb']:+} KB, glibc in use "
+              f"{step['native_in_use_kb']:+} KB, Python blocks {step['python_blocks']:+}")
     return 0 if not summary["num_missing"] else 1
 
 

@@ -12,6 +12,7 @@ from benchmarks.bench_soak import (
     growth,
     kind_at,
     make_request,
+    rebalance_step,
     slope_per_1000,
     window_rate,
 )
@@ -56,6 +57,22 @@ def test_growth_ignores_the_warm_up_and_reports_per_1000_finals():
     assert g["num_finals"] == 4900
 
 
+def test_a_rebalance_step_compares_the_minute_before_with_the_minute_after_its_burst():
+    kb = 1024
+    # 100 KB more from the burst on (t 200-219), noise of 1 KB on alternate samples; blocks +50 for good.
+    samples = [Sample(t=t, num_sent=0, num_finals=t, rss_bytes=(1000 + (100 if t >= 200 else 0) + t % 2) * kb,
+                      python_blocks=10.0 + (50 if t >= 200 else 0), native_in_use_bytes=None)
+               for t in range(0, 400, 2)]
+    step = rebalance_step(samples, {"joined_s": 200.0, "left_s": 220.0})
+    assert step["rss_kb"] == pytest.approx(100.0)
+    assert step["python_blocks"] == pytest.approx(50.0)
+    assert step["native_in_use_kb"] is None
+    # The burst itself (the member's 20 s and the 30 s after) is in neither window.
+    spiked = [Sample(t=s.t, num_sent=0, num_finals=s.t, rss_bytes=s.rss_bytes + (10**9 if 200 <= s.t < 250 else 0))
+              for s in samples]
+    assert rebalance_step(spiked, {"joined_s": 200.0, "left_s": 220.0})["rss_kb"] == pytest.approx(100.0)
+
+
 def test_mapping_growth_names_the_mappings_that_grew():
     from benchmarks.bench_soak import mapping_growth
 
@@ -92,3 +109,23 @@ def test_the_engine_only_heap_bench_sends_the_soaks_requests_as_the_worker_would
     assert by_kind["logprobs"][0].sampling.top_logprobs == 3
     assert "\n\n" in by_kind["stop"][0].sampling.stop
     assert len(by_kind["cancel"]) == 1 and by_kind["cancel"][0].sampling.structured is None
+
+
+def test_the_summary_of_a_run_with_three_rebalances_gives_each_ones_step(tmp_path):
+    from benchmarks.bench_soak import Soak, parse_args
+    from worker.config import KafkaSettings
+
+    soak = Soak(parse_args(["--minutes", "10", "--rebalances", "3"]), KafkaSettings(), tmp_path / "worker.log")
+    kb = 1024
+    rebalances = [(250.0, 270.0), (350.0, 370.0), (470.0, 490.0)]
+    soak.rebalances = [{"joined_s": j, "partitions": [1], "left_s": left} for j, left in rebalances]
+    # 200 KB from the first burst on, nothing from the others.
+    soak.samples = [Sample(t=t, num_sent=8 * t, num_finals=8 * t, rss_bytes=(1000 + (200 if t >= 250 else 0)) * kb,
+                           python_blocks=5.0, native_in_use_bytes=100.0 * kb) for t in range(0, 600, 2)]
+    soak.final_times = [t / 8 for t in range(8 * 600)]
+    summary = soak.summary(600.0)
+    assert [step["rss_kb"] for step in summary["rebalance_steps"]] == [200.0, 0.0, 0.0]
+    assert summary["rebalance"] == soak.rebalances[0]
+    assert summary["growth_before_rebalance"]["rss_kb_per_1000"] == pytest.approx(0.0)
+    assert summary["growth_after_rebalance"]["rss_kb_per_1000"] == pytest.approx(0.0)
+    assert summary["finals_per_s"]["last_minute"] == pytest.approx(8.0)
