@@ -177,15 +177,17 @@ def growth(samples: list[Sample], warmup_s: float, end_s: float = float("inf")) 
 
 
 STEP_WINDOW_S = 60.0
+BURST_SETTLE_S = 30.0
+"""How long after the second member leaves the burst it handed back counts as served."""
 
 
 def rebalance_step(samples: list[Sample], rebalance: dict) -> dict:
-    """What one rebalance left behind: the median of each gauge over the STEP_WINDOW_S after it (from 30 s
-    after the second member left, once the burst is served) less its median over the STEP_WINDOW_S before
-    that member joined. RSS and glibc's in-use heap in KB, Python blocks."""
+    """What one rebalance left behind: the median of each gauge over the STEP_WINDOW_S after it (from
+    BURST_SETTLE_S after the second member left, once the burst is served) less its median over the
+    STEP_WINDOW_S before that member joined. RSS and glibc's in-use heap in KB, Python blocks."""
     joined, left = rebalance["joined_s"], rebalance["left_s"]
     before = [s for s in samples if joined - STEP_WINDOW_S <= s.t < joined]
-    after = [s for s in samples if left + 30.0 <= s.t < left + 30.0 + STEP_WINDOW_S]
+    after = [s for s in samples if left + BURST_SETTLE_S <= s.t < left + BURST_SETTLE_S + STEP_WINDOW_S]
 
     def step(value, scale: float) -> float | None:
         a = [v for v in map(value, after) if v is not None]
@@ -428,7 +430,8 @@ class Soak:
             self.t0 = time.monotonic()
             sampler = asyncio.create_task(self.sample_loop())
             count = args.rebalances if args.rebalance else 0
-            extra = [asyncio.create_task(self.rebalance_at([duration * (k + 1) / (count + 1) for k in range(count)]))]
+            times = [duration * (k + 1) / (count + 1) for k in range(count)]
+            extra = [asyncio.create_task(self.rebalance_at(times))] if times else []
             await self.send_loop(producer, duration)
             drain_deadline = time.monotonic() + args.drain_s
             while self.sent_at and time.monotonic() < drain_deadline and self.proc.poll() is None:
@@ -481,7 +484,7 @@ class Soak:
             # A rebalance hands a burst of requests back at once: a one-off rise to a larger batch's high-water
             # mark, which the windows before the first and after the last leave out.
             "growth_before_rebalance": growth(self.samples, warmup, first_rebalance.get("joined_s", 0.0)),
-            "growth_after_rebalance": growth(self.samples, last_rebalance.get("left_s", float("inf")) + 30.0),
+            "growth_after_rebalance": growth(self.samples, last_rebalance.get("left_s", float("inf")) + BURST_SETTLE_S),
             "rebalance_steps": [rebalance_step(self.samples, r) for r in self.rebalances if "left_s" in r],
             "floor_kb_per_1000": FLOOR_KB_PER_1000,
             "resident_by_mapping": self.mapping_growth(warmup),
