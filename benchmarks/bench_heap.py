@@ -51,6 +51,8 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=12)
     p.add_argument("--arena-max", type=int, default=128, help="WORKER_MALLOC_ARENA_MAX (the worker's default)")
     p.add_argument("--mmap-threshold", type=int, default=0, help="WORKER_MALLOC_MMAP_THRESHOLD_BYTES")
+    p.add_argument("--numpy-huge-pages", action="store_true",
+                   help="WORKER_NUMPY_HUGE_PAGES: numpy's huge-page advice left on, as numpy does by default")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--every", type=int, default=250)
     p.add_argument("--burst-every", type=int, default=0,
@@ -64,6 +66,7 @@ def main() -> None:
     # Before any thread starts, as the worker does.
     memory.limit_arenas(args.arena_max)
     memory.fix_mmap_threshold(args.mmap_threshold)
+    memory.numpy_huge_pages(args.numpy_huge_pages)
 
     import torch
 

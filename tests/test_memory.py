@@ -14,6 +14,14 @@ pytestmark = pytest.mark.skipif(memory.native_heap() is None, reason="needs glib
 MB = 2**20
 
 
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as mode:
+            return mode.read()
+    except OSError:
+        return "[never]"
+
+
 def test_the_native_heap_counts_a_block_while_it_is_held_and_not_after():
     libc = ctypes.CDLL(None)
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
@@ -163,3 +171,45 @@ def test_the_workers_tokenizer_keeps_no_word_cache(smollm2_path):
     assert tokens["worker"] == tokens["default"]  # the same tokens, only not remembered
     assert growth["worker"] < 0.1, growth
     assert growth["default"] > 0.4, growth
+
+
+_ADVISED = """
+import sys
+from worker import memory
+memory.fix_mmap_threshold(64 << 20)  # the array is carved from the heap, as one is from a burst's free chunk
+if sys.argv[1] == "off":
+    memory.numpy_huge_pages(False)
+import numpy as np
+import ctypes
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+array = np.ones(8 << 20, dtype=np.uint8)
+start = array.ctypes.data + 4096  # numpy advises the whole pages inside the array
+live = libc.malloc(16 << 20)  # a live block above it (too large for any hole): the heap cannot shrink over it
+del array
+memory.trim()
+advised = False
+with open("/proc/self/smaps") as smaps:
+    for line in smaps:
+        head = line.split(" ", 1)[0]
+        if "-" in head and not head.endswith(":"):
+            low, high = (int(x, 16) for x in head.split("-"))
+            inside = low <= start < high
+        elif head == "VmFlags:" and inside:
+            advised = " hg" in line
+print(advised)
+"""
+
+
+@pytest.mark.skipif("[never]" in _thp_mode(), reason="the kernel has no transparent huge pages")
+@pytest.mark.parametrize("mode", ["numpy's default", "off"])
+def test_a_freed_numpy_array_leaves_its_heap_range_advised_for_huge_pages_unless_turned_off(mode):
+    """numpy advises huge pages for arrays of 4 MiB and more; the advice is on the address range and outlives
+    the array, so a heap range it once lay in stays marked, and the kernel keeps whole 2 MiB pages there. The
+    worker turns the advice off (WORKER_NUMPY_HUGE_PAGES)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _ADVISED, "off" if mode == "off" else "on"], capture_output=True,
+                         text=True, check=True, timeout=60)
+    assert out.stdout.split()[-1] == ("False" if mode == "off" else "True")

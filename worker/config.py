@@ -355,6 +355,12 @@ class WorkerSettings(BaseSettings):
     the arenas. The cost is page faults on those steps: 10 % of throughput with
     120 requests at once on the CPU (17 % at 128 KiB); 0 and WORKER_MALLOC_ARENA_MAX=2 give it back
     (docs/memory.md)."""
+    numpy_huge_pages: bool = False
+    """Let numpy ask for transparent huge pages for its arrays of 4 MiB and more (its own default). Off: the
+    advice stays on the address range after the array is freed, and where that range lies in a malloc arena
+    the kernel keeps a whole 2 MiB page resident around any live block in it, a step in the resident size
+    that `malloc_trim` cannot undo (docs/memory.md). Arrays that large are a step's temporaries on the CPU,
+    faulted in 4 KiB pages without it."""
     malloc_trim_interval_s: float = Field(60.0, ge=0)
     """How often free heap pages are handed back to the kernel (glibc malloc_trim, on a thread: 7-40 ms on the
     2-core machine with 250 MB free in 30,000 holes); 0 never."""

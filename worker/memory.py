@@ -9,7 +9,8 @@ when a compile thread shared the engine thread's arena (8 arenas for 15 threads)
 between the engine's per-step temporaries, and the soak grew by megabytes. So the worker sets the cap above
 the threads it runs (`WORKER_MALLOC_ARENA_MAX`, 128: an arena each), fixes the mmap threshold
 (`WORKER_MALLOC_MMAP_THRESHOLD_BYTES`, 4 MiB: a burst's largest temporaries get pages of their own), and hands
-free pages back to the kernel now and then (`malloc_trim`, every `WORKER_MALLOC_TRIM_INTERVAL_S`).
+free pages back to the kernel now and then (`malloc_trim`, every `WORKER_MALLOC_TRIM_INTERVAL_S`). It also
+stops numpy's huge-page advice, which pins whole 2 MiB pages in the arenas (`numpy_huge_pages`).
 
 Pure ctypes on the C library the process already has: on a libc without these calls (musl, macOS) every
 function here answers None or False and changes nothing.
@@ -79,6 +80,28 @@ def fix_mmap_threshold(threshold_bytes: int) -> bool:
     if libc is None or threshold_bytes <= 0:
         return False
     return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold_bytes))
+
+
+NUMPY_HUGE_PAGES_ENV = "NUMPY_MADVISE_HUGEPAGE"
+"""numpy reads it when it is imported: 0 stops its huge-page advice (numpy/__init__.py, hugepage_setup)."""
+
+
+def numpy_huge_pages(enabled: bool) -> None:
+    """Whether numpy advises the kernel to back its arrays of 4 MiB and more with transparent huge pages
+    (madvise MADV_HUGEPAGE), in this process and in the processes it starts later.
+
+    Why a worker turns it off: the advice marks the pages of the address range, not of the array, and stays on
+    the range after the array is freed. An array carved from an arena's free heap (after a burst of large steps
+    left a free chunk that large) marks part of that arena for good; the kernel's khugepaged then makes a whole
+    2 MiB page resident there wherever any 4 KiB page of it is in use, and `malloc_trim` cannot hand it back:
+    a 2 MB step in the resident size after a burst, there until a later burst frees the whole range. Arrays
+    that get pages of their own are unmapped when freed, and the advice goes with them."""
+    os.environ[NUMPY_HUGE_PAGES_ENV] = "1" if enabled else "0"
+    for name in ("numpy._core.multiarray", "numpy.core.multiarray"):  # numpy 2, numpy 1; imported already
+        switch = getattr(sys.modules.get(name), "_set_madvise_hugepage", None)
+        if switch is not None:
+            switch(enabled)
+            return
 
 
 def trim() -> bool:

@@ -16,7 +16,7 @@ import signal
 from worker.config import EngineSettings, KafkaSettings, WorkerSettings
 from worker.config_cli import masked_dump
 from worker.engine.api import Engine
-from worker.memory import fix_mmap_threshold, limit_arenas
+from worker.memory import fix_mmap_threshold, limit_arenas, numpy_huge_pages
 from worker.transport.kafka.access_check import AccessDenied, Needs, check_access
 from worker.transport.requests.engine_process import EngineProcess
 from worker.transport.worker import ACCESS_DENIED_EXIT, Worker
@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
                                         EngineSettings(**engine_over))
     limit_arenas(settings.malloc_arena_max)  # before the threads that would each make an arena (worker/memory.py)
     fix_mmap_threshold(settings.malloc_mmap_threshold_bytes)
+    numpy_huge_pages(settings.numpy_huge_pages)  # before the engine imports numpy, here or in its own process
     try:  # before the model loads: a wrong password or a missing ACL is known in a second, not after a minute
         asyncio.run(check_access(kafka, Needs.of_worker(kafka)))
     except AccessDenied as exc:
