@@ -59,11 +59,24 @@ def test_the_arena_cap_is_accepted_and_zero_leaves_the_default():
     assert memory.limit_arenas(8) is True
 
 
-_ARENAS_OF_THREADS = """
-import ctypes, sys, threading
+_AS_SERVE_DOES = """
 from worker import memory
 from worker.config import WorkerSettings
 memory.limit_arenas(WorkerSettings().malloc_arena_max)  # as serve() does, before any thread
+"""
+
+_AS_THE_ENGINE_PROCESS_DOES = """
+import threading
+from worker.config import EngineSettings, WorkerSettings
+from worker.serve import build_engine_process
+build_engine_process(WorkerSettings(malloc_trim_interval_s=0.05), "instant", EngineSettings(max_num_seqs=2), 0.0)
+assert any(t.name == "malloc-trim" and t.is_alive() for t in threading.enumerate())
+import os
+assert os.environ["NUMPY_MADVISE_HUGEPAGE"] == "0"
+"""
+
+_ARENAS_OF_THREADS = """
+import ctypes, sys, threading
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
@@ -98,8 +111,19 @@ def test_each_thread_of_a_worker_gets_an_arena_of_its_own_at_the_default_cap():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", _ARENAS_OF_THREADS, "40"], capture_output=True, text=True,
-                         check=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", _AS_SERVE_DOES + _ARENAS_OF_THREADS, "40"], capture_output=True,
+                         text=True, check=True, timeout=60)
+    assert int(out.stdout) == 41
+
+
+def test_an_engine_process_sets_up_its_own_allocator_as_the_worker_does():
+    # mallopt's settings belong to the process that calls it: an engine in a process of its own
+    # (WORKER_ENGINE_PROCESS) allocates the engine's native memory, so it needs them too, and a trim of its own.
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _AS_THE_ENGINE_PROCESS_DOES + _ARENAS_OF_THREADS, "40"],
+                         capture_output=True, text=True, check=True, timeout=60)
     assert int(out.stdout) == 41
 
 

@@ -23,6 +23,8 @@ import ctypes.util
 import functools
 import os
 import sys
+import threading
+import time
 from dataclasses import dataclass
 
 M_ARENA_MAX = -8
@@ -92,8 +94,9 @@ def numpy_huge_pages(enabled: bool) -> None:
 
     Why a worker turns it off: the advice marks the pages of the address range, not of the array, and stays on
     the range after the array is freed. An array carved from an arena's free heap (after a burst of large steps
-    left a free chunk that large) marks part of that arena for good; the kernel's khugepaged then makes a whole
-    2 MiB page resident there wherever any 4 KiB page of it is in use, and `malloc_trim` cannot hand it back:
+    left a free chunk that large) marks part of that arena for good. The kernel then backs it with whole 2 MiB
+    pages (a first touch of an empty 2 MiB range faults in all of it; khugepaged collapses a range with any page
+    in use into one), resident around any live block, and `malloc_trim` cannot hand them back:
     a 2 MB step in the resident size after a burst, there until a later burst frees the whole range. Arrays
     that get pages of their own are unmapped when freed, and the advice goes with them."""
     os.environ[NUMPY_HUGE_PAGES_ENV] = "1" if enabled else "0"
@@ -102,6 +105,31 @@ def numpy_huge_pages(enabled: bool) -> None:
         if switch is not None:
             switch(enabled)
             return
+
+
+def configure(arena_max: int, mmap_threshold_bytes: int, huge_pages: bool) -> None:
+    """The allocator as a worker sets it up (the settings WORKER_MALLOC_ARENA_MAX,
+    WORKER_MALLOC_MMAP_THRESHOLD_BYTES, WORKER_NUMPY_HUGE_PAGES): call it before threads start, in each process
+    that runs an engine, since mallopt's settings belong to the process that makes the call."""
+    limit_arenas(arena_max)
+    fix_mmap_threshold(mmap_threshold_bytes)
+    numpy_huge_pages(huge_pages)
+
+
+def trim_every(interval_s: float) -> threading.Thread | None:
+    """A daemon thread that calls `trim` every `interval_s` seconds for the life of the process (for a process
+    with no event loop of its own, such as the engine's); None for 0."""
+    if interval_s <= 0:
+        return None
+
+    def run() -> None:
+        while True:
+            time.sleep(interval_s)
+            trim()
+
+    thread = threading.Thread(target=run, name="malloc-trim", daemon=True)
+    thread.start()
+    return thread
 
 
 def trim() -> bool:

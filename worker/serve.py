@@ -16,12 +16,27 @@ import signal
 from worker.config import EngineSettings, KafkaSettings, WorkerSettings
 from worker.config_cli import masked_dump
 from worker.engine.api import Engine
-from worker.memory import fix_mmap_threshold, limit_arenas, numpy_huge_pages
+from worker import memory
 from worker.transport.kafka.access_check import AccessDenied, Needs, check_access
 from worker.transport.requests.engine_process import EngineProcess
 from worker.transport.worker import ACCESS_DENIED_EXIT, Worker
 
 log = logging.getLogger(__name__)
+
+
+def configure_allocator(settings: WorkerSettings) -> None:
+    memory.configure(settings.malloc_arena_max, settings.malloc_mmap_threshold_bytes, settings.numpy_huge_pages)
+
+
+def build_engine_process(settings: WorkerSettings, kind: str, engine_settings: EngineSettings,
+                         instant_step_ms: float) -> Engine:
+    """The build of an engine in a process of its own (WORKER_ENGINE_PROCESS): that process allocates the
+    engine's native memory, so it gets the worker's allocator settings first and trims its heap on the
+    worker's interval from a thread of its own (it runs no event loop)."""
+    configure_allocator(settings)
+    engine = build_engine(kind, engine_settings, instant_step_ms)
+    memory.trim_every(settings.malloc_trim_interval_s)
+    return engine
 
 
 def build_engine(kind: str, engine_settings: EngineSettings, instant_step_ms: float) -> Engine:
@@ -64,9 +79,7 @@ def run(args: argparse.Namespace) -> int:
                                       ("sim_model", args.sim_model)) if v}
     kafka, settings, engine_settings = (KafkaSettings(**kafka_over), WorkerSettings(**worker_over),
                                         EngineSettings(**engine_over))
-    limit_arenas(settings.malloc_arena_max)  # before the threads that would each make an arena (worker/memory.py)
-    fix_mmap_threshold(settings.malloc_mmap_threshold_bytes)
-    numpy_huge_pages(settings.numpy_huge_pages)  # before the engine imports numpy, here or in its own process
+    configure_allocator(settings)  # before the threads that would each make an arena (worker/memory.py)
     try:  # before the model loads: a wrong password or a missing ACL is known in a second, not after a minute
         asyncio.run(check_access(kafka, Needs.of_worker(kafka)))
     except AccessDenied as exc:
@@ -75,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     if args.engine == "llm":
         log.info("engine configuration: %s", json.dumps(masked_dump(engine_settings), default=str))
     if settings.engine_process:
-        engine = EngineProcess.spawn(functools.partial(build_engine, args.engine, engine_settings,
+        engine = EngineProcess.spawn(functools.partial(build_engine_process, settings, args.engine, engine_settings,
                                                        args.instant_step_ms))
     else:
         engine = build_engine(args.engine, engine_settings, args.instant_step_ms)

@@ -14,7 +14,7 @@ from tests.transport.kafka_helpers import Collector, produce_requests, running_w
 from tests.transport.test_stream_kafka import as_engine_request, direct_texts, tiny_engine
 from worker.config import EngineSettings
 from worker.engine.api import EngineRequest, SamplingParams
-from worker.serve import build_engine
+from worker.serve import build_engine, build_engine_process
 from worker.transport.requests.engine_process import EngineProcess
 
 pytestmark = pytest.mark.slow  # starts engine processes: in the full suite, not the fast subset
@@ -65,9 +65,12 @@ async def test_the_worker_streams_from_an_engine_in_its_own_process(kafka_topics
     expected = direct_texts(tiny_engine(tiny_model_path), [as_engine_request(r) for _, r in requests])
     settings = EngineSettings(model=str(tiny_model_path), device="cpu", dtype="float32", max_num_seqs=16,
                               num_kv_blocks=512, max_num_batched_tokens=256)
-    engine = await asyncio.to_thread(EngineProcess.spawn, functools.partial(build_engine, "llm", settings, 0.0))
+    transport = worker_settings(engine_process=True)
+    # As serve() builds it: the child sets up its allocator and trims its heap (tests/test_memory.py).
+    build = functools.partial(build_engine_process, transport, "llm", settings, 0.0)
+    engine = await asyncio.to_thread(EngineProcess.spawn, build)
     async with Collector(kafka) as collector:
-        async with running_worker(kafka, worker_settings(engine_process=True), engine, max_num_seqs=16):
+        async with running_worker(kafka, transport, engine, max_num_seqs=16):
             await produce_requests(kafka, requests)
             await collector.wait_until(lambda r: len(r.finals) == len(requests), 45)
         results = collector.results
