@@ -179,6 +179,8 @@ def growth(samples: list[Sample], warmup_s: float, end_s: float = float("inf")) 
 STEP_WINDOW_S = 60.0
 BURST_SETTLE_S = 30.0
 """How long after the second member leaves the burst it handed back counts as served."""
+HALF_HOUR_S = 1800.0
+"""The window of the floor: growth is judged over 30-minute soaks."""
 
 
 def rebalance_step(samples: list[Sample], rebalance: dict) -> dict:
@@ -486,6 +488,11 @@ class Soak:
             "growth_before_rebalance": growth(self.samples, warmup, first_rebalance.get("joined_s", 0.0)),
             "growth_after_rebalance": growth(self.samples, last_rebalance.get("left_s", float("inf")) + BURST_SETTLE_S),
             "rebalance_steps": [rebalance_step(self.samples, r) for r in self.rebalances if "left_s" in r],
+            # A run longer than the floor's 30 minutes, judged as consecutive 30-minute soaks (the first from
+            # the warm-up's end): whether what the first grew the next one keeps growing, or it has settled.
+            "growth_by_half_hour": [growth(self.samples, max(warmup, start), start + HALF_HOUR_S)
+                                    for start in range(0, int(duration), int(HALF_HOUR_S))
+                                    if start + HALF_HOUR_S <= duration + 1.0],
             "floor_kb_per_1000": FLOOR_KB_PER_1000,
             "resident_by_mapping": self.mapping_growth(warmup),
             "finals_per_s": {"minute_5_window": list(minute5),
@@ -612,6 +619,10 @@ def main(argv: list[str] | None = None) -> int:
     for n, step in enumerate(summary["rebalance_steps"]):
         print(f"rebalance {n + 1} at {step['joined_s'] / 60:.1f} min: RSS {step['rss_kb']:+} KB, glibc in use "
               f"{step['native_in_use_kb']:+} KB, Python blocks {step['python_blocks']:+}")
+    for n, half_hour in enumerate(summary["growth_by_half_hour"] if len(summary["growth_by_half_hour"]) > 1 else []):
+        print(f"minutes {30 * n}-{30 * n + 30} (from the warm-up's end): RSS {half_hour['rss_kb_per_1000']} KB per "
+              f"1,000, glibc in use {half_hour['native_in_use_kb_per_1000']} KB, RSS {half_hour['rss_mb_at_warmup']}"
+              f" -> {half_hour['rss_mb_at_end']} MB")
     return 0 if not summary["num_missing"] else 1
 
 

@@ -129,3 +129,20 @@ def test_the_summary_of_a_run_with_three_rebalances_gives_each_ones_step(tmp_pat
     assert summary["growth_before_rebalance"]["rss_kb_per_1000"] == pytest.approx(0.0)
     assert summary["growth_after_rebalance"]["rss_kb_per_1000"] == pytest.approx(0.0)
     assert summary["finals_per_s"]["last_minute"] == pytest.approx(8.0)
+
+
+def test_a_run_longer_than_half_an_hour_is_judged_by_each_half_hour_too(tmp_path):
+    from benchmarks.bench_soak import Soak, parse_args
+    from worker.config import KafkaSettings
+
+    soak = Soak(parse_args(["--minutes", "60", "--rebalances", "0"]), KafkaSettings(), tmp_path / "worker.log")
+    kb = 1024
+    # 1 KB a minute for the first 30 minutes, then flat: the first half hour grew, the second did not.
+    soak.samples = [Sample(t=t, num_sent=8 * t, num_finals=8 * t, rss_bytes=(1000 + min(t, 1800) / 60) * kb,
+                           python_blocks=5.0, native_in_use_bytes=100.0 * kb) for t in range(0, 3600, 2)]
+    soak.final_times = [t / 8 for t in range(8 * 3600)]
+    first, second = soak.summary(3600.0)["growth_by_half_hour"]
+    assert first["rss_kb_per_1000"] == pytest.approx(1000 / (60 * 8), rel=0.01)  # 1 KB per 480 finals
+    assert second["rss_kb_per_1000"] == pytest.approx(0.0, abs=1e-6)
+    assert first["num_samples"] == pytest.approx((1800 - 300) / 2, abs=1)  # from the warm-up's end
+    assert len(soak.summary(1800.0)["growth_by_half_hour"]) == 1
