@@ -64,9 +64,7 @@ def main() -> None:
     p.add_argument("--malloc-info", default="", help="write glibc's malloc_info XML here at the end")
     args = p.parse_args()
     # Before any thread starts, as the worker does.
-    memory.limit_arenas(args.arena_max)
-    memory.fix_mmap_threshold(args.mmap_threshold)
-    memory.numpy_huge_pages(args.numpy_huge_pages)
+    memory.configure(args.arena_max, args.mmap_threshold, args.numpy_huge_pages)
 
     import torch
 

@@ -619,7 +619,8 @@ def main(argv: list[str] | None = None) -> int:
     for n, step in enumerate(summary["rebalance_steps"]):
         print(f"rebalance {n + 1} at {step['joined_s'] / 60:.1f} min: RSS {step['rss_kb']:+} KB, glibc in use "
               f"{step['native_in_use_kb']:+} KB, Python blocks {step['python_blocks']:+}")
-    for n, half_hour in enumerate(summary["growth_by_half_hour"] if len(summary["growth_by_half_hour"]) > 1 else []):
+    half_hours = summary["growth_by_half_hour"]
+    for n, half_hour in enumerate(half_hours if len(half_hours) > 1 else []):
         print(f"minutes {30 * n}-{30 * n + 30} (from the warm-up's end): RSS {half_hour['rss_kb_per_1000']} KB per "
               f"1,000, glibc in use {half_hour['native_in_use_kb_per_1000']} KB, RSS {half_hour['rss_mb_at_warmup']}"
               f" -> {half_hour['rss_mb_at_end']} MB")
