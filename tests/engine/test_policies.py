@@ -243,3 +243,25 @@ RandomOperations.TestCase.settings = settings(
     max_examples=30, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 test_random_operations_hypothesis = RandomOperations.TestCase
+
+
+def test_a_request_that_left_the_queue_is_not_kept_until_its_deadline():
+    """A deadline an hour away must not keep a finished request (its tokens, its block table) for an hour: a
+    worker at 100 requests/s would hold 360,000 of them."""
+    import gc
+
+    from worker.engine.request import Request
+
+    scheduler = make_scheduler(num_blocks=256)
+    runner = FakeRunner(256, 4)
+    for wave in range(10):
+        for i in range(50):
+            scheduler.add_request(make_request(f"far-deadline-{wave}-{i}", 6, 3, deadline=3600.0))
+        run_to_completion(scheduler, runner)
+    gc.collect()
+    kept = [o for o in gc.get_objects() if isinstance(o, Request) and o.request_id.startswith("far-deadline-")]
+    assert not kept, f"{len(kept)} finished requests still referenced"
+    # Requests that wait keep their deadlines, and an expired one is still dropped.
+    scheduler.add_request(make_request("waits", 6, 3, deadline=1.0))
+    assert scheduler.waiting.earliest_deadline() == 1.0
+    assert [r.request_id for r in scheduler.waiting.pop_expired(2.0)] == ["waits"]

@@ -46,8 +46,10 @@ class WaitingQueue:
         self._order_key = order_key
         self._entries: list[tuple[tuple, int, Request]] = []
         self._entry_by_id: dict[str, tuple[tuple, int, Request]] = {}
-        # (deadline, add order, request); entries of requests that left the queue are skipped when popped.
-        self._deadlines: list[tuple[float, int, Request]] = []
+        # (deadline, add order, request id): an entry whose request left the queue is skipped when popped, and
+        # the heap is rebuilt once such entries outnumber the waiting requests, so a far deadline keeps neither a
+        # finished request nor its entry for long.
+        self._deadlines: list[tuple[float, int, str]] = []
         self._counted: dict[str, tuple[int, int, bool, bool]] = {}
         """What each request adds to the counts below, as it was when pushed (its status changes before it
         leaves: an admitted request is RUNNING when removed)."""
@@ -80,7 +82,7 @@ class WaitingQueue:
         self._count(counted, 1)
         # Only requests that never ran can be dropped for their deadline (see Scheduler.schedule).
         if request.deadline is not None and request.status is RequestStatus.WAITING:
-            heapq.heappush(self._deadlines, (request.deadline, add_order, request))
+            heapq.heappush(self._deadlines, (request.deadline, add_order, request.request_id))
 
     def remove(self, request: Request) -> None:
         entry = self._entry_by_id.pop(request.request_id)
@@ -88,6 +90,9 @@ class WaitingQueue:
         assert self._entries[index][2] is request, request.request_id
         del self._entries[index]
         self._count(self._counted.pop(request.request_id), -1)
+        if len(self._deadlines) > 2 * len(self._entries) + 64:
+            self._deadlines = [item for item in self._deadlines if self._droppable(item) is not None]
+            heapq.heapify(self._deadlines)
 
     def _count(self, counted: tuple[int, int, bool, bool], sign: int) -> None:
         priority, num_prompt_tokens, preempted_with_deadline, has_deadline = counted
@@ -141,7 +146,7 @@ class WaitingQueue:
 
     def earliest_deadline(self) -> float | None:
         """Earliest deadline among the waiting requests that may be dropped for it."""
-        while self._deadlines and not self._droppable(self._deadlines[0][2]):
+        while self._deadlines and self._droppable(self._deadlines[0]) is None:
             heapq.heappop(self._deadlines)  # stale for good: a request never returns to WAITING
         return self._deadlines[0][0] if self._deadlines else None
 
@@ -149,15 +154,19 @@ class WaitingQueue:
         """Remove and return the never-run waiting requests whose deadline is <= now."""
         expired = []
         while self._deadlines and self._deadlines[0][0] <= now:
-            _, _, request = heapq.heappop(self._deadlines)
-            if self._droppable(request):
+            request = self._droppable(heapq.heappop(self._deadlines))
+            if request is not None:
                 self.remove(request)
                 expired.append(request)
         return expired
 
-    def _droppable(self, request: Request) -> bool:
-        entry = self._entry_by_id.get(request.request_id)
-        return entry is not None and entry[2] is request and request.status is RequestStatus.WAITING
+    def _droppable(self, item: tuple[float, int, str]) -> Request | None:
+        """The request of a deadline entry while it still waits, never having run; None once the entry is stale
+        (the add order tells a request pushed again under the same id from the one the entry was made for)."""
+        entry = self._entry_by_id.get(item[2])
+        if entry is None or entry[1] != item[1] or entry[2].status is not RequestStatus.WAITING:
+            return None
+        return entry[2]
 
 
 @dataclass(slots=True)
