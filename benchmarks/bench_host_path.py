@@ -29,7 +29,8 @@ import torch
 from benchmarks.settings import DEFAULT_MODEL, set_threads
 from worker.config import EngineSettings
 from worker.engine.api import EngineRequest, SamplingParams
-from worker.engine.engine import LLMEngine, freeze_startup_objects
+from worker.engine.engine import LLMEngine
+from worker.memory import freeze_startup_objects
 from worker.model import sampler_numpy
 from worker.model.runner import ModelRunner
 

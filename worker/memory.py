@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import gc
 import os
 import sys
 import threading
@@ -138,6 +139,23 @@ def trim() -> bool:
     if libc is None or not hasattr(libc, "malloc_trim"):
         return False
     return bool(libc.malloc_trim(0))
+
+
+def freeze_startup_objects() -> None:
+    """Move everything built so far (model, tokenizer tables, modules) out of the garbage collector's sight, as
+    vLLM's engine does after start-up: otherwise each full collection walks those objects again, a pause of
+    about a millisecond in whichever engine step it lands (the host-path benchmark's scheduler update at 256
+    running: 1.12 ms a step on average with such pauses, 0.40 ms without).
+
+    The collection after the freeze matters as much. CPython starts a full collection only once the objects
+    promoted since the last one pass a quarter of those that survived it, and the count it keeps is the one
+    before the freeze: with a million start-up objects frozen, the first full collection would wait for about
+    250,000 promoted objects, and the garbage cycles among them (a request's state, a rebalance's) would stay
+    allocated until then. A full collection now, over the few objects left in the generations, sets that count
+    to what is actually there."""
+    gc.collect()
+    gc.freeze()
+    gc.collect()
 
 
 def native_heap() -> NativeHeap | None:

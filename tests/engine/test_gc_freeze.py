@@ -4,8 +4,9 @@ full collections during steps no longer walk the model's and tokenizer's objects
 from __future__ import annotations
 
 import gc
+from collections import deque
 
-from worker.engine.engine import freeze_startup_objects
+from worker.memory import freeze_startup_objects
 
 
 def test_startup_objects_leave_the_collectors_generations_and_later_ones_do_not():
@@ -16,3 +17,30 @@ def test_startup_objects_leave_the_collectors_generations_and_later_ones_do_not(
         assert len(gc.get_objects()) >= len(later)
     finally:
         gc.unfreeze()
+
+
+def test_garbage_cycles_made_after_the_freeze_do_not_wait_for_a_quarter_of_the_frozen_heap():
+    """Cycles that outlive the young generations (a request's state held for a while, then dropped) reach the
+    oldest one; a full collection must come for them at the usual pace (every tenth collection of the middle
+    generation), not once a quarter of the frozen start-up heap has been promoted after them."""
+    startup = [[i] for i in range(1_000_000)]  # the model's, tokenizer's and modules' objects
+    held: deque[dict] = deque(maxlen=10_000)
+    full: list[int] = []
+
+    def count_full(phase: str, info: dict) -> None:
+        if phase == "stop" and info["generation"] == 2:
+            full.append(info["collected"])
+
+    try:
+        freeze_startup_objects()
+        gc.callbacks.append(count_full)
+        for _ in range(150_000):  # about two full collections' worth at CPython's pace
+            state: dict = {}
+            state["self"] = state
+            held.append(state)
+        assert full and sum(full) > 50_000, f"full collections after the freeze: {full}"
+    finally:
+        if count_full in gc.callbacks:
+            gc.callbacks.remove(count_full)
+        gc.unfreeze()
+        del startup

@@ -10,7 +10,6 @@ runs.
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 import zlib
@@ -90,15 +89,6 @@ class Completion:
     text: str = ""
     finish_reason: str | None = None
     last: RequestOutput | None = None
-
-
-def freeze_startup_objects() -> None:
-    """Move everything built so far (model, tokenizer tables, modules) out of the garbage collector's sight, as
-    vLLM's engine does after start-up: otherwise each full collection walks those objects again, a pause of
-    about a millisecond in whichever engine step it lands (the host-path benchmark's scheduler update at 256
-    running: 1.12 ms a step on average with such pauses, 0.40 ms without)."""
-    gc.collect()
-    gc.freeze()
 
 
 class LLMEngine:

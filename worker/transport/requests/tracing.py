@@ -33,7 +33,6 @@ attribute.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import time
@@ -42,6 +41,7 @@ from collections import OrderedDict
 import msgspec
 
 from schemas.result import FinalRecord
+from worker.memory import freeze_startup_objects
 
 log = logging.getLogger(__name__)
 
@@ -154,8 +154,7 @@ class RequestTracing:
         # The SDK, its exporter and their imports (protobuf, requests) are tens of thousands of objects that
         # live as long as the process: out of the collector's sight, as the engine's start-up objects are, so
         # that full collections do not walk them again and again.
-        gc.collect()
-        gc.freeze()
+        freeze_startup_objects()
         return tracing
 
     # -- a request record read ------------------------------------------------------------------------------
