@@ -48,11 +48,10 @@ def build_engine(kind: str, engine_settings: EngineSettings, instant_step_ms: fl
         return InstantEngine(max_num_seqs=engine_settings.max_num_seqs, step_time_s=instant_step_ms / 1000.0)
     from worker.engine.calibrate import calibrate
     from worker.engine.engine import LLMEngine
-    from worker.memory import freeze_startup_objects
 
     engine = LLMEngine(engine_settings)
     calibrate(engine)  # a cold worker's admission and shedding estimates start from measured step times
-    freeze_startup_objects()
+    memory.freeze_startup_objects()
     return engine
 
 
