@@ -413,7 +413,7 @@ def test_reserved_scratch_serves_every_step_up_to_its_rows_without_new_arrays():
     scratch = sampler_numpy.Scratch()
     scratch.reserve(8, 100)
     made = {name: id(array) for name, array in scratch._arrays.items()}
-    assert set(made) == {name for name, _ in sampler_numpy._ARRAYS}
+    assert set(made) == {name for name, _ in sampler_numpy._ARRAYS} | {sampler_numpy.MASK_ROW}
     rng = np.random.default_rng(0)
     for rows in (1, 3, 8):
         logits = rng.standard_normal((rows, 100)).astype(np.float32)

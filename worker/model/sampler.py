@@ -247,7 +247,8 @@ class Sampler:
                              f"{None if counters is None else len(counters)} counters")
         if mask is not None and mask.rows:
             logits = logits.float().contiguous()  # no copy when it already is
-            token_mask.apply(logits, mask, _on_numpy(logits))
+            on_numpy = _on_numpy(logits)
+            token_mask.apply(logits, mask, on_numpy, self._scratch.mask_row(logits.shape[1]) if on_numpy else None)
         step = self._params_of(params)
         special, sampled_rows = step.plan
         if not special:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from worker.model import token_mask
+
 _TINY = np.float32(np.finfo(np.float32).tiny)
 
 
@@ -36,10 +38,17 @@ class Scratch:
         high-water mark from the start rather than rising the first time a burst fills the batch."""
         for name, dtype in _ARRAYS:
             self.get(name, (rows, vocab), dtype).fill(0)
+        self.mask_row(vocab).fill(0)
+
+    def mask_row(self, vocab: int) -> np.ndarray:
+        """The one row grammar masks are applied through (token_mask.apply)."""
+        return self.get(MASK_ROW, (token_mask.row_scratch_size(vocab),), np.uint32)
 
 
 _ARRAYS = (("weights", np.float32), ("keys", np.int32), ("equal", bool))
 """The work arrays `draw` asks Scratch for, each [rows, vocab]."""
+MASK_ROW = "mask_row"
+"""The name of `Scratch.mask_row`'s array."""
 
 
 def draw(
