@@ -9,6 +9,7 @@ import signal
 
 import pytest
 
+from schemas.priority import partition_for
 from schemas.request import GenerationRequest
 from worker.engine.instant import expected_text
 from tests.transport.kafka_helpers import Collector, produce_requests, start_worker_process
@@ -84,6 +85,18 @@ async def wait_assigned(collector, worker_ids: set[str] | None, num_partitions: 
     await collector.wait_until(ready, timeout_s)
 
 
+def streaming_on(results, requests, kafka, worker_id: str) -> int:
+    """How many requests of the partitions `worker_id` last said it holds have chunks and no final yet."""
+    statuses = [s for s in results.statuses if s.worker_id == worker_id]
+    if not statuses:
+        return 0
+    owned = set(statuses[-1].assigned_partitions)
+    with_chunks = {request_id for request_id, _ in list(results.chunks)}
+    return sum(1 for priority, q in requests
+               if q.id in with_chunks and not results.finals.get(q.id)
+               and partition_for(priority, q.routing_key, kafka.num_request_partitions, kafka.num_priorities) in owned)
+
+
 async def test_sigkill_one_of_two_workers_loses_nothing(kafka_topics, tmp_path, engine_kind):
     kafka = kafka_topics
     requests = make_requests("kill", 300)
@@ -95,7 +108,11 @@ async def test_sigkill_one_of_two_workers_loses_nothing(kafka_topics, tmp_path, 
         try:
             await wait_assigned(collector, {"w0", "w1"}, kafka.num_request_partitions)
             await produce_requests(kafka, requests)
-            await collector.wait_until(lambda r: len(r.finals) >= 20, 30)
+            # Killed mid-stream: after some finals (its partner's, or its own), while it streams requests of its
+            # own. After finals alone, a worker that had fetched late, or finished all it held, had nothing to
+            # redeliver.
+            await collector.wait_until(
+                lambda r: len(r.finals) >= 20 and streaming_on(r, requests, kafka, "w0") >= 3, 30, "w0 streaming")
             procs[0].send_signal(signal.SIGKILL)
             await procs[0].wait()
             await collector.wait_until(lambda r: all_completed(r, requests), 90, "all completed")
