@@ -4,6 +4,7 @@ trimming hands free pages back, and the arena cap is accepted."""
 from __future__ import annotations
 
 import ctypes
+import os
 
 import pytest
 
@@ -237,3 +238,81 @@ def test_a_freed_numpy_array_leaves_its_heap_range_advised_for_huge_pages_unless
     out = subprocess.run([sys.executable, "-c", _ADVISED, "off" if mode == "off" else "on"], capture_output=True,
                          text=True, check=True, timeout=60)
     assert out.stdout.split()[-1] == ("False" if mode == "off" else "True")
+
+
+_SMALL_BUFFERS_KEPT = """
+import sys, threading
+from worker import memory
+import numpy as np
+
+def churn():
+    if sys.argv[1] == "off":
+        assert memory.numpy_buffer_cache(False)
+    before = memory.native_heap().in_use_bytes
+    for _ in range(3):
+        # numpy keeps up to seven freed buffers of each size under 1 KiB: seven live at once of every size a
+        # batch of 1 to 127 int64 rows takes, then all freed.
+        arrays = [np.zeros(rows, dtype=np.int64) for rows in range(1, 128) for _ in range(7)]
+        del arrays
+    kept.append(memory.native_heap().in_use_bytes - before)
+
+kept = []
+thread = threading.Thread(target=churn)  # numpy's handler is per thread, as the engine's is
+thread.start()
+thread.join()
+print(kept[0])
+"""
+
+
+@pytest.mark.parametrize("mode", ["numpy's default", "off"])
+def test_numpy_keeps_no_freed_small_buffers_on_a_thread_that_turned_its_cache_off(mode):
+    """numpy's default handler keeps freed data buffers of under 1 KiB, seven of each size, for good: a burst's
+    batch-sized arrays leave theirs spread over the engine thread's arena (docs/memory.md). With the cache off
+    (WORKER_NUMPY_BUFFER_CACHE) every buffer goes back to malloc."""
+    import subprocess
+    import sys
+
+    # glibc's own per-thread cache of freed small blocks (tcache, which counts as in use) left out of the count
+    env = dict(os.environ, GLIBC_TUNABLES="glibc.malloc.tcache_count=0")
+    out = subprocess.run([sys.executable, "-c", _SMALL_BUFFERS_KEPT, "off" if mode == "off" else "on"],
+                         capture_output=True, text=True, check=True, timeout=60, env=env)
+    kept = int(out.stdout.split()[-1])
+    if mode == "off":
+        assert kept < 32 * 1024, kept
+    else:
+        assert kept > 7 * 100 * 512, kept  # seven of each size, 8 to 1,016 bytes (about 450 KB)
+
+
+_ENGINE_THREAD_HANDLER = """
+import asyncio, threading
+from worker import memory
+from worker.engine.instant import InstantEngine
+from worker.transport.requests.engine_thread import EngineThread
+import numpy as np
+
+memory.configure(0, 0, False, numpy_cache=False)  # as serve() does, the allocator's caps left alone
+seen = []
+
+class Recording(InstantEngine):
+    def prepare_thread(self):
+        seen.append((threading.current_thread().name, np._core.multiarray.get_handler_name()))
+
+async def main():
+    thread = EngineThread(Recording(max_num_seqs=2, step_time_s=0.0), asyncio.get_running_loop(), asyncio.Queue())
+    thread.start()
+    await asyncio.sleep(0.2)
+    thread.stop()
+
+asyncio.run(main())
+print(seen, np._core.multiarray.get_handler_name())
+"""
+
+
+def test_the_engine_thread_and_the_configuring_thread_make_arrays_without_numpys_cache():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _ENGINE_THREAD_HANDLER], capture_output=True, text=True,
+                         check=True, timeout=60)
+    assert out.stdout.split("\n")[0] == (f"[('engine', '{memory.NUMPY_UNCACHED_HANDLER}')] "
+                                         f"{memory.NUMPY_UNCACHED_HANDLER}"), out.stdout + out.stderr

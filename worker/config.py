@@ -361,6 +361,11 @@ class WorkerSettings(BaseSettings):
     the kernel keeps a whole 2 MiB page resident around any live block in it, a step in the resident size
     that `malloc_trim` cannot undo (docs/memory.md). Arrays that large are a step's temporaries on the CPU,
     faulted in 4 KiB pages without it."""
+    numpy_buffer_cache: bool = False
+    """Let numpy keep freed data buffers of under 1 KiB for reuse on the engine's thread (its own default). Off:
+    numpy keeps seven of each size for good, and a burst's batch-sized arrays bring sizes the steady load never
+    makes, carved from the arena while the burst has it widened: a step in the resident size that `malloc_trim`
+    cannot undo (docs/memory.md). glibc's per-thread cache reuses small blocks as fast."""
     malloc_trim_interval_s: float = Field(60.0, ge=0)
     """How often free heap pages are handed back to the kernel (glibc malloc_trim, on a thread: 7-40 ms on the
     2-core machine with 250 MB free in 30,000 holes); 0 never."""

@@ -10,7 +10,8 @@ between the engine's per-step temporaries, and the soak grew by megabytes. So th
 the threads it runs (`WORKER_MALLOC_ARENA_MAX`, 128: an arena each), fixes the mmap threshold
 (`WORKER_MALLOC_MMAP_THRESHOLD_BYTES`, 4 MiB: a burst's largest temporaries get pages of their own), and hands
 free pages back to the kernel now and then (`malloc_trim`, every `WORKER_MALLOC_TRIM_INTERVAL_S`). It also
-stops numpy's huge-page advice, which pins whole 2 MiB pages in the arenas (`numpy_huge_pages`).
+stops numpy's huge-page advice, which pins whole 2 MiB pages in the arenas (`numpy_huge_pages`), and
+numpy's cache of small freed buffers on the threads that step the engine (`numpy_buffer_cache`).
 
 Pure ctypes on the C library the process already has: on a libc without these calls (musl, macOS) every
 function here answers None or False and changes nothing.
@@ -26,6 +27,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 M_ARENA_MAX = -8
@@ -108,13 +110,110 @@ def numpy_huge_pages(enabled: bool) -> None:
             return
 
 
-def configure(arena_max: int, mmap_threshold_bytes: int, huge_pages: bool) -> None:
+class _DataMemAllocator(ctypes.Structure):
+    # numpy's PyDataMemAllocator (ndarraytypes.h): free takes the block's size as a third argument.
+    _fields_ = [(name, ctypes.c_void_p) for name in ("ctx", "malloc", "calloc", "realloc", "free")]
+
+
+class _DataMemHandler(ctypes.Structure):
+    # numpy's PyDataMem_Handler, version 1.
+    _fields_ = [("name", ctypes.c_char * 127), ("version", ctypes.c_uint8), ("allocator", _DataMemAllocator)]
+
+
+class _PyMemAllocatorEx(ctypes.Structure):
+    # CPython's PyMemAllocatorEx: the same calls as numpy's, free without the size.
+    _fields_ = [(name, ctypes.c_void_p) for name in ("ctx", "malloc", "calloc", "realloc", "free")]
+
+
+NUMPY_UNCACHED_HANDLER = "llm_worker_uncached"
+"""The name numpy reports (numpy's `get_handler_name`) for arrays allocated while its buffer cache is off."""
+_PYMEM_DOMAIN_RAW = 0
+_ARRAY_API_SET_HANDLER = 304
+"""PyDataMem_SetHandler's slot in numpy's C API table (__multiarray_api.h, numpy >= 1.22)."""
+_MEM_HANDLER_CAPSULE_NAME = b"mem_handler"
+
+
+@functools.cache
+def _numpy_uncached_handler() -> tuple[object, ctypes.Structure, Callable[[object], object]] | None:
+    """A numpy data handler (NEP 49) that calls CPython's raw allocator, malloc, for every buffer: the capsule
+    numpy takes, the struct it points to (kept alive with it) and numpy's PyDataMem_SetHandler. None without
+    numpy >= 1.22 or glibc."""
+    if _libc() is None:
+        return None
+    try:
+        import numpy._core._multiarray_umath as umath  # numpy 2
+    except ImportError:
+        try:
+            import numpy.core._multiarray_umath as umath  # numpy 1
+        except ImportError:
+            return None
+    api_capsule = getattr(umath, "_ARRAY_API", None)
+    if api_capsule is None:
+        return None
+    api = ctypes.pythonapi
+    api.PyCapsule_GetName.restype = ctypes.c_char_p
+    api.PyCapsule_GetName.argtypes = [ctypes.py_object]
+    api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+    api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    api.PyCapsule_New.restype = ctypes.py_object
+    api.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    table = api.PyCapsule_GetPointer(api_capsule, api.PyCapsule_GetName(api_capsule))
+    raw = _PyMemAllocatorEx()
+    api.PyMem_GetAllocator(_PYMEM_DOMAIN_RAW, ctypes.byref(raw))
+    # numpy passes free a third argument (the size); CPython's raw free takes two, and the C calling
+    # conventions let a callee ignore trailing arguments.
+    handler = _DataMemHandler(NUMPY_UNCACHED_HANDLER.encode(), 1,
+                              _DataMemAllocator(raw.ctx, raw.malloc, raw.calloc, raw.realloc, raw.free))
+    capsule = api.PyCapsule_New(ctypes.addressof(handler), _MEM_HANDLER_CAPSULE_NAME, None)
+    set_handler = ctypes.cast(ctypes.c_void_p.from_address(table + _ARRAY_API_SET_HANDLER * ctypes.sizeof(
+        ctypes.c_void_p)).value, ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.py_object))
+    return (capsule, handler, set_handler)
+
+
+def numpy_buffer_cache(enabled: bool) -> bool:
+    """Whether numpy keeps freed data buffers of under 1 KiB for reuse (its default) in the calling thread's
+    context; True when the choice was applied. numpy's handler is a context variable, so each thread that
+    makes arrays sets it for itself (`prepare_thread`).
+
+    Why a worker turns it off on the engine's thread: numpy keeps up to seven freed buffers of each size under
+    1 KiB, for good, in a table of its own. A step's small arrays (a row's token ids, positions, a few
+    floats per request) are sized by the batch, so a rebalance's burst, the batch at 64 rows, brings sizes the
+    steady load never makes: each size's seven buffers were carved from the arena while the burst had it
+    widened and stay there, spread over its pages, a step in the resident size that `malloc_trim` cannot
+    return (140 KB of them over the engine thread's arena after one burst). Without the cache every buffer goes
+    back to malloc when freed, and glibc's own per-thread cache (tcache) reuses small blocks just as fast."""
+    if enabled:
+        return False  # numpy's default, which a thread has until it sets another handler
+    built = _numpy_uncached_handler()
+    if built is None:
+        return False
+    capsule, _handler, set_handler = built
+    set_handler(capsule)
+    return True
+
+
+_thread_settings: dict[str, bool] = {}
+"""What `configure` chose that each thread applies for itself (`prepare_thread`)."""
+
+
+def configure(arena_max: int, mmap_threshold_bytes: int, huge_pages: bool, numpy_cache: bool = True) -> None:
     """The allocator as a worker sets it up (the settings WORKER_MALLOC_ARENA_MAX,
-    WORKER_MALLOC_MMAP_THRESHOLD_BYTES, WORKER_NUMPY_HUGE_PAGES): call it before threads start, in each process
-    that runs an engine, since mallopt's settings belong to the process that makes the call."""
+    WORKER_MALLOC_MMAP_THRESHOLD_BYTES, WORKER_NUMPY_HUGE_PAGES, WORKER_NUMPY_BUFFER_CACHE): call it before
+    threads start, in each process that runs an engine, since mallopt's settings belong to the process that
+    makes the call. numpy's buffer cache is a per-thread choice: the calling thread's now, each engine thread's
+    when it calls `prepare_thread`."""
     limit_arenas(arena_max)
     fix_mmap_threshold(mmap_threshold_bytes)
     numpy_huge_pages(huge_pages)
+    _thread_settings["numpy_cache"] = numpy_cache
+    prepare_thread()
+
+
+def prepare_thread() -> None:
+    """Apply to the calling thread what `configure` chose per thread (numpy's buffer cache); nothing in a
+    process that never called `configure`."""
+    if "numpy_cache" in _thread_settings:
+        numpy_buffer_cache(_thread_settings["numpy_cache"])
 
 
 def trim_every(interval_s: float) -> threading.Thread | None:

@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 
 
 def configure_allocator(settings: WorkerSettings) -> None:
-    memory.configure(settings.malloc_arena_max, settings.malloc_mmap_threshold_bytes, settings.numpy_huge_pages)
+    memory.configure(settings.malloc_arena_max, settings.malloc_mmap_threshold_bytes, settings.numpy_huge_pages,
+                     settings.numpy_buffer_cache)
 
 
 def build_engine_process(settings: WorkerSettings, kind: str, engine_settings: EngineSettings,

@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass
 
 from worker.engine.api import Engine, EngineRequest, EngineStats, RequestOutput
+from worker.memory import prepare_thread as prepare_allocator
 
 log = logging.getLogger(__name__)
 
@@ -167,8 +168,12 @@ class EngineThread:
                 self._stats_updated(self._stats)
 
     def _prepare_engine(self) -> None:
-        """What the engine builds per thread (the model's kernel caches) is built for this one, which steps it;
-        a failure costs memory, never serving."""
+        """What the engine builds per thread (the model's kernel caches) is built for this one, which steps it,
+        after the allocator's per-thread choices (numpy's buffer cache); a failure costs memory, never serving."""
+        try:
+            prepare_allocator()
+        except Exception:
+            log.exception("the allocator's per-thread settings failed")
         self._call_engine("prepare_thread")
 
     def _close_engine(self) -> None:
