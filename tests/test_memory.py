@@ -316,3 +316,57 @@ def test_the_engine_thread_and_the_configuring_thread_make_arrays_without_numpys
                          check=True, timeout=60)
     assert out.stdout.split("\n")[0] == (f"[('engine', '{memory.NUMPY_UNCACHED_HANDLER}')] "
                                          f"{memory.NUMPY_UNCACHED_HANDLER}"), out.stdout + out.stderr
+
+
+def test_the_tcache_tunable_is_added_unless_glibcs_default_is_asked_or_an_operator_set_it():
+    assert memory.tunables_with_tcache_count(None, 0) == "glibc.malloc.tcache_count=0"
+    assert memory.tunables_with_tcache_count("glibc.malloc.trim_threshold=0", 0) == (
+        "glibc.malloc.trim_threshold=0:glibc.malloc.tcache_count=0")
+    assert memory.tunables_with_tcache_count("glibc.malloc.tcache_count=3", 0) is None
+    assert memory.tunables_with_tcache_count(None, -1) is None
+
+
+_FREED_SMALL_BLOCKS_HELD = """
+import ctypes, os, sys, threading
+from worker import memory
+memory.restart_with_tcache_count(int(sys.argv[1]))  # runs this script again once, the tunable set
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+
+def churn():
+    before = memory.native_heap().in_use_bytes
+    blocks = [libc.malloc(size) for size in range(16, 1024, 16) for _ in range(7)]
+    for block in blocks:
+        libc.free(block)
+    held.append(memory.native_heap().in_use_bytes - before)
+
+held = []
+thread = threading.Thread(target=churn)
+thread.start()
+thread.join()
+print(os.environ.get("GLIBC_TUNABLES"), os.getpid(), held[0])
+"""
+
+
+@pytest.mark.parametrize("count", [-1, 0])
+def test_a_restart_with_the_tcache_off_keeps_no_freed_small_blocks_for_the_thread(count):
+    """glibc's per-thread cache keeps seven freed blocks of each small size for the thread's next malloc of it,
+    out of `malloc_trim`'s reach; glibc reads its tunables only at start, so the worker runs itself again with
+    the cache off (WORKER_MALLOC_TCACHE_COUNT), same pid."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    proc = subprocess.Popen([sys.executable, "-c", _FREED_SMALL_BLOCKS_HELD, str(count)], stdout=subprocess.PIPE,
+                            text=True, env=env)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    tunables, pid, held = out.split()
+    assert int(pid) == proc.pid
+    if count == 0:
+        assert tunables == "glibc.malloc.tcache_count=0"
+        assert int(held) < 16 * 1024, held
+    else:
+        assert tunables == "None"
+        assert int(held) > 7 * 60 * 256, held  # seven of each class, 16 to 1,008 bytes (about 230 KB)

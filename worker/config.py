@@ -361,6 +361,12 @@ class WorkerSettings(BaseSettings):
     the kernel keeps a whole 2 MiB page resident around any live block in it, a step in the resident size
     that `malloc_trim` cannot undo (docs/memory.md). Arrays that large are a step's temporaries on the CPU,
     faulted in 4 KiB pages without it."""
+    malloc_tcache_count: int = Field(0, ge=-1)
+    """Freed small blocks glibc keeps per size in each thread's cache (tcache; the tunable
+    glibc.malloc.tcache_count), set when `serve` starts by running itself again with it in GLIBC_TUNABLES, unless
+    that names it already; -1: glibc's default, 7. Off (0): the blocks a rebalance's burst freed in the part of
+    the engine thread's arena it widened stay in that cache, each pinning a page `malloc_trim` cannot return:
+    the soak's rebalance step was +840 KB with it, +4 KB without, at the same finals a second (docs/memory.md)."""
     numpy_buffer_cache: bool = False
     """Let numpy keep freed data buffers of under 1 KiB for reuse on the engine's thread (its own default). Off:
     numpy keeps seven of each size for good, and a burst's batch-sized arrays bring sizes the steady load never

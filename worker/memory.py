@@ -10,8 +10,10 @@ between the engine's per-step temporaries, and the soak grew by megabytes. So th
 the threads it runs (`WORKER_MALLOC_ARENA_MAX`, 128: an arena each), fixes the mmap threshold
 (`WORKER_MALLOC_MMAP_THRESHOLD_BYTES`, 4 MiB: a burst's largest temporaries get pages of their own), and hands
 free pages back to the kernel now and then (`malloc_trim`, every `WORKER_MALLOC_TRIM_INTERVAL_S`). It also
-stops numpy's huge-page advice, which pins whole 2 MiB pages in the arenas (`numpy_huge_pages`), and
-numpy's cache of small freed buffers on the threads that step the engine (`numpy_buffer_cache`).
+stops numpy's huge-page advice, which pins whole 2 MiB pages in the arenas (`numpy_huge_pages`),
+numpy's cache of small freed buffers on the threads that step the engine (`numpy_buffer_cache`), and
+glibc's own per-thread cache of freed small blocks, which `malloc_trim` cannot reach
+(`restart_with_tcache_count`: glibc reads that setting only at start, so the process runs itself again).
 
 Pure ctypes on the C library the process already has: on a libc without these calls (musl, macOS) every
 function here answers None or False and changes nothing.
@@ -108,6 +110,45 @@ def numpy_huge_pages(enabled: bool) -> None:
         if switch is not None:
             switch(enabled)
             return
+
+
+GLIBC_TUNABLES_ENV = "GLIBC_TUNABLES"
+TCACHE_COUNT_TUNABLE = "glibc.malloc.tcache_count"
+
+
+def tunables_with_tcache_count(current: str | None, count: int) -> str | None:
+    """The GLIBC_TUNABLES value that also sets glibc's per-thread cache to `count` blocks a size; None where
+    there is nothing to change: `count` below 0 (glibc's default, 7), or `current` names the tunable already
+    (an operator's choice stands)."""
+    if count < 0:
+        return None
+    parts = [part for part in (current or "").split(":") if part]
+    if any(part.split("=", 1)[0] == TCACHE_COUNT_TUNABLE for part in parts):
+        return None
+    return ":".join([*parts, f"{TCACHE_COUNT_TUNABLE}={count}"])
+
+
+def restart_with_tcache_count(count: int) -> None:
+    """Run this process again from the start (same pid, same arguments) with glibc's per-thread cache of freed
+    small blocks (tcache) set to `count` blocks a size, unless it is set already; glibc reads its tunables
+    only when a process starts. Call it first thing: whatever the process did before is lost.
+
+    Why a worker turns the cache off: each thread keeps up to seven freed blocks of every size class to
+    1 KiB for its own next malloc of that class, and `malloc_trim` does not touch them. After a rebalance's
+    burst the engine thread's cache holds blocks freed in the part of its arena the burst widened, and a
+    class the steady load rarely allocates keeps them there for good, each pinning a page: 27 of the 74 pages
+    a burst left in the engine alone held nothing else, and a 30-minute soak's rebalance step went from
+    +840 KB to +4 KB without the cache (docs/memory.md). Small blocks then come from glibc's fast bins of
+    the thread's own arena, behind its uncontended lock."""
+    if _libc() is None:
+        return
+    value = tunables_with_tcache_count(os.environ.get(GLIBC_TUNABLES_ENV), count)
+    if value is None:
+        return
+    os.environ[GLIBC_TUNABLES_ENV] = value
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os.execv(sys.executable, sys.orig_argv)
 
 
 class _DataMemAllocator(ctypes.Structure):

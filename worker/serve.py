@@ -80,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
                                       ("sim_model", args.sim_model)) if v}
     kafka, settings, engine_settings = (KafkaSettings(**kafka_over), WorkerSettings(**worker_over),
                                         EngineSettings(**engine_over))
+    memory.restart_with_tcache_count(settings.malloc_tcache_count)  # returns where there is nothing to change
     configure_allocator(settings)  # before the threads that would each make an arena (worker/memory.py)
     try:  # before the model loads: a wrong password or a missing ACL is known in a second, not after a minute
         asyncio.run(check_access(kafka, Needs.of_worker(kafka)))
