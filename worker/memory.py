@@ -191,7 +191,7 @@ def _numpy_uncached_handler() -> tuple[object, ctypes.Structure, Callable[[objec
     api_capsule = getattr(umath, "_ARRAY_API", None)
     if api_capsule is None:
         return None
-    api = ctypes.pythonapi
+    api = ctypes.PyDLL(None)  # CPython's C API with the GIL held, its functions' types set here only
     api.PyCapsule_GetName.restype = ctypes.c_char_p
     api.PyCapsule_GetName.argtypes = [ctypes.py_object]
     api.PyCapsule_GetPointer.restype = ctypes.c_void_p
@@ -233,8 +233,8 @@ def numpy_buffer_cache(enabled: bool) -> bool:
     return True
 
 
-_thread_settings: dict[str, bool] = {}
-"""What `configure` chose that each thread applies for itself (`prepare_thread`)."""
+_numpy_cache_choice: bool | None = None
+"""What `configure` chose for numpy's buffer cache, which each thread applies for itself (`prepare_thread`)."""
 
 
 def configure(arena_max: int, mmap_threshold_bytes: int, huge_pages: bool, numpy_cache: bool = True) -> None:
@@ -246,15 +246,16 @@ def configure(arena_max: int, mmap_threshold_bytes: int, huge_pages: bool, numpy
     limit_arenas(arena_max)
     fix_mmap_threshold(mmap_threshold_bytes)
     numpy_huge_pages(huge_pages)
-    _thread_settings["numpy_cache"] = numpy_cache
+    global _numpy_cache_choice
+    _numpy_cache_choice = numpy_cache
     prepare_thread()
 
 
 def prepare_thread() -> None:
     """Apply to the calling thread what `configure` chose per thread (numpy's buffer cache); nothing in a
     process that never called `configure`."""
-    if "numpy_cache" in _thread_settings:
-        numpy_buffer_cache(_thread_settings["numpy_cache"])
+    if _numpy_cache_choice is not None:
+        numpy_buffer_cache(_numpy_cache_choice)
 
 
 def trim_every(interval_s: float) -> threading.Thread | None:
