@@ -76,6 +76,9 @@ class WorkerStatus(WireRecord, kw_only=True):
         list[Partition], Meta(description="Request-topic partitions paused for backpressure.")
     ] = []
     assigned_partitions: Annotated[list[Partition], Meta(description="Request-topic partitions this worker owns.")] = []
+    commit_waiting_partitions: Annotated[list[Partition], Meta(description=(
+        "Request-topic partitions not read until their committed offset moves: the requests answered above it "
+        "(requests finish out of order) fill the record of them that each exactly-once commit carries."))] = []
     num_preemptions: Annotated[int, Meta(ge=0, le=MAX_SAFE_INT, description=(
         "Running requests preempted (to be recomputed) since the worker started."))] = 0
     last_step_ms: Annotated[float, Meta(ge=0.0, description="How long the engine's last step took.")] = 0.0

@@ -50,6 +50,11 @@ class KafkaSettings(BaseSettings):
     and rebalances, and a fenced zombie's writes never (docs/delivery.md). Workers and clients must agree:
     the Python client reads read_committed when it is on. Off: finals are sent at once and offsets committed
     after, one final per attempt (consumers deduplicate by attempt)."""
+    offset_metadata_max_bytes: int = Field(4096, ge=64)
+    """The brokers' offset.metadata.max.bytes. With exactly_once each commit records, in its metadata, which
+    offsets above the committed one are already answered (requests finish out of order), so the partition's
+    next owner skips them; when that record would pass this size, reading the partition waits until its
+    watermark moves (the status topic lists it in commit_waiting_partitions)."""
     allowed_reply_topics: list[str] = []
     """Topics, besides the result topic, that a request may name as its reply topic."""
     allowed_reply_topic_prefixes: list[str] = []

@@ -43,6 +43,8 @@ class LoadView:
     desired_workers: float | None = None
     """The autoscaling signal (autoscale.py); None while there is no estimate."""
     tenants: tuple[TenantSnapshot, ...] = ()
+    commit_waiting: tuple[int, ...] = ()
+    """Partitions not read until their watermark moves (Intake.commit_waiting)."""
 
 
 class StatusReporter:
@@ -98,6 +100,7 @@ class StatusReporter:
             shedding=bool(decision.shed_priorities),
             paused_partitions=sorted(p for parts in view.paused_by_priority for p in parts),
             assigned_partitions=sorted(view.assigned_partitions),
+            commit_waiting_partitions=sorted(view.commit_waiting),
             num_preemptions=stats.num_preemptions,
             last_step_ms=max(0.0, stats.last_step_s * 1000.0),
             num_steps=stats.num_steps,

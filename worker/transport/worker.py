@@ -42,7 +42,8 @@ from worker.config_cli import masked_dump
 from worker.engine.api import Engine, EngineStats
 from worker.transport.kafka.access_check import AccessDenied, Needs, check_access
 from worker.transport.load.admission import Admission
-from worker.transport.kafka.aiokafka_compat import group_generation
+from worker.transport.kafka import progress
+from worker.transport.kafka.aiokafka_compat import committed_with_metadata, group_generation
 from worker.transport.requests.answers import Answers
 from worker.transport.load.autoscale import ScaleSignal
 from worker.transport.load.backpressure import Backpressure
@@ -157,7 +158,8 @@ class Worker:
             publisher.track_settled = True
             self.lanes = self.answers.lanes = FinalLanes(
                 kafka.client_kwargs(), kafka.group_id, self.tracker, publisher, self.answers.replacement,
-                interval_s=settings.transaction_interval_ms / 1000.0)
+                interval_s=settings.transaction_interval_ms / 1000.0,
+                max_metadata_bytes=kafka.offset_metadata_max_bytes)
         self.admission = admission = Admission(kafka.result_topic, frozenset(kafka.allowed_reply_topics),
                                                list(settings.itl_target_ms), self.max_num_batched_tokens,
                                                allowed_reply_topic_prefixes=tuple(kafka.allowed_reply_topic_prefixes))
@@ -275,11 +277,13 @@ class Worker:
                  sorted(tp.partition for tp in revoked))
 
     async def _on_assigned(self, assigned: set[TopicPartition]) -> None:
+        progress_found = None
         if self.lanes is not None:
             await self.lanes.revoke(self.lanes.owned() - assigned)
-            await self.lanes.assign(assigned)
+            await self.lanes.assign(assigned)  # fences the previous owners first: their commits are final
+            progress_found = await self._committed_progress(assigned - self.intake.kept_of(assigned))
         held = set(self.streamer.held_partitions)
-        self.intake.on_assigned(assigned, group_generation(self.consumer))
+        self.intake.on_assigned(assigned, group_generation(self.consumer), progress_found)
         gone = held - assigned
         ids = self.streamer.close_where(lambda queued: queued.partition in gone)
         self.engine_thread.abort(ids)
@@ -288,6 +292,21 @@ class Worker:
         if held:
             log.info("rebalance: kept %d partitions, gave up %d; aborted %d requests of those given up",
                      len(held & assigned), len(held - assigned), len(ids))
+
+    async def _committed_progress(self, partitions: set[TopicPartition]) -> dict:
+        """{partition: (committed offset, answered runs above it)} for partitions that come to this worker
+        (progress.py). Unreadable (the coordinator away): none, and those partitions are read from their offset
+        as before, at-least-once; a warning says so."""
+        if not partitions:
+            return {}
+        try:
+            found = await asyncio.wait_for(committed_with_metadata(self.consumer, partitions), 30.0)
+        except Exception as exc:  # noqa: BLE001 - the rebalance goes on; only the skipping is lost
+            log.warning("could not read the committed progress of partitions %s (%r): requests answered above "
+                        "their committed offsets may be answered again", sorted(tp.partition for tp in partitions),
+                        exc)
+            return {}
+        return {tp: (offset, progress.decode(offset, metadata)) for tp, (offset, metadata) in found.items()}
 
     async def _connect(self) -> bool:
         """Create the clients and the parts, subscribe, start; retried with backoff until Kafka answers."""
@@ -523,6 +542,6 @@ class Worker:
         tenants = self.tenants.snapshot(time.monotonic(), self.queue.num_waiting_by_tenant())
         view = LoadView(decision, stats, self.queue.num_waiting_by_priority(), self.intake.paused_by_priority(),
                         sorted(assigned), self.streamer.num_completed, self.streamer.num_output_tokens, desired,
-                        tenants)
+                        tenants, tuple(tp.partition for tp in self.intake.commit_waiting()))
         self.reporter.update_metrics(view)
         return view

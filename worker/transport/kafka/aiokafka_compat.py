@@ -13,6 +13,8 @@ new aiokafka release moves what these functions rely on (checked against aiokafk
 - A topic's record limit from DescribeConfigs (raw protocol tuples), and dropping a topic from the producer's
   tracked metadata topics once it is known to be missing (destinations.py).
 - Sending a request the admin client has no method for (CreateAcls, DeleteAcls: worker/broker/acls.py).
+- A partition's committed offset *with its metadata* (progress.py): `AIOKafkaConsumer.committed` returns the
+  offset alone; its group coordinator fetches both.
 """
 
 from __future__ import annotations
@@ -30,6 +32,15 @@ def group_generation(consumer: AIOKafkaConsumer) -> int:
     if coordinator is None:
         raise RuntimeError("the consumer is not started: it has no group coordinator yet")
     return coordinator.generation
+
+
+async def committed_with_metadata(consumer: AIOKafkaConsumer, partitions) -> dict:
+    """{partition: (offset, metadata)} of the group's committed offsets; partitions with none are left out."""
+    coordinator = consumer._coordinator
+    if coordinator is None:
+        raise RuntimeError("the consumer is not started: it has no group coordinator yet")
+    found = await coordinator.fetch_committed_offsets(list(partitions))
+    return {tp: (meta.offset, meta.metadata) for tp, meta in found.items() if meta is not None and meta.offset >= 0}
 
 
 def fail_unsent_batches(producer: AIOKafkaProducer, error: KafkaError) -> None:

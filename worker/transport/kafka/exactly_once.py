@@ -33,12 +33,13 @@ from dataclasses import dataclass, field
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import (InvalidProducerEpoch, KafkaError, ProducerFenced, TopicAuthorizationFailedError,
                              TransactionalIdAuthorizationFailed)
-from aiokafka.structs import TopicPartition
+from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
 from schemas.decode import encode
 from schemas.result import FinalRecord
 from worker.transport.kafka.aiokafka_compat import fail_unsent_batches, producer_is_dead
 from worker.transport.kafka.destinations import DEFAULT_MAX_MESSAGE_BYTES, record_problem
+from worker.transport.kafka import progress
 from worker.transport.kafka.offsets import OffsetTracker
 from worker.transport.kafka.publisher import Publisher, fill_batch
 
@@ -91,13 +92,15 @@ class Lane:
     """time.monotonic() when the lane last began writing a transaction."""
     num_transactions: int = 0
     last_committed: int | None = None
+    last_metadata: str = ""
 
 
 class FinalLanes:
     """The lanes of the partitions this worker owns."""
 
     def __init__(self, client_kwargs: dict, group_id: str, tracker: OffsetTracker, publisher: Publisher,
-                 replacement: Replacement, interval_s: float = 0.1, max_records: int = 500) -> None:
+                 replacement: Replacement, interval_s: float = 0.1, max_records: int = 500,
+                 max_metadata_bytes: int = progress.DEFAULT_MAX_BYTES) -> None:
         self._client_kwargs = client_kwargs
         self.group_id = group_id
         self.tracker = tracker
@@ -107,7 +110,10 @@ class FinalLanes:
         """A lane writes at most one transaction per interval: finals that come meanwhile wait for the next."""
         self.max_records = max_records
         """A lane writes at once when this many answers wait."""
+        self.max_metadata_bytes = max_metadata_bytes
+        """The broker's offset.metadata.max.bytes: the progress metadata of a commit stays within it."""
         self._lanes: dict[TopicPartition, Lane] = {}
+        self.num_progress_full = 0
         self.num_fenced = 0
         self.num_aborted = 0
 
@@ -293,6 +299,10 @@ class FinalLanes:
             if not batch:
                 await asyncio.sleep(self.interval_s)
                 return
+        batch = self._fit_progress(lane, batch)
+        if not batch:
+            await asyncio.sleep(self.interval_s)
+            return
         records = [record for pending in batch for record in await self._deliverable(pending.records)]
         producer = lane.producer
         await producer.begin_transaction()
@@ -305,17 +315,62 @@ class FinalLanes:
             for topic in {topic for topic, _, _ in records}:
                 self.publisher.destinations.forget(topic)
             raise LaneStuck(f"records not acknowledged within {self.publisher.send_wait_s:g} s") from None
-        for pending in batch:
-            if pending.offset is not None:
-                self.tracker.done(lane.partition, pending.offset)
-        mark = self.tracker.watermark(lane.partition)
-        if mark is not None and (lane.last_committed is None or mark > lane.last_committed):
-            await producer.send_offsets_to_transaction({lane.partition: mark}, self.group_id)
+        answered = frozenset(pending.offset for pending in batch if pending.offset is not None)
+        # The watermark and, in its metadata, every offset above it whose answer is in the log (this
+        # transaction's included): the partition's next owner starts at the one and skips the others.
+        # Computed here, after the sends: records read meanwhile are pending, so never claimed.
+        found = self.tracker.progress(lane.partition, answered)
+        offsets = None
+        if found is not None:
+            mark, runs = found
+            metadata = progress.encode(mark, runs)
+            if answered or lane.last_committed is None or mark != lane.last_committed \
+                    or metadata != lane.last_metadata:
+                offsets = {lane.partition: OffsetAndMetadata(mark, metadata)}
+                await producer.send_offsets_to_transaction(offsets, self.group_id)
         await producer.commit_transaction()
         lane.num_transactions += 1
-        if mark is not None:
-            lane.last_committed = mark
+        # Only now are they done: a transaction that failed leaves them pending, to be written again.
+        for offset in answered:
+            self.tracker.done(lane.partition, offset)
+        if offsets is not None:
+            lane.last_committed, lane.last_metadata = mark, metadata
             self.tracker.committed({lane.partition: mark})
+            state = self.tracker.state(lane.partition)
+            if state is not None:
+                state.progress_bytes = len(metadata)
+
+    def _fit_progress(self, lane: Lane, batch: list[_Pending]) -> list[_Pending]:
+        """The answers of `batch` whose offsets fit in the progress metadata with the rest; the others wait,
+        and reading the partition stops (OffsetTracker.progress_full) until its watermark moves. The lowest
+        answered offset always fits: answering the watermark's own request shortens the list."""
+        tracker, tp, limit = self.tracker, lane.partition, self.max_metadata_bytes
+        state = tracker.state(tp)
+        offsets = sorted(p.offset for p in batch if p.offset is not None)
+        if state is None or not offsets:
+            return batch
+
+        def fits(done: list[int]) -> bool:
+            mark, runs = state.progress(frozenset(done))
+            return progress.encoded_size(mark, runs) <= limit
+
+        if fits(offsets):
+            state.progress_full = False
+            return batch
+        taken: list[int] = []
+        for offset in offsets:
+            if fits([*taken, offset]):
+                taken.append(offset)
+        keep = set(taken)
+        held = [p for p in batch if p.offset is not None and p.offset not in keep]
+        state.progress_full = True
+        self.num_progress_full += 1
+        log.warning("the progress metadata of %s is full (%d bytes at most): %d answers wait for its watermark "
+                    "(%d) to move, and reading the partition waits with them", tp, limit, len(held),
+                    state.watermark())
+        lane.pending = held + lane.pending
+        lane.wake.set()
+        return [p for p in batch if p.offset is None or p.offset in keep]
 
     async def _send_all(self, producer: AIOKafkaProducer, records: list[tuple[str, bytes | None, bytes]],
                         headers_for=None) -> None:
@@ -392,4 +447,5 @@ class FinalLanes:
 
     def stats(self) -> dict[str, int]:
         return {"lanes": len(self._lanes), "fenced": self.num_fenced, "aborted": self.num_aborted,
+                "progress_full": self.num_progress_full,
                 "transactions": sum(lane.num_transactions for lane in self._lanes.values())}

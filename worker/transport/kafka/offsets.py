@@ -6,6 +6,11 @@ worker died. The watermark is therefore the lowest offset consumed but not yet d
 highest consumed offset when nothing is pending. "Done" means the request's final record (or dead-letter
 record, for records that never reach the engine) was acknowledged by Kafka, not merely produced.
 
+With exactly-once finals a commit also says which offsets above the watermark are already answered
+(progress.py): `progress` gives those runs, and a partition whose previous owner left some (`assign`'s
+`answered`) skips them when it reads them (`track` returns False) and keeps them in its own commits until the
+watermark passes them.
+
 Pure Python, no aiokafka: partitions are any hashable key (the transport uses TopicPartition).
 """
 
@@ -15,6 +20,8 @@ import heapq
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+
+from worker.transport.kafka.progress import Runs, runs_of
 
 
 @dataclass(slots=True)
@@ -30,6 +37,13 @@ class PartitionWatermark:
     behind_since: float = 0.0
     """Monotonic time since which records past `floor` have waited with `floor` not moving: the last commit
     that moved it, or the first record consumed after the partition was caught up."""
+    answered: set[int] = field(default_factory=set)
+    """Offsets at or past next_offset that a previous owner answered and committed as such (progress.py): not
+    read yet; skipped when read, and kept in this worker's commits until the watermark passes them."""
+    progress_bytes: int = 0
+    """The size of the last progress metadata committed for the partition (set by whoever commits)."""
+    progress_full: bool = False
+    """The last commit had to leave answers out: the progress metadata would have passed its limit."""
 
     def __post_init__(self) -> None:
         if self.floor < 0:
@@ -40,6 +54,10 @@ class PartitionWatermark:
         if offset < self.next_offset:
             # Below next_offset and not pending means done already (a refetch after a seek back): tracking it
             # again could move the watermark backwards, which Kafka would honour.
+            return False
+        if offset in self.answered:  # a previous owner's answer is committed: never answered again
+            self.answered.discard(offset)
+            self.next_offset = offset + 1
             return False
         if self.next_offset <= self.floor:  # caught up until this record: its wait for a commit starts now
             self.behind_since = time.monotonic()
@@ -54,10 +72,39 @@ class PartitionWatermark:
         self.pending.discard(offset)
         return True
 
-    def watermark(self) -> int:
+    def watermark(self, also_done: frozenset[int] = frozenset()) -> int:
+        """The offset to commit; `also_done`: pending offsets to count as done (a commit being prepared)."""
         while self.heap and self.heap[0] not in self.pending:
             heapq.heappop(self.heap)
-        return self.heap[0] if self.heap else self.next_offset
+        if also_done:
+            below = [offset for offset in self.pending if offset not in also_done]
+            mark = min(below) if below else self.next_offset
+        else:
+            mark = self.heap[0] if self.heap else self.next_offset
+        while mark >= self.next_offset and mark in self.answered:  # the previous owner's answers just above
+            mark += 1
+        return mark
+
+    def progress(self, also_done: frozenset[int] = frozenset()) -> tuple[int, Runs]:
+        """(the watermark, the answered runs above it): what a commit records (progress.py). Answered: read and
+        not pending (gaps in the offsets count too, harmlessly: no record is there), plus the previous
+        owner's `answered` not read yet."""
+        mark = self.watermark(also_done)
+        waiting = sorted(offset for offset in self.pending if offset > mark and offset not in also_done)
+        runs: Runs = []
+        start = mark + 1
+        for offset in waiting:
+            if offset > start:
+                runs.append((start, offset - 1))
+            start = offset + 1
+        if start < self.next_offset:
+            runs.append((start, self.next_offset - 1))
+        for first, last in runs_of(offset for offset in self.answered if offset > mark):
+            if runs and first == runs[-1][1] + 1:
+                runs[-1] = (runs[-1][0], last)
+            else:
+                runs.append((first, last))
+        return mark, runs
 
 
 class OffsetTracker:
@@ -66,9 +113,27 @@ class OffsetTracker:
     def __init__(self) -> None:
         self._partitions: dict[Hashable, PartitionWatermark] = {}
 
-    def assign(self, partition: Hashable, position: int, committed: int | None = None) -> None:
-        """Start tracking a partition whose next record to read is `position`."""
-        self._partitions[partition] = PartitionWatermark(next_offset=position, last_committed=committed)
+    def assign(self, partition: Hashable, position: int, committed: int | None = None,
+               answered: Runs = ()) -> None:
+        """Start tracking a partition whose next record to read is `position`; `answered`: runs above it already
+        answered by a previous owner (the committed progress), skipped when read."""
+        self._partitions[partition] = PartitionWatermark(
+            next_offset=position, last_committed=committed,
+            answered={offset for first, last in answered for offset in range(first, last + 1) if offset >= position})
+
+    def progress(self, partition: Hashable, also_done: frozenset[int] = frozenset()) -> tuple[int, Runs] | None:
+        state = self._partitions.get(partition)
+        return state.progress(also_done) if state is not None else None
+
+    def state(self, partition: Hashable) -> PartitionWatermark | None:
+        return self._partitions.get(partition)
+
+    def progress_full(self, partition: Hashable, limit_bytes: int) -> bool:
+        """Whether reading more records of the partition should wait for its watermark to move: the last commit
+        left answers out for want of room in its progress metadata, or that metadata is past half its limit.
+        Every record read may add a run to it (a request that finishes before the ones below it)."""
+        state = self._partitions.get(partition)
+        return state is not None and (state.progress_full or 2 * state.progress_bytes > limit_bytes)
 
     def revoke(self, partition: Hashable) -> None:
         self._partitions.pop(partition, None)

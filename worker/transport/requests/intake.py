@@ -47,6 +47,7 @@ from worker.transport.requests.cancels import Cancel
 from worker.transport.load.load_control import LoadDecision
 from worker.transport.requests.local_queue import LocalQueue, QueuedRequest
 from worker.transport.kafka.offsets import OffsetTracker
+from worker.transport.kafka.progress import Runs
 from worker.transport.load.service_model import ServiceModel
 from worker.transport.load.shedding import ReachFraction
 from worker.transport.load.tenant_book import TenantBook
@@ -75,12 +76,16 @@ class IntakeLayout:
     max_poll_records: int = 500
     limits: Limits = DEFAULT_LIMITS
     max_clock_skew_ms: float = 1000.0
+    progress_max_bytes: int = 0
+    """With exactly-once finals, the size the progress metadata of a commit stays within (progress.py): a
+    partition whose record of it is past half stops being read until its watermark moves. 0: no such record."""
 
     @classmethod
     def from_settings(cls, kafka, settings, limits: Limits = DEFAULT_LIMITS) -> "IntakeLayout":
         """From KafkaSettings and WorkerSettings."""
         return cls(kafka.num_priorities, kafka.num_request_partitions, kafka.result_topic, settings.max_poll_records,
-                   limits, settings.max_clock_skew_ms)
+                   limits, settings.max_clock_skew_ms,
+                   kafka.offset_metadata_max_bytes if kafka.exactly_once else 0)
 
 
 class Intake:
@@ -107,6 +112,7 @@ class Intake:
         self.max_poll_records = layout.max_poll_records
         self.limits = layout.limits
         self.max_clock_skew_ms = layout.max_clock_skew_ms
+        self.progress_max_bytes = layout.progress_max_bytes
         self.reach = ReachFraction(layout.num_priorities)
         self.assigned: set[TopicPartition] = set()
         """Assigned partitions inside the layout: the ones this worker reads."""
@@ -134,18 +140,35 @@ class Intake:
     def partitions_of(self, priority: int) -> list[TopicPartition]:
         return sorted(tp for tp in self.assigned if self.priority_of(tp) == priority)
 
+    def readable(self, tp: TopicPartition) -> bool:
+        """Not paused (backpressure), and not waiting for its watermark to move (exactly-once progress)."""
+        return tp not in self.paused and not (
+            self.progress_max_bytes and self.tracker.progress_full(tp, self.progress_max_bytes))
+
+    def commit_waiting(self) -> list[TopicPartition]:
+        """Assigned partitions not read until their watermark moves: their progress metadata is nearly full."""
+        if not self.progress_max_bytes:
+            return []
+        return sorted(tp for tp in self.assigned if self.tracker.progress_full(tp, self.progress_max_bytes))
+
     def paused_by_priority(self) -> list[list[int]]:
         paused: list[list[int]] = [[] for _ in range(self.num_priorities)]
         for tp in sorted(self.paused):
             paused[self.priority_of(tp)].append(tp.partition)
         return paused
 
-    def on_assigned(self, assigned: set[TopicPartition], group_generation: int) -> set[TopicPartition]:
+    def kept_of(self, assigned: set[TopicPartition]) -> set[TopicPartition]:
+        """The partitions of a new assignment that this worker keeps from before the rebalance."""
+        return self._suspended & assigned
+
+    def on_assigned(self, assigned: set[TopicPartition], group_generation: int,
+                    progress: dict[TopicPartition, tuple[int, Runs]] | None = None) -> set[TopicPartition]:
         """The group's new assignment. Suspended partitions (revoked at the start of this rebalance) that came
         back are kept as they were: their waiting requests return to the queue, their watermarks stay, and
         reading resumes after the last record this worker consumed (not from the committed offset, which
-        would fetch in-flight requests a second time). Returns the suspended partitions that went elsewhere:
-        the caller aborts their requests in the engine."""
+        would fetch in-flight requests a second time). The others start from their committed offset, skipping
+        the offsets above it that `progress` says are answered (exactly-once: progress.py). Returns the
+        suspended partitions that went elsewhere: the caller aborts their requests in the engine."""
         kept, moved = self._suspended & assigned, self._suspended - assigned
         self._suspended = set()
         for tp in moved:
@@ -166,10 +189,15 @@ class Intake:
         self.group_generation = group_generation
         for tp in assigned:
             position = self.tracker.next_offset(tp) if tp in kept else None
-            if position is None:
-                self.tracker.revoke(tp)  # start clean: watermark state is created at the first record fetched
-            else:
+            if position is not None:
                 self.consumer.seek(tp, position)
+            elif progress and progress.get(tp, (0, []))[1]:
+                committed, runs = progress[tp]
+                self.tracker.assign(tp, committed, committed, runs)
+                log.info("partition %d: %d offsets above its committed offset %d are answered already; skipped",
+                         tp.partition, sum(last - first + 1 for first, last in runs), committed)
+            else:
+                self.tracker.revoke(tp)  # start clean: watermark state is created at the first record fetched
         log.info("assigned %s (generation %d); kept %s, moved away %s", sorted(tp.partition for tp in assigned),
                  group_generation, sorted(tp.partition for tp in kept), sorted(tp.partition for tp in moved))
         return moved
@@ -211,7 +239,7 @@ class Intake:
         batches: list[tuple[TopicPartition, list, int]] = []
         try:
             for priority in priorities:
-                parts = [tp for tp in self.partitions_of(priority) if tp not in self.paused]
+                parts = [tp for tp in self.partitions_of(priority) if self.readable(tp)]
                 if parts and budget > 0 and self._failed is None:
                     for tp, msgs in (await self._fetch(parts, 0, budget)).items():
                         batches.append((tp, msgs, self.group_generation))
@@ -227,8 +255,7 @@ class Intake:
                 except asyncio.TimeoutError:
                     pass
                 return
-            readable = sorted(tp for tp in self.assigned if tp not in self.paused
-                              and self.priority_of(tp) in priorities)
+            readable = sorted(tp for tp in self.assigned if self.readable(tp) and self.priority_of(tp) in priorities)
             got = await self._fetch(readable, 50, budget)
             batches = [(tp, msgs, self.group_generation) for tp, msgs in
                        sorted(got.items(), key=lambda item: self.priority_of(item[0]))]
