@@ -15,6 +15,7 @@ from schemas.decode import (
     decode_request,
     decode_result,
     decode_status,
+    decode_usage,
     encode,
 )
 from schemas.limits import DEFAULT_LIMITS, SCHEMA_VERSION, Limits
@@ -43,6 +44,7 @@ from schemas.result import (
     Usage,
 )
 from schemas.status import PriorityStatus, Throughput, WorkerStatus
+from schemas.usage import UsageRecord
 
 __all__ = [
     "CANCEL_REASONS",
@@ -73,6 +75,7 @@ __all__ = [
     "Throughput",
     "Timings",
     "Usage",
+    "UsageRecord",
     "WorkerStatus",
     "check_limits",
     "decode_control",
@@ -80,6 +83,7 @@ __all__ = [
     "decode_request",
     "decode_result",
     "decode_status",
+    "decode_usage",
     "encode",
     "partition_for",
     "partitions_for_priority",

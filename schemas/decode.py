@@ -17,6 +17,7 @@ from schemas.id_scan import first_top_level_id
 from schemas.limits import DEFAULT_LIMITS, MAX_ID_CHARS, SCHEMA_VERSION, Limits
 from schemas.request import ID_PATTERN, GenerationRequest
 from schemas.result import FinalRecord, StreamChunk
+from schemas.usage import UsageRecord
 from schemas.status import WorkerStatus
 
 RequestErrorCode = Literal["decode_error", "invalid_request", "too_large"]
@@ -38,6 +39,7 @@ class RequestError:
 _ENCODER = msgspec.json.Encoder()
 _REQUEST_DECODER = msgspec.json.Decoder(GenerationRequest)
 _RESULT_DECODER = msgspec.json.Decoder(StreamChunk | FinalRecord)
+_USAGE_DECODER = msgspec.json.Decoder(UsageRecord)
 _STATUS_DECODER = msgspec.json.Decoder(WorkerStatus)
 _DEAD_LETTER_DECODER = msgspec.json.Decoder(DeadLetterRecord)
 _CONTROL_DECODER = msgspec.json.Decoder(ControlRecord)
@@ -138,6 +140,11 @@ def check_limits(request: GenerationRequest, limits: Limits = DEFAULT_LIMITS) ->
 def decode_result(data: bytes) -> StreamChunk | FinalRecord:
     """Decode a record of the reply topic. Raises msgspec.DecodeError (ValidationError is one) on bad input."""
     return _decode(_RESULT_DECODER, data)
+
+
+def decode_usage(data: bytes) -> UsageRecord:
+    """Decode a usage-topic record. Raises msgspec.DecodeError on bad input."""
+    return _decode(_USAGE_DECODER, data)
 
 
 def decode_status(data: bytes) -> WorkerStatus:

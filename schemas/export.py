@@ -19,6 +19,7 @@ from schemas.dead_letter import DeadLetterRecord
 from schemas.request import PROMPT_FIELDS, GenerationRequest
 from schemas.result import FinalRecord, StreamChunk
 from schemas.status import WorkerStatus
+from schemas.usage import UsageRecord
 
 JSON_DIR = Path(__file__).parent / "json"
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
@@ -30,6 +31,7 @@ RECORD_TYPES: dict[str, Any] = {
     "worker_status": WorkerStatus,
     "dead_letter_record": DeadLetterRecord,
     "control_record": ControlRecord,
+    "usage_record": UsageRecord,
 }
 
 

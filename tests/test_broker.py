@@ -177,8 +177,10 @@ def test_topic_specs_follow_settings() -> None:
     settings = KafkaSettings(num_priorities=4, partitions_per_priority=3, result_retention_ms=1234)
     specs = {spec.name: spec for spec in topic_specs(settings)}
     names = {settings.request_topic, settings.result_topic, settings.dead_letter_topic, settings.status_topic,
-             settings.control_topic}
+             settings.control_topic, settings.usage_topic}
     assert set(specs) == names
+    assert specs[settings.usage_topic].num_partitions == 12
+    assert {spec.name for spec in topic_specs(KafkaSettings(usage_topic=""))} == names - {settings.usage_topic}
     assert specs[settings.request_topic].num_partitions == 12
     assert specs[settings.result_topic].topic_configs["retention.ms"] == "1234"
     assert specs[settings.status_topic].topic_configs["retention.ms"] == str(STATUS_RETENTION_MS)

@@ -17,11 +17,12 @@ import sys
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "broker": ("worker.broker.cli", "start, stop or inspect a local Apache Kafka broker (KRaft, loopback)"),
-    "topics": ("worker.broker.topics", "create the request, result, dead-letter, status and control topics"),
+    "topics": ("worker.broker.topics", "create the request, result, dead-letter, status, control and usage topics"),
     "schema": ("schemas.export", "write the JSON Schemas of the wire records"),
     "model": ("worker.model.pull", "provision the default model (SmolLM2-135M-Instruct) or list models"),
     "config": ("worker.config_cli", "print the effective configuration or the settings table"),
     "serve": ("worker.serve", "consume requests from Kafka, generate, stream results (the worker)"),
+    "usage": ("worker.usage_report", "sum the usage topic per tenant and priority (table or JSON)"),
 }
 COMMANDS_GROUP = "llm_worker.commands"
 """Entry-point group of commands that other packages add (`name = "module"`; the module has a HELP line)."""

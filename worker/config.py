@@ -34,6 +34,9 @@ class KafkaSettings(BaseSettings):
     """Topic on which each worker publishes its load status every second."""
     control_topic: str = "llm.control"
     """Topic of control records (cancels), key = request id; every worker reads all of its partitions."""
+    usage_topic: str = "llm.usage"
+    """One usage record per request (schemas/usage.py), in the same transaction as its final with exactly-once
+    finals; `llm-worker usage report` sums it. Empty: none are written."""
     num_priorities: int = Field(3, ge=1, le=16)
     """Number of priority levels; priority 0 is the most urgent."""
     partitions_per_priority: int = Field(2, ge=1, le=256)

@@ -227,6 +227,26 @@ async def test_a_rebalance_keeps_what_stays_and_forgets_what_moved():
     assert tp_a not in w.intake.assigned and w.tracker.next_offset(tp_a) is None
 
 
+async def test_a_worker_that_missed_a_generation_keeps_nothing_of_what_it_held():
+    """A frozen worker's session expires, the group moves on without it (another owner answers and commits), then
+    it rejoins and gets its partitions back: nothing it held may be published or committed, and reading starts
+    again from the committed offset, skipping what the other owner recorded as answered."""
+    w = build()
+    tp_b, _ = send(w, 2, "b")
+    await w.intake.fetch_once()
+    everything = set(w.intake.assigned)
+    w.intake.on_revoked(everything)
+    assert w.intake.kept_of(everything, 8) == everything  # the next generation: it kept them
+    assert w.intake.kept_of(everything, 9) == set()  # generation 8 went on without it
+    assert w.intake.kept_of(everything, 8, lost={tp_b}) == everything - {tp_b}  # its lane was fenced
+    w.consumer.seek(tp_b, 0)
+    moved = w.intake.on_assigned(everything, group_generation=9, progress={tp_b: (0, [(1, 2)])})
+    assert moved == everything and list(w.queue) == []
+    assert w.consumer.positions[tp_b] == 0 and w.tracker.progress(tp_b) == (0, [(1, 2)])
+    await w.intake.fetch_once()
+    assert [(q.request.id, q.attempt) for q in w.queue] == [("b", 9)]  # offset 0 again, under the new generation
+
+
 async def test_records_of_an_old_generation_are_skipped():
     w = build()
     tp_b, _ = send(w, 2, "b")

@@ -43,7 +43,8 @@ class Acl:
 
 
 def worker_acls(kafka: KafkaSettings, principal: str = "worker") -> list[Acl]:
-    written = [kafka.result_topic, kafka.dead_letter_topic, kafka.status_topic, *kafka.allowed_reply_topics]
+    written = [kafka.result_topic, kafka.dead_letter_topic, kafka.status_topic, *kafka.allowed_reply_topics,
+               *([kafka.usage_topic] if kafka.usage_topic else [])]
     return [
         Acl(principal, "TOPIC", kafka.request_topic, "READ"),
         Acl(principal, "TOPIC", kafka.control_topic, "READ"),

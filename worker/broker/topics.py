@@ -38,8 +38,11 @@ class TopicState:
     """Partitions this call added to an existing topic (request topic only)."""
 
 
+USAGE_RETENTION_MS = 7 * 24 * 3600 * 1000
+
+
 def topic_specs(settings: KafkaSettings) -> list[NewTopic]:
-    """The five topics the worker needs, with their partition counts and per-topic configs."""
+    """The topics the worker needs, with their partition counts and per-topic configs."""
     replication = settings.replication_factor
     return [
         NewTopic(settings.request_topic, settings.num_request_partitions, replication),
@@ -57,6 +60,10 @@ def topic_specs(settings: KafkaSettings) -> list[NewTopic]:
             settings.control_topic, 1, replication,
             topic_configs={"retention.ms": str(CONTROL_RETENTION_MS), "segment.ms": str(STATUS_SEGMENT_MS)},
         ),  # fmt: skip
+        # Billing reads it back over days: it keeps what the result topic keeps, at least a week.
+        *([NewTopic(settings.usage_topic, settings.num_request_partitions, replication,
+                    topic_configs={"retention.ms": str(max(settings.result_retention_ms, USAGE_RETENTION_MS))})]
+          if settings.usage_topic else []),
     ]
 
 

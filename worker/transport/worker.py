@@ -37,6 +37,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import GroupAuthorizationFailedError, KafkaError, TopicAuthorizationFailedError
 
 from schemas.limits import DEFAULT_LIMITS, Limits
+from schemas.priority import priority_of_partition
 from worker.config import KafkaSettings, WorkerSettings
 from worker.config_cli import masked_dump
 from worker.engine.api import Engine, EngineStats
@@ -91,6 +92,12 @@ def io_gather_s(stats: EngineStats, max_ms: float) -> float:
     if max_ms <= 0 or not stats.num_running:
         return 0.0
     return min(max_ms / 1000.0, IO_GATHER_STEP_FRACTION * stats.last_step_s)
+
+
+def served_model_name(engine: Engine) -> str:
+    """The model as usage records name it: ENGINE_MODEL's name, or its folder's for a path."""
+    model = str(getattr(getattr(engine, "settings", None), "model", "") or "")
+    return model.rstrip("/").rsplit("/", 1)[-1]
 
 
 class Worker:
@@ -150,8 +157,11 @@ class Worker:
         self.engine_thread = make_engine_client(self.engine, asyncio.get_running_loop(), self.outputs)
         self.queue = LocalQueue(kafka.num_priorities, settings.max_waiting, self.tenants.fair)
         self.service = ServiceModel(kafka.num_priorities, self.max_num_seqs, self.max_num_batched_tokens)
-        self.answers = Answers(publisher, self.tracker, self.metrics, settings.worker_id, kafka.result_topic,
-                               kafka.dead_letter_topic)
+        self.answers = Answers(
+            publisher, self.tracker, self.metrics, settings.worker_id, kafka.result_topic, kafka.dead_letter_topic,
+            usage_topic=kafka.usage_topic, model=served_model_name(self.engine),
+            priority_of=lambda tp: priority_of_partition(tp.partition, kafka.num_request_partitions,
+                                                         kafka.num_priorities))
         self.answers.tenants = self.tenants
         self.lanes: FinalLanes | None = None
         if kafka.exactly_once:
@@ -277,17 +287,23 @@ class Worker:
                  sorted(tp.partition for tp in revoked))
 
     async def _on_assigned(self, assigned: set[TopicPartition]) -> None:
-        progress_found = None
+        generation = group_generation(self.consumer)
+        progress_found, lost = None, set()
         if self.lanes is not None:
-            await self.lanes.revoke(self.lanes.owned() - assigned)
+            lost = self.lanes.fenced()
+            if self.intake.missed_a_generation(generation):
+                # Every lane may have been fenced by an owner in between, whether or not it has tried to write
+                # since: each starts anew, fencing that owner in turn.
+                lost = self.lanes.owned()
+            await self.lanes.revoke((self.lanes.owned() - assigned) | lost)
             await self.lanes.assign(assigned)  # fences the previous owners first: their commits are final
-            progress_found = await self._committed_progress(assigned - self.intake.kept_of(assigned))
+            progress_found = await self._committed_progress(assigned - self.intake.kept_of(assigned, generation,
+                                                                                           lost))
         held = set(self.streamer.held_partitions)
-        self.intake.on_assigned(assigned, group_generation(self.consumer), progress_found)
-        gone = held - assigned
+        gone = self.intake.on_assigned(assigned, generation, progress_found, lost) | (held - assigned)
         ids = self.streamer.close_where(lambda queued: queued.partition in gone)
         self.engine_thread.abort(ids)
-        self.streamer.release(held & assigned)
+        self.streamer.release(held - gone)
         self._take_cancelled()  # requests set aside during the rebalance, cancelled meanwhile, are back in the queue
         if held:
             log.info("rebalance: kept %d partitions, gave up %d; aborted %d requests of those given up",

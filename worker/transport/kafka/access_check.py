@@ -53,7 +53,8 @@ class Needs:
     @classmethod
     def of_worker(cls, kafka: KafkaSettings) -> "Needs":
         return cls([kafka.request_topic, kafka.control_topic],
-                   [kafka.result_topic, kafka.dead_letter_topic, kafka.status_topic], kafka.group_id)
+                   [kafka.result_topic, kafka.dead_letter_topic, kafka.status_topic,
+                    *([kafka.usage_topic] if kafka.usage_topic else [])], kafka.group_id)
 
 
 def principal_of(kafka: KafkaSettings) -> str:

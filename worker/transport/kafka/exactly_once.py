@@ -193,6 +193,10 @@ class FinalLanes:
     def owned(self) -> set[TopicPartition]:
         return set(self._lanes)
 
+    def fenced(self) -> set[TopicPartition]:
+        """Partitions whose lane was fenced: another worker's producer took its transactional id since."""
+        return {tp for tp, lane in self._lanes.items() if lane.fenced}
+
     def owns(self, partition: Hashable) -> bool:
         lane = self._lanes.get(partition)
         return lane is not None and not lane.fenced

@@ -19,6 +19,7 @@ from schemas.dead_letter import DeadLetterRecord
 from schemas.limits import MAX_SAFE_INT
 from schemas.decode import RequestError, encode
 from schemas.result import FinalRecord
+from schemas.usage import UsageRecord
 from worker.transport.load.admission import Verdict
 from worker.transport.requests.local_queue import QueuedRequest
 from worker.transport.metrics import WorkerMetrics
@@ -39,9 +40,14 @@ never refused and its offset never waits on it."""
 class Answers:
     def __init__(
         self, publisher: Publisher, tracker: OffsetTracker, metrics: WorkerMetrics, worker_id: str,
-        result_topic: str, dead_letter_topic: str,
+        result_topic: str, dead_letter_topic: str, *, usage_topic: str = "", model: str = "",
+        priority_of: Callable[[Hashable], int] = lambda partition: 0,
     ) -> None:
         self.publisher = publisher
+        self.usage_topic = usage_topic
+        """Where each request's usage record goes, beside its final (schemas/usage.py); empty: nowhere."""
+        self.model = model
+        self.priority_of = priority_of
         self.tracker = tracker
         self.metrics = metrics
         self.worker_id = worker_id
@@ -55,7 +61,7 @@ class Answers:
 
     def reject(
         self, partition: Hashable, offset: int, request_id: str, attempt: int, verdict: Verdict, topic: str,
-        timestamp_ms: int, metadata: dict[str, str] | None,
+        timestamp_ms: int, metadata: dict[str, str] | None, tenant: str = "",
     ) -> None:
         """Answer a decoded request with the verdict's final record on `topic`."""
         record = answer_record(request_id, attempt, verdict.status, verdict.reason, verdict.message, timestamp_ms,
@@ -65,13 +71,13 @@ class Answers:
                 verdict.retry_after_s * 1000)))
         if verdict.reason != "shed":
             self.metrics.rejected_for(verdict.reason).inc()
-        self.final(partition, offset, topic, record)
+        self.final(partition, offset, topic, record, tenant)
 
     def reject_queued(self, queued: QueuedRequest, verdict: Verdict) -> None:
         if self.tenants is not None:
             self.tenants.finished(queued.tenant, verdict.status)
         self.reject(queued.partition, queued.offset, queued.request.id, queued.attempt, verdict, queued.reply_topic,
-                    queued.timestamp_ms, queued.request.metadata)
+                    queued.timestamp_ms, queued.request.metadata, queued.tenant)
 
     def cancelled(self, queued: QueuedRequest, reason: str, when: str) -> None:
         """A request cancelled before it reached the engine: a `cancelled` final with empty output."""
@@ -82,18 +88,33 @@ class Answers:
         self.metrics.requests_cancelled.inc()
         if self.tenants is not None:
             self.tenants.finished(queued.tenant, "cancelled")
-        self.final(queued.partition, queued.offset, queued.reply_topic, record)
+        self.final(queued.partition, queued.offset, queued.reply_topic, record, queued.tenant)
 
-    def final(self, partition: Hashable, offset: int | None, topic: str, final: FinalRecord) -> None:
+    def final(self, partition: Hashable, offset: int | None, topic: str, final: FinalRecord, tenant: str = "") -> None:
         """Send a final record of the request read at (partition, offset); its offset counts as done once the
         record (or its replacement, see `replacement`) is acknowledged. `offset` None: a final that answers no
         request record by itself (one completion's, when the request has several)."""
-        self.answer(partition, offset, [(topic, final.id.encode(), encode(final), final)])
+        self.answer(partition, offset, [(topic, final.id.encode(), encode(final), final)], tenant)
+
+    def usage_record(self, partition: Hashable, final: FinalRecord, tenant: str) -> UsageRecord:
+        usage, timings = final.usage, final.timings
+        return UsageRecord(
+            id=final.id, attempt=final.attempt, tenant=tenant, priority=self.priority_of(partition), model=self.model,
+            status=final.status, reason=final.reason, prompt_tokens=usage.prompt_tokens,
+            cached_tokens=usage.cached_tokens, completion_tokens=usage.completion_tokens, queue_ms=timings.queue_ms,
+            ttft_ms=timings.ttft_ms, e2e_ms=timings.e2e_ms, worker_id=self.worker_id, ts_ms=int(time.time() * 1000))
 
     def answer(self, partition: Hashable, offset: int | None,
-               records: list[tuple[str, bytes | None, bytes, FinalRecord | None]]) -> None:
+               records: list[tuple[str, bytes | None, bytes, FinalRecord | None]], tenant: str = "") -> None:
         """The one way out for records that answer a request record: through its partition's transaction when
-        finals are exactly-once (exactly_once.py), else through the publisher, a final with its fallback."""
+        finals are exactly-once (exactly_once.py), else through the publisher, a final with its fallback. The
+        final that answers the request record (one with an offset) brings its usage record along, in the same
+        transaction: a read_committed reader of the usage topic counts each request once."""
+        if offset is not None and self.usage_topic:
+            final = next((final for _, _, _, final in reversed(records) if final is not None), None)
+            if final is not None:
+                usage = self.usage_record(partition, final, tenant)
+                records = [*records, (self.usage_topic, final.id.encode(), encode(usage), None)]
         if self.lanes is not None:
             self.lanes.add(partition, offset, records)
             return
@@ -154,7 +175,8 @@ class Answers:
         """A decoded request that cannot be served (it makes the engine fail): its re-encoded request goes to
         the dead-letter topic and an `error` final to its reply topic."""
         self._set_aside(queued.partition, queued.offset, encode(queued.request), queued.request.id.encode(),
-                        queued.timestamp_ms, code, message, queued.request.id, queued.attempt, queued.reply_topic)
+                        queued.timestamp_ms, code, message, queued.request.id, queued.attempt, queued.reply_topic,
+                        queued.tenant)
 
     def unreadable(self, partition, offset: int, message: str) -> None:
         """An offset whose record could not even be read from its batch: a dead letter without the bytes."""
@@ -163,7 +185,7 @@ class Answers:
 
     def _set_aside(
         self, partition, offset: int, value: bytes | None, key: bytes | None, timestamp_ms: int | None, code: str,
-        message: str, request_id: str | None, attempt: int, reply_topic: str | None = None,
+        message: str, request_id: str | None, attempt: int, reply_topic: str | None = None, tenant: str = "",
     ) -> None:
         notes = []
         if value is not None and len(value) > MAX_DEAD_LETTER_VALUE:
@@ -178,11 +200,11 @@ class Answers:
             topic=partition.topic, partition=partition.partition, offset=offset, timestamp_ms=timestamp_ms,
             dead_lettered_ms=int(time.time() * 1000), worker_id=self.worker_id,
         )
-        records = [(self.dead_letter_topic, key, encode(dead), None)]
+        records: list = [(self.dead_letter_topic, key, encode(dead), None)]
         if request_id is not None:
             final = answer_record(request_id, attempt, "error", code, message, timestamp_ms, self.worker_id)
             records.append((reply_topic or self.result_topic, request_id.encode(), encode(final), final))
         self.num_dead_letters += 1
         self.metrics.dead_letters.inc()
         self.metrics.rejected_for(code).inc()
-        self.answer(partition, offset, records)
+        self.answer(partition, offset, records, tenant)

@@ -157,19 +157,37 @@ class Intake:
             paused[self.priority_of(tp)].append(tp.partition)
         return paused
 
-    def kept_of(self, assigned: set[TopicPartition]) -> set[TopicPartition]:
-        """The partitions of a new assignment that this worker keeps from before the rebalance."""
-        return self._suspended & assigned
+    def missed_a_generation(self, group_generation: int) -> bool:
+        """Whether the group went through a generation without this worker (its session expired: a long pause, a
+        frozen process): whatever it held may have had another owner meanwhile, who answered and committed."""
+        return self.group_generation >= 0 and group_generation > self.group_generation + 1
+
+    def kept_of(self, assigned: set[TopicPartition], group_generation: int,
+                lost: set[TopicPartition] = frozenset()) -> set[TopicPartition]:
+        """The partitions of a new assignment that this worker keeps from before the rebalance: revoked at its
+        start and assigned again, with no other owner in between. After a missed generation, or for partitions
+        `lost` (another worker's producer fenced their exactly-once lane), there may have been one: such a
+        partition starts over from its committed offset, like any partition that moves here."""
+        if self.missed_a_generation(group_generation):
+            return set()
+        return (self._suspended & assigned) - lost
 
     def on_assigned(self, assigned: set[TopicPartition], group_generation: int,
-                    progress: dict[TopicPartition, tuple[int, Runs]] | None = None) -> set[TopicPartition]:
+                    progress: dict[TopicPartition, tuple[int, Runs]] | None = None,
+                    lost: set[TopicPartition] = frozenset()) -> set[TopicPartition]:
         """The group's new assignment. Suspended partitions (revoked at the start of this rebalance) that came
         back are kept as they were: their waiting requests return to the queue, their watermarks stay, and
         reading resumes after the last record this worker consumed (not from the committed offset, which
         would fetch in-flight requests a second time). The others start from their committed offset, skipping
         the offsets above it that `progress` says are answered (exactly-once: progress.py). Returns the
-        suspended partitions that went elsewhere: the caller aborts their requests in the engine."""
-        kept, moved = self._suspended & assigned, self._suspended - assigned
+        suspended partitions that went elsewhere, or that may have had another owner since (kept_of): the
+        caller aborts their requests in the engine."""
+        kept = self.kept_of(assigned, group_generation, lost)
+        moved = self._suspended - kept
+        if moved & assigned:
+            log.warning("partitions %s may have had another owner since this worker last held them (a missed "
+                        "generation, or a fenced lane): their requests here are dropped and they are read again "
+                        "from their committed offsets", sorted(tp.partition for tp in moved & assigned))
         self._suspended = set()
         for tp in moved:
             self.tracker.revoke(tp)
@@ -380,7 +398,7 @@ class Intake:
         if verdict is not None:
             # An error about the reply topic goes to the result topic: never write where we may not.
             self.answers.reject(tp, msg.offset, req.id, attempt, verdict, self.result_topic, msg.timestamp,
-                                req.metadata)
+                                req.metadata, queued.tenant)
             return "invalid"
         cancel = self.cancelled(req.id)
         if cancel is not None:  # its cancel came first (or it is redelivered after one): it never runs

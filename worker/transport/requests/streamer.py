@@ -310,7 +310,7 @@ class Streamer:
             return
         self.num_completed += 1
         self._observe(final, queued)
-        self.answers.final(queued.partition, queued.offset, queued.reply_topic, final)
+        self.answers.final(queued.partition, queued.offset, queued.reply_topic, final, queued.tenant)
 
     def _finish_completion(self, stream: RequestStream, group: CompletionGroup, final: FinalRecord) -> None:
         """One completion of a request with several ended: its final goes out (at once, or ranked when all are
@@ -333,7 +333,7 @@ class Streamer:
                                     queued.timestamp_ms)
         self.num_completed += 1
         self._observe(request_final, queued)
-        self.answers.final(queued.partition, queued.offset, queued.reply_topic, request_final)
+        self.answers.final(queued.partition, queued.offset, queued.reply_topic, request_final, queued.tenant)
 
     def _publish(self, queued: QueuedRequest, record: FinalRecord) -> None:
         self.answers.final(queued.partition, None, queued.reply_topic, record)
