@@ -30,19 +30,25 @@ def configure_allocator(settings: WorkerSettings) -> None:
 
 
 def build_engine_process(settings: WorkerSettings, kind: str, engine_settings: EngineSettings,
-                         instant_step_ms: float) -> Engine:
+                         instant_step_ms: float, fake: dict | None = None) -> Engine:
     """The build of an engine in a process of its own (WORKER_ENGINE_PROCESS): that process allocates the
     engine's native memory, so it gets the worker's allocator settings first and trims its heap on the
     worker's interval from a thread of its own (it runs no event loop)."""
     configure_allocator(settings)
-    engine = build_engine(kind, engine_settings, instant_step_ms)
+    engine = build_engine(kind, engine_settings, instant_step_ms, fake)
     memory.trim_every(settings.malloc_trim_interval_s)
     return engine
 
 
-def build_engine(kind: str, engine_settings: EngineSettings, instant_step_ms: float) -> Engine:
-    """`instant`: the model-free engine; `llm`: LLMEngine on the runner ENGINE_DEVICE names (a real device, or a
-    simulated GPU for sim:h100 / sim:h200, worker/model/sim.py)."""
+def build_engine(kind: str, engine_settings: EngineSettings, instant_step_ms: float,
+                 fake: dict | None = None) -> Engine:
+    """`instant`: the model-free engine; `fake`: model-free with the real engine's dynamics (dynamic.py; `fake`
+    holds its knobs); `llm`: LLMEngine on the runner ENGINE_DEVICE names (a real device, or a simulated GPU for
+    sim:h100 / sim:h200, worker/model/sim.py)."""
+    if kind == "fake":
+        from worker.engine.dynamic import DynamicEngine
+
+        return DynamicEngine(max_num_seqs=engine_settings.max_num_seqs, **(fake or {}))
     if kind == "instant":
         from worker.engine.instant import InstantEngine
 
@@ -67,9 +73,17 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group", help="consumer group (KAFKA_GROUP_ID)")
     parser.add_argument("--metrics-port", type=int, help="Prometheus port, 0 disables (WORKER_METRICS_PORT)")
     parser.add_argument("--worker-id", help="name in status and final records (WORKER_WORKER_ID)")
-    parser.add_argument("--engine", choices=["llm", "instant"], default="llm",
-                        help="llm: the model; instant: model-free, for plumbing benchmarks")
+    parser.add_argument("--engine", choices=["llm", "instant", "fake"], default="llm",
+                        help="llm: the model; instant: model-free, for plumbing benchmarks; fake: model-free with "
+                             "the model's dynamics (lengths that vary, prompt cost, step time growing with the "
+                             "batch, preemption that recomputes), for fault tests")
     parser.add_argument("--instant-step-ms", type=float, default=0.0, help="instant engine: emulated step time")
+    parser.add_argument("--fake-step-ms", type=float, default=20.0, help="fake engine: an empty step's time")
+    parser.add_argument("--fake-per-seq-ms", type=float, default=1.0, help="fake engine: added per running request")
+    parser.add_argument("--fake-prefill-us-per-token", type=float, default=50.0,
+                        help="fake engine: per prompt (or recomputed) token of each request seated in a step")
+    parser.add_argument("--fake-eos-probability", type=float, default=0.3,
+                        help="fake engine: the share of requests that stop early, at a seeded point")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -89,11 +103,14 @@ def run(args: argparse.Namespace) -> int:
         return ACCESS_DENIED_EXIT
     if args.engine == "llm":
         log.info("engine configuration: %s", json.dumps(masked_dump(engine_settings), default=str))
+    fake = {"step_time_s": args.fake_step_ms / 1000.0, "per_seq_s": args.fake_per_seq_ms / 1000.0,
+            "prefill_s_per_token": args.fake_prefill_us_per_token / 1e6,
+            "eos_probability": args.fake_eos_probability}
     if settings.engine_process:
         engine = EngineProcess.spawn(functools.partial(build_engine_process, settings, args.engine, engine_settings,
-                                                       args.instant_step_ms))
+                                                       args.instant_step_ms, fake))
     else:
-        engine = build_engine(args.engine, engine_settings, args.instant_step_ms)
+        engine = build_engine(args.engine, engine_settings, args.instant_step_ms, fake)
     return asyncio.run(_serve(kafka, settings, engine, engine_settings))
 
 

@@ -99,6 +99,7 @@ class InstantEngine:
         for rid in expired:
             outputs.append(self._finish(self._running.pop(rid), "deadline"))  # it stops with what it generated
         self._preempt_for_more_urgent()
+        seated: list[_Running] = []
         while self._waiting and len(self._running) < self.max_num_seqs:
             *_, state = heapq.heappop(self._waiting)
             deadline = state.request.deadline
@@ -108,27 +109,37 @@ class InstantEngine:
             if state.first_scheduled_time is None:
                 state.first_scheduled_time = now
             self._running[state.request.request_id] = state
-        if self.step_time_s > 0:
-            time.sleep(self.step_time_s)
+            seated.append(state)
+        wait = self._step_time(seated)
+        if wait > 0:
+            time.sleep(wait)
             now = time.monotonic()
         self._num_steps += 1
         self._last_step_num_seqs = len(self._running)
         self._num_batched_tokens += len(self._running)
-        self._busy_s += self.step_time_s
+        self._busy_s += wait
         finished = []
         for rid, state in self._running.items():
             token = (state.seed + state.num_output_tokens) % self.vocab_size
             state.num_output_tokens += 1
             if state.first_token_time is None:
                 state.first_token_time = now
-            done = state.num_output_tokens >= state.request.sampling.max_new_tokens
-            out = self._output(state, [token], f"<{token}>", "length" if done else None, now)
+            reason = self._finish_reason(state)
+            out = self._output(state, [token], f"<{token}>", reason, now)
             outputs.append(out)
-            if done:
+            if reason is not None:
                 finished.append(rid)
         for rid in finished:
             del self._running[rid]
         return outputs
+
+    def _step_time(self, seated: list[_Running]) -> float:
+        """How long this step takes, given the requests seated in it (dynamic.py charges for their prompts)."""
+        return self.step_time_s
+
+    def _finish_reason(self, state: _Running) -> str | None:
+        """After a token: why the request ends now, or None."""
+        return "length" if state.num_output_tokens >= state.request.sampling.max_new_tokens else None
 
     def _preempt_for_more_urgent(self) -> None:
         """As the real scheduler does: a waiting request of a strictly more urgent priority, or of the same one and
