@@ -30,9 +30,9 @@ def worker_settings(**overrides) -> WorkerSettings:
     return WorkerSettings(**values)
 
 
-async def produce(kafka: KafkaSettings, items: list[tuple]) -> None:
+async def produce(kafka: KafkaSettings, items: list[tuple]) -> list:
     """items: (priority, value bytes, key[, routing key]); each to the partition its priority and routing key
-    (default: the key) give."""
+    (default: the key) give. Returns each record's RecordMetadata (partition, offset), in order."""
     producer = AIOKafkaProducer(**kafka.client_kwargs(), enable_idempotence=True, max_request_size=4 * 1024 * 1024)
     await producer.start()
     try:
@@ -41,13 +41,15 @@ async def produce(kafka: KafkaSettings, items: list[tuple]) -> None:
             partition = partition_for(priority, route[0] if route else key, kafka.num_request_partitions,
                                       kafka.num_priorities)
             futures.append(await producer.send(kafka.request_topic, value=value, key=key.encode(), partition=partition))
-        await asyncio.gather(*futures)
+        return list(await asyncio.gather(*futures))
     finally:
         await producer.stop()
 
 
-async def produce_requests(kafka: KafkaSettings, requests: list[tuple[int, GenerationRequest]]) -> None:
-    await produce(kafka, [(p, encode(r), r.id, r.routing_key) for p, r in requests])
+async def produce_requests(kafka: KafkaSettings, requests: list[tuple[int, GenerationRequest]]) -> dict:
+    """Returns {request id: (partition, offset)} of the records written."""
+    written = await produce(kafka, [(p, encode(r), r.id, r.routing_key) for p, r in requests])
+    return {r.id: (meta.partition, meta.offset) for (_, r), meta in zip(requests, written)}
 
 
 @dataclass
@@ -166,6 +168,7 @@ def subprocess_env(kafka: KafkaSettings, **worker_env) -> dict[str, str]:
         "KAFKA_BOOTSTRAP_SERVERS": kafka.bootstrap_servers, "KAFKA_REQUEST_TOPIC": kafka.request_topic,
         "KAFKA_RESULT_TOPIC": kafka.result_topic, "KAFKA_DEAD_LETTER_TOPIC": kafka.dead_letter_topic,
         "KAFKA_STATUS_TOPIC": kafka.status_topic, "KAFKA_CONTROL_TOPIC": kafka.control_topic,
+        "KAFKA_USAGE_TOPIC": kafka.usage_topic,
         "KAFKA_GROUP_ID": kafka.group_id,
         "WORKER_METRICS_PORT": "0", "WORKER_STATUS_INTERVAL_S": "0.2", "WORKER_COMMIT_INTERVAL_S": "0.2",
         "WORKER_SESSION_TIMEOUT_S": "6",

@@ -1,9 +1,14 @@
-"""Exactly one visible final per request (KAFKA_EXACTLY_ONCE, on by default), against the real broker: a
-read_committed consumer of the results sees one final per request id across attempts when a worker is
-SIGKILLed mid-stream, when a worker joins while finals are in flight, when a worker frozen (SIGSTOP) past its
-session timeout resumes and writes its late finals (fenced: never visible), and when the broker restarts
-mid-stream. Every request still ends with a final. A read_uncommitted consumer beside it shows what the
-transactions hide."""
+"""Exactly one visible final per request (KAFKA_EXACTLY_ONCE, on by default), against the real broker, on the fake
+engine with the real one's dynamics (worker/engine/dynamic.py): requests of varied lengths that finish out of
+offset order, so finals are committed above their partition's committed offset, where a new owner starts.
+
+A read_committed reader of the results sees one final per request id when a worker is SIGKILLed, when a worker
+joins while requests run, when a worker frozen (SIGSTOP) past its session timeout resumes and writes its late
+finals (fenced: never visible), and when the broker restarts. Each case first waits, from outside the workers,
+until a final is committed above a committed offset of the partitions the fault moves while requests of them
+are still unanswered (exactly_once_checks.py), and asserts after it that the fault hit: the survivor skipped
+what was answered, the zombie was fenced, the joiner joined before the work ended. The real model does the
+same in test_exactly_once_real_kafka.py."""
 
 from __future__ import annotations
 
@@ -19,41 +24,23 @@ from schemas.request import GenerationRequest
 from worker.broker.local import LocalBroker, free_ports
 from worker.broker.topics import ensure_topics
 from worker.config import KafkaSettings
+from tests.transport.exactly_once_checks import (all_answered, check_exactly_one, owned_by, skipped_in_log,
+                                                 third_party_final_counts, unanswered_on,
+                                                 wait_for_answers_above_watermark)
 from tests.transport.kafka_helpers import Collector, produce_requests, start_worker_process
 from tests.transport.test_failover_kafka import wait_assigned
 
 pytestmark = pytest.mark.kafka
 
-ARGS = ["--engine", "instant", "--instant-step-ms", "20"]
+# 10 ms steps plus 1 ms a running request: a 60-token request takes about a second at a batch of 16.
+ARGS = ["--engine", "fake", "--fake-step-ms", "10"]
 
 
-def requests_of(prefix: str, n: int, max_new_tokens: int = 40) -> list[tuple[int, GenerationRequest]]:
-    return [(i % 3, GenerationRequest(id=f"{prefix}-{i}", prompt=f"{prefix} {i}", max_new_tokens=max_new_tokens))
+def requests_of(prefix: str, n: int, longest: int = 60) -> list[tuple[int, GenerationRequest]]:
+    """Varied prompts and lengths (and the fake engine's early stops): a request read later often ends first."""
+    return [(i % 3, GenerationRequest(id=f"{prefix}-{i}", prompt=f"{prefix} {i} " + "x" * (i * 37 % 200),
+                                      max_new_tokens=(longest, 4, longest // 2, 8, longest // 4, 2)[i % 6]))
             for i in range(n)]
-
-
-def final_counts(collector: Collector, requests) -> dict[str, int]:
-    return {q.id: len(collector.results.finals.get(q.id, [])) for _, q in requests}
-
-
-def all_answered(collector: Collector, requests) -> bool:
-    return all(collector.results.finals.get(q.id) for _, q in requests)
-
-
-def check_exactly_one(committed: Collector, uncommitted: Collector, requests, what: str) -> str:
-    counts = final_counts(committed, requests)
-    duplicates = {i: c for i, c in counts.items() if c > 1}
-    missing = [i for i, c in counts.items() if c == 0]
-    assert not duplicates and not missing, (what, duplicates, missing)
-    for _, q in requests:
-        (final,) = committed.results.finals[q.id]
-        assert final.status == "completed", (what, final)
-        chunks = committed.results.chunks[(q.id, final.attempt)]
-        assert "".join(c.text for c in chunks) == final.text, (what, q.id)  # the stream is whole, in order
-    seen = final_counts(uncommitted, requests)
-    extra = sum(c - 1 for c in seen.values() if c > 1)
-    return (f"{what}: {len(requests)} requests, read_committed 0 duplicate / 0 missing finals; "
-            f"read_uncommitted saw {extra} extra finals on {sum(1 for c in seen.values() if c > 1)} ids")
 
 
 async def run_worker(kafka, name: str, tmp_path: Path):
@@ -72,48 +59,61 @@ async def stop(procs) -> None:
 async def test_one_final_per_request_across_a_sigkill_a_rebalance_and_a_frozen_zombie(kafka_topics, tmp_path):
     kafka = kafka_topics
     assert kafka.exactly_once
-    killed = requests_of("kill", 60)
-    joined = requests_of("join", 60, max_new_tokens=100)  # 2 s each: in flight when w3 joins
-    frozen = requests_of("freeze", 60, max_new_tokens=200)  # 4 s each: w2 is mid-stream when frozen
-    figures = []
-    async with Collector(kafka, isolation_level="read_committed") as committed, Collector(kafka) as uncommitted:
+    killed = requests_of("kill", 90)
+    frozen = requests_of("freeze", 90, longest=200)  # up to 4 s: w2 still runs some when frozen
+    logs = {name: tmp_path / f"{name}.log" for name in ("w1", "w2", "w1b", "w3")}
+    async with Collector(kafka, isolation_level="read_committed") as committed:
         procs = {name: await run_worker(kafka, name, tmp_path) for name in ("w1", "w2")}
         try:
             await wait_assigned(committed, {"w1", "w2"}, kafka.num_request_partitions)
-            # SIGKILL mid-stream: w1's requests run again on w2; what w1 wrote in its open transactions is aborted.
-            await produce_requests(kafka, killed)
-            await asyncio.sleep(1.0)
+            # SIGKILL with finals committed above w1's committed offsets: w2 must skip those, redo the rest.
+            offsets = await produce_requests(kafka, killed)
+            await wait_for_answers_above_watermark(kafka, committed, owned_by(committed, "w1"), killed, offsets)
             procs["w1"].send_signal(signal.SIGKILL)
             await procs["w1"].wait()
             await committed.wait_until(lambda r: all_answered(committed, killed), 90, "finals after the kill")
+            check_exactly_one(committed, killed, "SIGKILL")
+            assert skipped_in_log(logs["w2"]) >= 1, "w2 took w1's partitions over without skipping an answer"
             procs["w1b"] = await run_worker(kafka, "w1b", tmp_path)
             await wait_assigned(committed, {"w1b", "w2"}, kafka.num_request_partitions)
 
-            # A rebalance while finals are in flight: w3 joins and takes partitions from both.
-            await produce_requests(kafka, joined)
-            await asyncio.sleep(1.0)
-            procs["w3"] = await run_worker(kafka, "w3", tmp_path)
-            await wait_assigned(committed, {"w1b", "w2", "w3"}, kafka.num_request_partitions)
-            await committed.wait_until(lambda r: all_answered(committed, joined), 90, "finals after the join")
-            procs["w3"].send_signal(signal.SIGTERM)
-            await procs["w3"].wait()
-            await wait_assigned(committed, {"w1b", "w2"}, kafka.num_request_partitions)
-
-            # A zombie: w2 frozen past its session timeout while it holds requests; w1b takes every partition and
-            # answers them; w2 resumes and writes its late finals, which its fenced transactions never show.
-            await produce_requests(kafka, frozen)
-            await asyncio.sleep(1.0)
+            # A zombie: w2 frozen past its session timeout while it runs requests with finals committed above
+            # its committed offsets; w1b takes every partition and answers; w2 resumes and is fenced.
+            offsets = await produce_requests(kafka, frozen)
+            w2_parts = owned_by(committed, "w2")
+            await wait_for_answers_above_watermark(kafka, committed, w2_parts, frozen, offsets)
             procs["w2"].send_signal(signal.SIGSTOP)
+            held = unanswered_on(committed, frozen, kafka, w2_parts)
             await wait_assigned(committed, {"w1b"}, kafka.num_request_partitions, timeout_s=60)
             await committed.wait_until(lambda r: all_answered(committed, frozen), 90, "finals while w2 is frozen")
             procs["w2"].send_signal(signal.SIGCONT)
             await asyncio.sleep(8.0)  # its resumed loop writes what it held, then learns it was fenced
+            check_exactly_one(committed, frozen, "SIGSTOP zombie")
+            assert held >= 3 and "are fenced" in logs["w2"].read_text(errors="replace")
+            assert skipped_in_log(logs["w1b"]) >= 1, "w1b took w2's partitions over without skipping an answer"
+            await wait_assigned(committed, {"w1b", "w2"}, kafka.num_request_partitions, timeout_s=60)
+
+            # A worker joins under steady traffic: the partitions it takes are given up with requests running.
+            procs["w3"] = await run_worker(kafka, "w3", tmp_path)
+            joined: list = []
+            while not owned_by(committed, "w3"):
+                batch = requests_of(f"join{len(joined)}", 12)
+                await produce_requests(kafka, batch)
+                joined += batch
+                await asyncio.sleep(0.3)
+            await wait_assigned(committed, {"w1b", "w2", "w3"}, kafka.num_request_partitions)
+            in_flight = sum(1 for _, q in joined if not committed.results.finals.get(q.id))
+            tail = requests_of("join-after", 12)
+            await produce_requests(kafka, tail)
+            joined += tail
+            await committed.wait_until(lambda r: all_answered(committed, joined), 90, "finals after the join")
+            check_exactly_one(committed, joined, "a worker joining mid-stream")
+            assert in_flight > 0, "the join came after every request was answered: it moved nothing in flight"
         finally:
             await stop([p for name, p in procs.items() if name != "w1"])
-    figures.append(check_exactly_one(committed, uncommitted, killed, "SIGKILL"))
-    figures.append(check_exactly_one(committed, uncommitted, joined, "a worker joining mid-stream"))
-    figures.append(check_exactly_one(committed, uncommitted, frozen, "SIGSTOP zombie"))
-    print("\n" + "\n".join(figures))
+    everything = {q.id for _, q in killed + frozen + joined}
+    counts = await asyncio.to_thread(third_party_final_counts, kafka, everything)
+    assert {i: c for i, c in counts.items() if c != 1} == {}, "librdkafka read_committed: not one final each"
 
 
 @pytest.mark.slow
@@ -124,17 +124,20 @@ async def test_one_final_per_request_across_a_broker_restart(tmp_path):
     kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers, request_topic=f"eos.requests.{suffix}",
                           result_topic=f"eos.results.{suffix}", dead_letter_topic=f"eos.dead-letter.{suffix}",
                           status_topic=f"eos.status.{suffix}", control_topic=f"eos.control.{suffix}",
-                          group_id=f"eos-{suffix}")
-    requests = requests_of("restart", 60, max_new_tokens=60)
+                          usage_topic=f"eos.usage.{suffix}", group_id=f"eos-{suffix}")
+    requests = requests_of("restart", 90)
     await asyncio.to_thread(broker.start)
     proc = None
     try:
         await ensure_topics(kafka)
-        async with Collector(kafka, isolation_level="read_committed") as committed, Collector(kafka) as uncommitted:
+        async with Collector(kafka, isolation_level="read_committed") as committed:
             proc = await run_worker(kafka, "eos", tmp_path)
             await wait_assigned(committed, {"eos"}, kafka.num_request_partitions)
-            await produce_requests(kafka, requests)
-            await asyncio.sleep(1.0)
+            offsets = await produce_requests(kafka, requests)
+            # Stopped while finals are committed above committed offsets and requests still run: the worker's
+            # open transactions abort, and it writes them again once the broker is back.
+            await wait_for_answers_above_watermark(kafka, committed, set(range(kafka.num_request_partitions)),
+                                                   requests, offsets)
             assert await asyncio.to_thread(broker.stop)
             await asyncio.sleep(5.0)
             await asyncio.to_thread(broker.start)
@@ -142,8 +145,9 @@ async def test_one_final_per_request_across_a_broker_restart(tmp_path):
             await committed.wait_until(lambda r: all_answered(committed, requests), 120, "finals after the restart")
             answered_s = time.monotonic() - restarted
             await asyncio.sleep(2.0)
-        print("\n" + check_exactly_one(committed, uncommitted, requests, "broker restart")
-              + f"; all answered {answered_s:.1f} s after the broker came back")
+            check_exactly_one(committed, requests, "broker restart")
+        print(f"\nbroker restart: {len(requests)} requests, one final each; all answered {answered_s:.1f} s after "
+              "the broker came back")
     finally:
         if proc is not None:
             await stop([proc])

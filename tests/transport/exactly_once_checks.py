@@ -1,0 +1,127 @@
+"""Checks shared by the exactly-once tests: did the fault hit what the bug needs (a final committed above its
+partition's committed offset, judged from outside the worker), and does a read_committed reader see exactly one
+final per request (also through librdkafka, as a third-party consumer reads)?"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+
+from aiokafka.admin import AIOKafkaAdminClient
+from confluent_kafka import Consumer
+
+from schemas.decode import decode_result
+from schemas.priority import partition_for
+from schemas.result import FinalRecord
+from worker.config import KafkaSettings
+from tests.transport.kafka_helpers import Collector
+
+SKIPPED = re.compile(r"(\d+) offsets above its committed offset \d+ are answered already; skipped")
+
+
+def finals_by_id(collector: Collector, requests) -> dict[str, list[FinalRecord]]:
+    return {q.id: list(collector.results.finals.get(q.id, [])) for _, q in requests}
+
+
+def all_answered(collector: Collector, requests) -> bool:
+    return all(collector.results.finals.get(q.id) for _, q in requests)
+
+
+def check_exactly_one(collector: Collector, requests, what: str, shed_ok: bool = False) -> None:
+    """One final per id; each completed one with its whole stream. `shed_ok`: under steady traffic on a shared
+    2-core host a worker may shed by lag, which is an answer too (one `rejected` final)."""
+    finals = finals_by_id(collector, requests)
+    duplicates = {i: [(f.attempt, f.worker_id) for f in fs] for i, fs in finals.items() if len(fs) > 1}
+    missing = [i for i, fs in finals.items() if not fs]
+    assert not duplicates and not missing, (what, duplicates, missing)
+    for request_id, (final,) in finals.items():
+        if shed_ok and final.status == "rejected" and final.reason == "shed":
+            continue
+        assert final.status == "completed", (what, final)
+        chunks = collector.results.chunks[(request_id, final.attempt)]
+        assert [c.seq for c in chunks] == list(range(final.num_chunks)), (what, request_id)
+        assert "".join(c.text for c in chunks) == final.text, (what, request_id)
+
+
+async def committed_offsets(kafka: KafkaSettings) -> dict[int, int]:
+    """partition -> the group's committed offset."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
+    await admin.start()
+    try:
+        found = await admin.list_consumer_group_offsets(kafka.group_id)
+    finally:
+        await admin.close()
+    return {tp.partition: meta.offset for tp, meta in found.items() if tp.topic == kafka.request_topic}
+
+
+def answered_above(collector: Collector, offsets: dict[str, tuple[int, int]], committed: dict[int, int],
+                   partitions: set[int]) -> dict[int, int]:
+    """partition -> how many requests of it have a committed (visible) final while their offset is at or above
+    the partition's committed offset: what a new owner starting at that offset must not answer again. Judged
+    from the outside (the records' offsets, the group's offsets, the finals a read_committed reader got), so it
+    does not lean on the mechanism it checks."""
+    out: dict[int, int] = {}
+    for request_id, (partition, offset) in offsets.items():
+        if partition in partitions and collector.results.finals.get(request_id) \
+                and offset >= committed.get(partition, 0):
+            out[partition] = out.get(partition, 0) + 1
+    return out
+
+
+def owned_by(collector: Collector, worker_id: str) -> set[int]:
+    statuses = [s for s in collector.results.statuses if s.worker_id == worker_id]
+    return set(statuses[-1].assigned_partitions) if statuses else set()
+
+
+def unanswered_on(collector: Collector, requests, kafka: KafkaSettings, partitions: set[int]) -> int:
+    return sum(1 for priority, q in requests if not collector.results.finals.get(q.id)
+               and partition_for(priority, q.routing_key, kafka.num_request_partitions, kafka.num_priorities)
+               in partitions)
+
+
+def skipped_in_log(path: Path, since: int = 0) -> int:
+    text = path.read_text(errors="replace")[since:] if path.exists() else ""
+    return sum(int(m.group(1)) for m in SKIPPED.finditer(text))
+
+
+async def wait_for_answers_above_watermark(kafka: KafkaSettings, collector: Collector, partitions: set[int],
+                                           requests, offsets: dict[str, tuple[int, int]],
+                                           timeout_s: float = 120) -> None:
+    """Until a request of one of `partitions` has its final committed above its partition's committed offset
+    while requests of those partitions are still unanswered: the moment the bug needed."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while loop.time() < deadline:
+        committed = await committed_offsets(kafka)
+        if answered_above(collector, offsets, committed, partitions) \
+                and unanswered_on(collector, requests, kafka, partitions) >= 3:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"no final was committed above a committed offset of {sorted(partitions)} "
+                         f"within {timeout_s} s: {await committed_offsets(kafka)}")
+
+
+def third_party_final_counts(kafka: KafkaSettings, ids: set[str]) -> dict[str, int]:
+    """Finals per id, read from the start of the result topic by librdkafka with isolation.level=read_committed."""
+    consumer = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": f"{kafka.group_id}-check",
+                         "auto.offset.reset": "earliest", "isolation.level": "read_committed",
+                         "enable.auto.commit": False})
+    consumer.subscribe([kafka.result_topic])
+    counts = dict.fromkeys(ids, 0)
+    idle = 0
+    try:
+        while idle < 20:
+            msg = consumer.poll(0.25)
+            if msg is None:
+                idle += 1
+                continue
+            idle = 0
+            if msg.error():
+                continue
+            record = decode_result(msg.value())
+            if isinstance(record, FinalRecord) and record.id in counts:
+                counts[record.id] += 1
+    finally:
+        consumer.close()
+    return counts
