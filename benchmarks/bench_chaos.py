@@ -1,0 +1,344 @@
+"""Chaos benchmark: real-model workers SIGKILLed on a schedule while they serve; what does a read_committed reader
+see, and what does exactly-once cost?
+
+A LocalBroker on free ports, fresh topics, `--workers` `llm-worker serve` processes on the default model (CPU,
+one thread each, lag shedding off so every request is served), and an open-loop producer at `--rate` requests/s
+of mixed prompt and output lengths (so requests finish out of offset order). Every `--kill-every-s` one worker,
+in turn, is SIGKILLed and a new one started in its place. A reader with isolation.level=read_committed takes the
+result, status and usage topics from their start. When every request has its final (or `--timeout-s` passes):
+
+- duplicate and missing finals (ids with more than one final, ids with none);
+- streams: for each final, its attempt's chunks must be seq 0..num_chunks-1, no gap, no repeat;
+- usage: one committed usage record per request, summing to the finals' prompt/cached/output tokens;
+- tokens generated twice: output tokens streamed under an attempt that a later attempt superseded (today a
+  request moved by a kill restarts from zero, so this is also what restart-from-zero costs).
+
+`--throughput` runs the other measure instead: `--requests` preloaded, no kills, the same workers with
+KAFKA_EXACTLY_ONCE on and off in turn (`--reps` each); finals/s from the first assignment to the last final.
+
+Writes summary-chaos.json (or summary-throughput.json) under benchmarks/results/<date>-chaos[-label]/; worker
+logs stay in the session's temporary folder (printed when kept). The issue's runs:
+
+    .venv/bin/python -m benchmarks.bench_chaos --requests 2000 --workers 3 --kill-every-s 30 --rate 6
+    .venv/bin/python -m benchmarks.bench_chaos --throughput --requests 400 --workers 3 --reps 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+from schemas.decode import decode_result, decode_status, decode_usage, encode
+from schemas.priority import partition_for
+from schemas.request import GenerationRequest, SamplingSpec
+from schemas.result import FinalRecord, StreamChunk
+from worker.broker.topics import ensure_topics
+from worker.config import KafkaSettings
+
+REPO = Path(__file__).resolve().parents[1]
+NO_SHEDDING = "[1000000.0, 1000000.0, 1000000.0]"
+
+
+def make_request(i: int, run_id: str, rng: random.Random) -> tuple[int, GenerationRequest]:
+    words = rng.randint(4, 80)
+    tokens = rng.choice((2, 4, 8, 12, 16, 24, 32))
+    return i % 3, GenerationRequest(
+        id=f"chaos-{run_id}-{i}", prompt=f"request {i}: " + " ".join(["tell me about kafka"] * (words // 4 + 1)),
+        max_new_tokens=tokens, sampling=SamplingSpec(ignore_eos=True))
+
+
+class Fleet:
+    """The worker processes; a killed one is replaced by a new one under a new id."""
+
+    def __init__(self, kafka: KafkaSettings, tmp: Path, exactly_once: bool) -> None:
+        self.kafka, self.tmp, self.exactly_once = kafka, tmp, exactly_once
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.num_started = 0
+        self.kills: list[dict] = []
+
+    def env(self, worker_id: str) -> dict[str, str]:
+        k = self.kafka
+        env = dict(os.environ)
+        env.update({
+            "KAFKA_BOOTSTRAP_SERVERS": k.bootstrap_servers, "KAFKA_REQUEST_TOPIC": k.request_topic,
+            "KAFKA_RESULT_TOPIC": k.result_topic, "KAFKA_DEAD_LETTER_TOPIC": k.dead_letter_topic,
+            "KAFKA_STATUS_TOPIC": k.status_topic, "KAFKA_CONTROL_TOPIC": k.control_topic,
+            "KAFKA_USAGE_TOPIC": k.usage_topic, "KAFKA_GROUP_ID": k.group_id,
+            "KAFKA_EXACTLY_ONCE": "true" if self.exactly_once else "false",
+            "WORKER_WORKER_ID": worker_id, "WORKER_METRICS_PORT": "0", "WORKER_MAX_QUEUE_TIME_S": NO_SHEDDING,
+            "WORKER_SESSION_TIMEOUT_S": "6", "WORKER_STATUS_INTERVAL_S": "0.5",
+            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "ENGINE_DEVICE": "cpu",
+        })
+        return env
+
+    def start(self) -> str:
+        worker_id = f"w{self.num_started}"
+        self.num_started += 1
+        log = open(self.tmp / f"{worker_id}.log", "wb")
+        self.procs[worker_id] = subprocess.Popen([str(REPO / ".venv/bin/llm-worker"), "serve"], cwd=REPO,
+                                                 stdout=log, stderr=log, env=self.env(worker_id))
+        return worker_id
+
+    def kill_one(self, t: float) -> str:
+        victim = min(self.procs, key=lambda worker_id: int(worker_id[1:]))  # the oldest: each in turn
+        self.procs.pop(victim).send_signal(signal.SIGKILL)
+        replacement = self.start()
+        self.kills.append({"t_s": round(t, 1), "killed": victim, "started": replacement})
+        return victim
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+class Reader:
+    """read_committed: results, statuses and usage records, from the start of each topic."""
+
+    def __init__(self, kafka: KafkaSettings) -> None:
+        self.kafka = kafka
+        self.finals: dict[str, list[FinalRecord]] = {}
+        self.chunks: dict[tuple[str, int], list[StreamChunk]] = {}
+        self.usage: dict[str, list] = {}
+        self.assigned: dict[str, list[int]] = {}
+        self.first_assigned_at: float | None = None
+        self.last_final_at = 0.0
+
+    async def run(self) -> None:
+        k = self.kafka
+        consumer = AIOKafkaConsumer(k.result_topic, k.status_topic, k.usage_topic, **k.client_kwargs(), group_id=None,
+                                    enable_auto_commit=False, auto_offset_reset="earliest",
+                                    isolation_level="read_committed")
+        await consumer.start()
+        try:
+            while True:
+                for tp, messages in (await consumer.getmany(timeout_ms=200)).items():
+                    for m in messages:
+                        self.take(tp.topic, m.value)
+        finally:
+            await consumer.stop()
+
+    def take(self, topic: str, value: bytes) -> None:
+        if topic == self.kafka.status_topic:
+            status = decode_status(value)
+            self.assigned[status.worker_id] = status.assigned_partitions
+            if status.assigned_partitions and self.first_assigned_at is None:
+                self.first_assigned_at = time.monotonic()
+        elif topic == self.kafka.usage_topic:
+            record = decode_usage(value)
+            self.usage.setdefault(record.id, []).append(record)
+        else:
+            record = decode_result(value)
+            if isinstance(record, FinalRecord):
+                self.finals.setdefault(record.id, []).append(record)
+                self.last_final_at = time.monotonic()
+            else:
+                self.chunks.setdefault((record.id, record.attempt), []).append(record)
+
+    def covered(self, worker_ids: set[str], num_partitions: int) -> bool:
+        owned = sorted(p for w, parts in self.assigned.items() if w in worker_ids for p in parts)
+        return owned == list(range(num_partitions))
+
+
+def judge(reader: Reader, ids: list[str]) -> dict:
+    duplicates = {i: len(reader.finals[i]) for i in ids if len(reader.finals.get(i, [])) > 1}
+    missing = [i for i in ids if not reader.finals.get(i)]
+    gaps = repeats = 0
+    twice = total = 0
+    for i in ids:
+        finals = reader.finals.get(i)
+        if not finals:
+            continue
+        final = finals[-1]
+        seqs = [c.seq for c in reader.chunks.get((i, final.attempt), [])]
+        repeats += len(seqs) - len(set(seqs))
+        gaps += len(set(range(final.num_chunks)) - set(seqs))
+        total += final.usage.completion_tokens
+        twice += sum(len(c.token_ids) for (rid, attempt), chunks in reader.chunks.items()
+                     if rid == i and attempt != final.attempt for c in chunks)
+    usage_dup = sum(1 for i in ids if len(reader.usage.get(i, [])) > 1)
+    usage_missing = sum(1 for i in ids if not reader.usage.get(i))
+    sums = {}
+    for field in ("prompt_tokens", "cached_tokens", "completion_tokens"):
+        sums[field] = {"finals": sum(getattr(reader.finals[i][-1].usage, field) for i in ids if reader.finals.get(i)),
+                       "usage": sum(getattr(u, field) for i in ids for u in reader.usage.get(i, []))}
+    return {"num_duplicate_finals": len(duplicates), "num_missing_finals": len(missing),
+            "num_seq_gaps": gaps, "num_seq_repeats": repeats,
+            "usage_records_duplicate": usage_dup, "usage_records_missing": usage_missing,
+            "usage_sums": sums, "usage_sums_equal": all(v["finals"] == v["usage"] for v in sums.values()),
+            "output_tokens_final": total, "output_tokens_generated_twice": twice,
+            "generated_twice_fraction": round(twice / total, 4) if total else None,
+            "statuses": {s: sum(1 for i in ids if reader.finals.get(i) and reader.finals[i][-1].status == s)
+                         for s in ("completed", "rejected", "error", "cancelled")},
+            "duplicate_examples": dict(list(duplicates.items())[:5]), "missing_examples": missing[:5]}
+
+
+def fresh_topics(bootstrap: str, name: str) -> KafkaSettings:
+    s = uuid.uuid4().hex[:8]
+    return KafkaSettings(bootstrap_servers=bootstrap, request_topic=f"{name}.requests.{s}",
+                         result_topic=f"{name}.results.{s}", dead_letter_topic=f"{name}.dlq.{s}",
+                         status_topic=f"{name}.status.{s}", control_topic=f"{name}.control.{s}",
+                         usage_topic=f"{name}.usage.{s}", group_id=f"{name}-{s}")
+
+
+async def produce(kafka: KafkaSettings, requests: list[tuple[int, GenerationRequest]], rate: float | None) -> None:
+    producer = AIOKafkaProducer(**kafka.client_kwargs(), acks="all")
+    await producer.start()
+    try:
+        start = time.monotonic()
+        for n, (priority, request) in enumerate(requests):
+            if rate:
+                await asyncio.sleep(max(0.0, start + n / rate - time.monotonic()))
+            partition = partition_for(priority, request.routing_key, kafka.num_request_partitions,
+                                      kafka.num_priorities)
+            await producer.send(kafka.request_topic, encode(request), key=request.id.encode(), partition=partition)
+        await producer.flush()
+    finally:
+        await producer.stop()
+
+
+async def wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        await asyncio.sleep(0.2)
+
+
+async def chaos(args: argparse.Namespace, bootstrap: str, tmp: Path) -> dict:
+    kafka = fresh_topics(bootstrap, "chaos")
+    await ensure_topics(kafka)
+    rng = random.Random(args.seed)
+    run_id = uuid.uuid4().hex[:6]
+    requests = [make_request(i, run_id, rng) for i in range(args.requests)]
+    ids = [q.id for _, q in requests]
+    reader = Reader(kafka)
+    reading = asyncio.create_task(reader.run())
+    fleet = Fleet(kafka, tmp, exactly_once=True)
+    for _ in range(args.workers):
+        fleet.start()
+    try:
+        await wait_for(lambda: reader.covered(set(fleet.procs), kafka.num_request_partitions), 300, "first assignment")
+        t0 = time.monotonic()
+        producing = asyncio.create_task(produce(kafka, requests, args.rate))
+        next_kill = t0 + args.kill_every_s
+        while not all(reader.finals.get(i) for i in ids):
+            if time.monotonic() - t0 > args.timeout_s:
+                break
+            if args.kill_every_s and time.monotonic() >= next_kill:
+                victim = fleet.kill_one(time.monotonic() - t0)
+                print(f"{time.monotonic() - t0:7.1f} s  SIGKILL {victim}; {sum(1 for i in ids if reader.finals.get(i))}"
+                      f"/{len(ids)} answered", flush=True)
+                next_kill += args.kill_every_s
+            await asyncio.sleep(0.2)
+        wall_s = time.monotonic() - t0
+        await producing
+        await asyncio.sleep(5.0)  # a late duplicate would show within a few transaction intervals
+    finally:
+        fleet.stop()
+        reading.cancel()
+        await asyncio.gather(reading, return_exceptions=True)
+    out = judge(reader, ids)
+    out.update({"requests": len(ids), "workers": args.workers, "rate": args.rate, "kills": fleet.kills,
+                "num_kills": len(fleet.kills), "wall_s": round(wall_s, 1),
+                "finals_per_s": round(sum(1 for i in ids if reader.finals.get(i)) / wall_s, 3)})
+    return out
+
+
+async def throughput_once(args: argparse.Namespace, bootstrap: str, tmp: Path, exactly_once: bool, rep: int) -> dict:
+    kafka = fresh_topics(bootstrap, "tput")
+    await ensure_topics(kafka)
+    rng = random.Random(args.seed + rep)
+    requests = [make_request(i, uuid.uuid4().hex[:6], rng) for i in range(args.requests)]
+    ids = [q.id for _, q in requests]
+    await produce(kafka, requests, None)
+    reader = Reader(kafka)
+    reading = asyncio.create_task(reader.run())
+    fleet = Fleet(kafka, tmp / f"{'eo' if exactly_once else 'plain'}{rep}", exactly_once)
+    fleet.tmp.mkdir(parents=True, exist_ok=True)
+    for _ in range(args.workers):
+        fleet.start()
+    try:
+        await wait_for(lambda: reader.first_assigned_at is not None, 300, "first assignment")
+        await wait_for(lambda: all(reader.finals.get(i) for i in ids), args.timeout_s, "every final")
+        await asyncio.sleep(1.0)
+    finally:
+        fleet.stop()
+        reading.cancel()
+        await asyncio.gather(reading, return_exceptions=True)
+    wall = reader.last_final_at - reader.first_assigned_at
+    return {"exactly_once": exactly_once, "rep": rep, "wall_s": round(wall, 2),
+            "finals_per_s": round(len(ids) / wall, 3),
+            "output_tokens_per_s": round(sum(reader.finals[i][-1].usage.completion_tokens for i in ids) / wall, 1),
+            "load_at_end": os.getloadavg()[0]}
+
+
+async def amain(args: argparse.Namespace) -> dict:
+    from benchmarks.bench_kafka_path import kafka_session  # the broker helpers: not for the unit tests
+
+    with kafka_session(prefix="bench-chaos-") as session:
+        summary: dict = {"load_at_start": os.getloadavg()[0], "cpus": os.cpu_count()}
+        if args.throughput:
+            runs = []
+            for rep in range(args.reps):
+                for exactly_once in (True, False) if rep % 2 == 0 else (False, True):
+                    run = await throughput_once(args, session.bootstrap, session.tmp, exactly_once, rep)
+                    print(json.dumps(run), flush=True)
+                    runs.append(run)
+            on = [r["finals_per_s"] for r in runs if r["exactly_once"]]
+            off = [r["finals_per_s"] for r in runs if not r["exactly_once"]]
+            summary.update({"kind": "throughput", "runs": runs,
+                            "ratio_on_off": round(sum(on) / len(on) / (sum(off) / len(off)), 3)})
+        else:
+            summary.update({"kind": "chaos", **await chaos(args, session.bootstrap, session.tmp)})
+            if summary["num_duplicate_finals"] or summary["num_missing_finals"]:
+                session.keep = True
+        summary["command"] = "python -m benchmarks.bench_chaos " + " ".join(args.argv)
+        date = datetime.date.today().isoformat()
+        out = REPO / "benchmarks" / "results" / (f"{date}-chaos" + (f"-{args.label}" if args.label else ""))
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"summary-{summary['kind']}.json").write_text(json.dumps(summary, indent=2) + "\n")
+        summary["written_to"] = str(out)
+        return summary
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--workers", type=int, default=3)
+    p.add_argument("--rate", type=float, default=6.0, help="requests/s, open loop")
+    p.add_argument("--kill-every-s", type=float, default=30.0, help="0: no kills")
+    p.add_argument("--timeout-s", type=float, default=1800.0)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--throughput", action="store_true", help="exactly-once on against off, no kills")
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--label", default="")
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    summary = asyncio.run(amain(parse_args(argv)))
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
