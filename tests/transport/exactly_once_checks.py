@@ -46,7 +46,7 @@ def check_exactly_one(collector: Collector, requests, what: str, shed_ok: bool =
 
 async def committed_offsets(kafka: KafkaSettings) -> dict[int, int]:
     """partition -> the group's committed offset."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
+    admin = AIOKafkaAdminClient(**kafka.client_kwargs())
     await admin.start()
     try:
         found = await admin.list_consumer_group_offsets(kafka.group_id)

@@ -36,6 +36,17 @@ def test_a_worker_scales_its_partitions_need_by_its_share():
     assert workers_needed([0, 0, 6_000], [10, 30], 0.0, 1000.0, 1.0) == pytest.approx(6_000 / 30 / 1000)
 
 
+def test_a_priority_without_a_bound_asks_for_no_drain_rate():
+    """WORKER_MAX_QUEUE_TIME_S ships as [10, 30, 0]: 0 is no bound, not a 1 ms budget. 200 tokens waiting at
+    priority 0 with 1,000 tokens/s a worker drain within 10 s at 20 tokens/s: 0.02 workers, not 200."""
+    assert workers_needed([200, 0, 0], [10, 30, 0], 0.0, 1000.0, 1.0) == pytest.approx(0.02)
+    assert workers_needed([200, 0, 0], [10, 30, 0], 0.0, 1000.0, 1.0) == workers_needed(
+        [200, 0, 0], [10, 30, 1e9], 0.0, 1000.0, 1.0)
+    # The unbounded priority's own backlog asks for nothing; what waits ahead of it still drains in time.
+    assert workers_needed([0, 0, 50_000], [10, 30, 0], 0.0, 1000.0, 1.0) == 0.0
+    assert workers_needed([0, 3_000, 50_000], [10, 30, 0], 0.0, 1000.0, 1.0) == pytest.approx(0.1)
+
+
 def test_no_estimate_without_capacity_or_partitions():
     assert workers_needed([100], [10], 10.0, None, 1.0) is None
     assert workers_needed([100], [10], 10.0, 0.0, 1.0) is None

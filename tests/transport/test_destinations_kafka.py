@@ -118,7 +118,8 @@ async def test_missing_and_deleted_reply_topics_answer_on_the_result_topic_and_s
     # The doomed topic is read by a consumer of its own: a subscribed topic that disappears makes a group-less
     # consumer re-read its other topics from the start.
     async with Collector(kafka) as collector, Collector(kafka.model_copy(update={"result_topic": doomed})) as on_doomed:
-        async with running_worker(kafka, settings, InstantEngine(max_num_seqs=16)):
+        # 2 ms steps: the long request below streams for 6 s, across the deletion.
+        async with running_worker(kafka, settings, InstantEngine(max_num_seqs=16, step_time_s=0.002)):
             await ordinary_stream(kafka, collector, "warm-up", 10, 0.05)
             baseline = await ordinary_stream(kafka, collector, "base", 30, 0.05)
 
@@ -129,19 +130,26 @@ async def test_missing_and_deleted_reply_topics_answer_on_the_result_topic_and_s
             await collector.wait_until(lambda r: r.finals.get("to-missing"), 10, "the missing topic's final")
             missing_final_s = time.monotonic() - sent
 
-            # A reply topic that works, then is deleted while the worker writes to it.
+            # A reply topic that works, then is deleted while the worker writes to it: a long request streams
+            # there when it goes (its chunks in flight), and its final must still come, on the result topic.
             await send_to(kafka, "to-doomed-ok", doomed)
             await on_doomed.wait_until(lambda r: r.finals.get("to-doomed-ok"), 20, "the doomed topic's first final")
+            await produce_requests(kafka, [(1, GenerationRequest(id="streaming-when-deleted", prompt="long",
+                                                                 max_new_tokens=3000, reply_topic=doomed))])
+            await on_doomed.wait_until(lambda r: any(i == "streaming-when-deleted" for i, _ in r.chunks), 20,
+                                       "the long request streaming to the doomed topic")
             await delete_topic(kafka, doomed)
             await asyncio.sleep(0.5)
             sent = time.monotonic()
             await send_to(kafka, "to-doomed", doomed)
             with_deleted = await ordinary_stream(kafka, collector, "deleted", 60, 0.1)
             await collector.wait_until(lambda r: r.finals.get("to-doomed"), 30, "the deleted topic's final")
+            await collector.wait_until(lambda r: r.finals.get("streaming-when-deleted"), 30,
+                                       "the final of the request streaming when its topic went")
             deleted_final_s = time.monotonic() - sent
             await commits_reach_the_log_end(kafka)
     results = collector.results
-    for request_id, topic in (("to-missing", missing), ("to-doomed", doomed)):
+    for request_id, topic in (("to-missing", missing), ("to-doomed", doomed), ("streaming-when-deleted", doomed)):
         finals = results.finals[request_id]
         assert len(finals) == 1, [(f.message, f.timings, f.worker_id) for f in finals]
         final = finals[0]
@@ -162,8 +170,14 @@ async def test_missing_and_deleted_reply_topics_answer_on_the_result_topic_and_s
     # (the producer that held its batch is replaced), never a stall.
     assert percentile(with_missing, 0.5) <= 2 * percentile(baseline, 0.5) + 0.1, figures
     assert percentile(with_missing, 0.99) <= 2 * percentile(baseline, 0.99) + 0.5, figures
-    assert percentile(with_deleted, 0.5) <= 2 * percentile(baseline, 0.5) + 0.1, figures
+    # A topic deleted under a stream in flight: the producer holding its batch is replaced once, after the
+    # destination bound, and every other record waits for that once (docs/delivery.md, "Destinations"): the
+    # ordinary requests sent in that window are late by at most the bound and the replacement, and those sent
+    # after it are back to the baseline (the stall does not last or repeat).
     assert percentile(with_deleted, 0.99) <= percentile(baseline, 0.99) + wait_s + 2.0, figures
+    after_stall = with_deleted[int((wait_s + 2.5) / 0.1):]
+    assert after_stall and percentile(after_stall, 0.5) <= 2 * percentile(baseline, 0.5) + 0.1, figures
+    assert percentile(after_stall, 0.99) <= 2 * percentile(baseline, 0.99) + 0.5, figures
     assert missing_final_s < 3.0 and deleted_final_s < 4 * wait_s + 5.0, figures
 
 

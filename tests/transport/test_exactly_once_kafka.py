@@ -110,7 +110,7 @@ async def test_one_final_per_request_across_a_sigkill_a_rebalance_and_a_frozen_z
             check_exactly_one(committed, joined, "a worker joining mid-stream")
             assert in_flight > 0, "the join came after every request was answered: it moved nothing in flight"
         finally:
-            await stop([p for name, p in procs.items() if name != "w1"])
+            await stop(list(procs.values()))
     everything = {q.id for _, q in killed + frozen + joined}
     counts = await asyncio.to_thread(third_party_final_counts, kafka, everything)
     assert {i: c for i, c in counts.items() if c != 1} == {}, "librdkafka read_committed: not one final each"

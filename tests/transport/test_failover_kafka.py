@@ -11,7 +11,7 @@ import pytest
 
 from schemas.priority import partition_for
 from schemas.request import GenerationRequest
-from worker.engine.instant import expected_text
+from worker.engine.dynamic import expected_output
 from tests.transport.kafka_helpers import Collector, produce_requests, start_worker_process
 from tests.transport.test_stream_kafka import as_engine_request
 
@@ -22,18 +22,19 @@ TINY_ENGINE_ENV = {"ENGINE_DEVICE": "cpu", "ENGINE_DTYPE": "float32", "ENGINE_MA
                    "ENGINE_NUM_KV_BLOCKS": "512", "ENGINE_MAX_NUM_BATCHED_TOKENS": "256"}
 
 
-@pytest.fixture(params=["instant", "tiny-llama"])
+@pytest.fixture(params=["fake", "tiny-llama"])
 def engine_kind(request, monkeypatch):
-    """(serve args, requests -> expected text per id, or None). The model-free engine's text is known exactly.
+    """(serve args, requests -> expected text per id, or None). The fake engine (model-free, with the model's
+    dynamics: requests of one partition finish out of order, some stop early) has a text known exactly.
     The tiny Llama's is not compared with a direct run here: after a failover the survivor recomputes requests
     in other batch compositions, and float32 sums in another order can flip a near-tie argmax somewhere in
     thousands of greedy steps (test_stream_kafka checks equality on short outputs). Its streams are checked
     against the worker's own final text instead."""
-    if request.param == "instant":
-        # 50 ms steps: 1 s per request, so the SIGKILL after 20 finals always cuts streams short (at 20 ms a
-        # worker could finish everything it held first, and there was nothing to redeliver).
-        return ["--engine", "instant", "--instant-step-ms", "50"], lambda requests: {
-            q.id: expected_text(as_engine_request(q)) for _, q in requests}
+    if request.param == "fake":
+        # 50 ms steps and more with a fuller batch: over a second per request, so the SIGKILL after 20 finals
+        # always cuts streams short.
+        return ["--engine", "fake", "--fake-step-ms", "50"], lambda requests: {
+            q.id: expected_output(as_engine_request(q), 0.3)[0] for _, q in requests}
     for name, value in TINY_ENGINE_ENV.items():
         monkeypatch.setenv(name, value)  # the worker subprocesses inherit the environment
     return ["--model", str(request.getfixturevalue("tiny_model_path"))], lambda requests: None
@@ -98,11 +99,14 @@ def streaming_on(results, requests, kafka, worker_id: str) -> int:
 
 
 async def test_sigkill_one_of_two_workers_loses_nothing(kafka_topics, tmp_path, engine_kind):
+    """Exactly-once finals are on by default, so a read_committed reader must see one final per request, not one
+    per attempt: the stream of a request the kill cut short is superseded, its final never written."""
     kafka = kafka_topics
+    assert kafka.exactly_once
     requests = make_requests("kill", 300)
     worker_args, expected_texts = engine_kind
     expected = expected_texts(requests)
-    async with Collector(kafka) as collector:
+    async with Collector(kafka, isolation_level="read_committed") as collector:
         procs = [await start_worker_process(kafka, [*worker_args, "--worker-id", f"w{i}"], tmp_path / f"w{i}.log")
                  for i in range(2)]
         try:
@@ -125,6 +129,9 @@ async def test_sigkill_one_of_two_workers_loses_nothing(kafka_topics, tmp_path, 
             codes = [await asyncio.wait_for(p.wait(), 30) for p in procs]
         assert codes[1] == 0
         num_redelivered = check_complete_streams(collector.results, requests, expected)
+        finals = collector.results.finals
+        twice = {q.id: len(finals[q.id]) for _, q in requests if len(finals[q.id]) > 1}
+        assert twice == {}, "a read_committed reader saw two finals for one request"
     assert num_redelivered > 0  # the kill did interrupt streams, which the survivor then served again
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from producer_examples.client import BackoffPolicy, LLMClient
 from schemas.request import GenerationRequest
+from worker.engine.dynamic import DynamicEngine
 from worker.engine.instant import InstantEngine
 from tests.transport.kafka_helpers import Collector, produce_requests, running_worker, worker_settings
 
@@ -42,7 +43,10 @@ async def test_a_deadline_stops_a_running_request_with_its_text_so_far(kafka_top
 async def test_urgent_requests_pass_a_cap_full_of_bulk_work_and_shedding_is_announced_at_once(kafka_topics):
     kafka = kafka_topics
     settings = worker_settings(max_engine_inflight=8, status_interval_s=60.0, max_queue_time_s=[60.0, 60.0, 0.5])
-    engine = InstantEngine(max_num_seqs=8, step_time_s=0.02)
+    # Preemption is not free here: a bulk request that gives its seat to an urgent one pays, when seated again,
+    # for its prompt and every token it had (0.5 ms each), as the real engine recomputes them.
+    engine = DynamicEngine(max_num_seqs=8, step_time_s=0.02, per_seq_s=0.0, prefill_s_per_token=0.0005,
+                           eos_probability=0.0)
     bulk = [(2, GenerationRequest(id=f"bulk-{i}", prompt=f"bulk {i}", max_new_tokens=200)) for i in range(40)]
     urgent = [(0, GenerationRequest(id=f"urgent-{i}", prompt=f"urgent {i}", max_new_tokens=5)) for i in range(4)]
     async with Collector(kafka) as collector:
@@ -61,6 +65,12 @@ async def test_urgent_requests_pass_a_cap_full_of_bulk_work_and_shedding_is_anno
         statuses = collector.results.statuses
     for _, q in urgent:
         assert collector.results.finals[q.id][0].status == "completed"
+    # The preempted bulk requests resumed where they were: whole, each stream contiguous, none shed once running.
+    for _, q in bulk:
+        final = collector.results.latest_final(q.id)
+        if final.status == "completed":
+            assert final.usage.completion_tokens == 200
+            assert [c.seq for c in collector.results.chunks[(q.id, final.attempt)]] == list(range(final.num_chunks))
     # Five tokens at 20 ms a step: well under a second, where waiting for a bulk request (200 steps) takes 4 s.
     assert urgent_s < 2.0, urgent_s
     # The periodic status goes out once a minute here: a record saying priority 2 is shed came on the change.

@@ -94,6 +94,9 @@ async def test_a_joining_worker_restarts_only_the_requests_of_partitions_that_mo
             procs.append(await start(kafka, "w3", tmp_path))
             await wait_assigned(collector, {"w1", "w2", "w3"}, kafka.num_request_partitions)
             after = owners(collector)
+            moved_now = {p for p in before if after.get(p) != before[p]}
+            in_flight_moved = [q.id for p, q in requests if partition_of(kafka, p, q) in moved_now
+                               and not collector.results.finals.get(q.id)]
             await collector.wait_until(lambda r: all_completed(r, requests), 60)
         finally:
             codes = await stop_all(procs)
@@ -109,6 +112,8 @@ async def test_a_joining_worker_restarts_only_the_requests_of_partitions_that_mo
           f"{len(restarted)} restarted, {len(retained_restarted)} of them on retained partitions")
     assert retained_restarted == []
     assert len(restarted) <= len(on_moved)
+    # The join moved work in flight (else the test passes with nothing restarted, proving nothing).
+    assert in_flight_moved and restarted, (in_flight_moved, restarted)
     for _, q in requests:
         if q not in on_moved:  # kept: one attempt, from the first chunk to the final
             (attempt,) = attempts_of(results, q.id)
@@ -190,3 +195,4 @@ async def test_a_rolling_restart_under_load_loses_nothing_and_restarts_only_the_
         assert {partition[i] for i in ids} <= partitions, (name, partitions, {i: partition[i] for i in ids})
     late = {i: (sorted(attempts_of(results, i)), partition[i]) for i in restarted_now()} if windows else {}
     assert len(restarted_now()) == sum(len(ids) for _, _, ids in windows), late  # none outside the windows
+    assert sum(len(ids) for _, _, ids in windows) > 0, "no restart cut a request short: the test proved nothing"

@@ -12,7 +12,7 @@ work):
 - backlog: per priority, the tokens unread, waiting locally and waiting in the engine. Requests are served
   most urgent first, so priority p's requests wait behind every priority <= p, and draining them within p's
   budget (WORKER_MAX_QUEUE_TIME_S, the wait past which p is shed) takes sum(backlog_q, q <= p) / budget_p
-  tokens per second;
+  tokens per second; a budget of 0 means no bound (p is never shed for lag), and p then asks for none;
 - the rate needed = arrivals / TARGET_UTILIZATION + the largest of those drain rates, and the workers needed
   for it = rate / capacity (tokens per second one worker serves when saturated, service_model.py).
 
@@ -50,7 +50,11 @@ def workers_needed(backlog_tokens: list[float], budgets_s: list[float], arrival_
     for priority, tokens in enumerate(backlog_tokens):
         ahead += max(0.0, tokens)
         budget = budgets_s[min(priority, len(budgets_s) - 1)]
-        drain = max(drain, ahead / max(budget, 1e-3))
+        if budget <= 0:
+            # No bound (the shipped default of the least urgent priority): its backlog may wait in Kafka as long
+            # as it takes, so it asks for no drain rate of its own; it still waits ahead of less urgent ones.
+            continue
+        drain = max(drain, ahead / budget)
     rate = max(0.0, arrival_tokens_per_s) / TARGET_UTILIZATION + drain
     return rate / capacity_tokens_per_s / share
 
