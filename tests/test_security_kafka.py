@@ -261,9 +261,9 @@ async def test_a_broker_restart_over_sasl_ssl_loses_nothing_and_duplicates_no_fi
     """Its own broker (the module's stay up for the other tests): a `serve` process with the worker's env file
     settings, 60 requests streaming, the secured broker stopped for 5 s and started again on the same data.
     Every TLS connection and SASL login is made again; a read_committed reader sees exactly one final each."""
-    from tests.transport.exactly_once_checks import (all_answered, check_exactly_one,
+    from tests.transport.exactly_once_checks import (all_answered, check_exactly_one, stop,
                                                      wait_for_answers_above_watermark)
-    from tests.transport.test_exactly_once_kafka import ARGS, requests_of, stop
+    from tests.transport.test_exactly_once_kafka import ARGS, requests_of
 
     secured = await SecuredBroker(tmp_path, "sasl_ssl").start()
     requests = requests_of("sec-restart", 90)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import signal
 from pathlib import Path
 
 from aiokafka.admin import AIOKafkaAdminClient
@@ -125,3 +126,12 @@ def third_party_final_counts(kafka: KafkaSettings, ids: set[str]) -> dict[str, i
     finally:
         consumer.close()
     return counts
+
+
+async def stop(procs) -> None:
+    """SIGTERM every worker process still running (SIGCONT first: a frozen one would never exit), and wait."""
+    for proc in procs:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.send_signal(signal.SIGTERM)
+    await asyncio.gather(*(asyncio.wait_for(p.wait(), 60) for p in procs))

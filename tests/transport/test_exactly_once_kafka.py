@@ -24,7 +24,7 @@ from schemas.request import GenerationRequest
 from worker.broker.local import LocalBroker, free_ports
 from worker.broker.topics import ensure_topics
 from worker.config import KafkaSettings
-from tests.transport.exactly_once_checks import (all_answered, check_exactly_one, owned_by, skipped_in_log,
+from tests.transport.exactly_once_checks import (all_answered, check_exactly_one, owned_by, skipped_in_log, stop,
                                                  third_party_final_counts, unanswered_on,
                                                  wait_for_answers_above_watermark)
 from tests.transport.kafka_helpers import Collector, produce_requests, start_worker_process
@@ -46,14 +46,6 @@ def requests_of(prefix: str, n: int, longest: int = 60) -> list[tuple[int, Gener
 async def run_worker(kafka, name: str, tmp_path: Path):
     return await start_worker_process(kafka, [*ARGS, "--worker-id", name], tmp_path / f"{name}.log",
                                       drain_timeout_s=0.3)
-
-
-async def stop(procs) -> None:
-    for proc in procs:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGCONT)
-            proc.send_signal(signal.SIGTERM)
-    await asyncio.gather(*(asyncio.wait_for(p.wait(), 60) for p in procs))
 
 
 async def test_one_final_per_request_across_a_sigkill_a_rebalance_and_a_frozen_zombie(kafka_topics, tmp_path):

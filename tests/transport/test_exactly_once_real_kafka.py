@@ -28,7 +28,7 @@ import pytest
 from schemas.request import GenerationRequest, SamplingSpec
 from worker.usage_report import read_usage, summarize
 from tests.transport.exactly_once_checks import (all_answered, answered_above, check_exactly_one,
-                                                 committed_offsets, owned_by, skipped_in_log,
+                                                 committed_offsets, owned_by, skipped_in_log, stop,
                                                  third_party_final_counts, wait_for_answers_above_watermark)
 from tests.transport.kafka_helpers import Collector, produce_requests, start_worker_process
 from tests.transport.test_failover_kafka import wait_assigned
@@ -53,14 +53,6 @@ def mixed_requests(prefix: str, n: int) -> list[tuple[int, GenerationRequest]]:
 async def start(kafka, name: str, tmp_path: Path, model: Path):
     return await start_worker_process(kafka, ["--model", str(model), "--worker-id", name], tmp_path / f"{name}.log",
                                       drain_timeout_s=0.3)
-
-
-async def stop(procs) -> None:
-    for proc in procs:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGCONT)
-            proc.send_signal(signal.SIGTERM)
-    await asyncio.gather(*(asyncio.wait_for(p.wait(), 60) for p in procs))
 
 
 async def test_one_final_per_request_when_the_real_model_finishes_out_of_order(kafka_topics, tmp_path, smollm2_path,
