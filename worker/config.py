@@ -60,9 +60,10 @@ class KafkaSettings(BaseSettings):
     watermark moves (the status topic lists it in commit_waiting_partitions)."""
     allowed_reply_topics: list[str] = []
     """Topics, besides the result topic, that a request may name as its reply topic."""
-    allowed_reply_topic_prefixes: list[str] = []
-    """A request may also name any reply topic that starts with one of these (e.g. `llm.replies.`, under which
-    each gateway instance reads its own reply topic, so no instance reads another's answers)."""
+    allowed_reply_topic_prefixes: list[str] = ["llm.replies."]
+    """A request may also name any reply topic that starts with one of these. The default is the gateways'
+    (GATEWAY_REPLY_TOPIC_PREFIX), under which each gateway instance reads its own reply topic, so a worker and a
+    gateway started with default settings answer each other; `[]` allows none."""
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
     """PLAINTEXT, SSL (TLS; with ssl_certfile: mutual TLS), SASL_PLAINTEXT or SASL_SSL (SASL over TLS)."""
     sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None = None

@@ -1,6 +1,8 @@
 """Admission: reply-topic allow-list, deadlines by estimate, latency-target hold-back."""
 
 from schemas.request import ChatMessage
+from worker.broker.acls import Acl, worker_acls
+from worker.config import GatewaySettings, KafkaSettings
 from worker.engine.api import EngineStats
 from worker.transport.load.admission import DEADLINE_SAFETY_FACTOR, DEADLINE_SAFETY_S, Admission, estimate_prompt_tokens
 
@@ -24,6 +26,16 @@ def test_reply_topic_prefix_allows_each_gateway_instance_its_own_topic():
     assert admission.check_reply_topic("llm.replies.gw-c3d4") is None
     for topic in ("llm.replies", "llm.repliesX", "other.llm.replies.gw"):
         assert admission.check_reply_topic(topic).reason == "reply_topic_not_allowed", topic
+
+
+def test_a_worker_on_its_defaults_answers_a_gateway_on_its_defaults():
+    """The worker's default prefixes allow the reply topic a default gateway creates, and the ACLs written for a
+    worker by the broker helper let it write there (a secured fleet)."""
+    kafka, gateway = KafkaSettings(_env_file=None), GatewaySettings(_env_file=None)
+    admission = Admission(kafka.result_topic, frozenset(kafka.allowed_reply_topics), [0.0],
+                          allowed_reply_topic_prefixes=tuple(kafka.allowed_reply_topic_prefixes))
+    assert admission.check_reply_topic(gateway.reply_topic_prefix + "gw-a1b2") is None
+    assert Acl("worker", "TOPIC", gateway.reply_topic_prefix, "WRITE", "PREFIXED") in worker_acls(kafka)
 
 
 def test_deadline_passed_or_unreachable_is_rejected():

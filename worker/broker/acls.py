@@ -50,6 +50,9 @@ def worker_acls(kafka: KafkaSettings, principal: str = "worker") -> list[Acl]:
         Acl(principal, "TOPIC", kafka.control_topic, "READ"),
         Acl(principal, "GROUP", kafka.group_id, "READ"),
         *(Acl(principal, "TOPIC", topic, op) for topic in written for op in ("WRITE", "DESCRIBE_CONFIGS")),
+        # The gateways' reply topics, one per instance, by prefix.
+        *(Acl(principal, "TOPIC", prefix, op, "PREFIXED") for prefix in kafka.allowed_reply_topic_prefixes
+          for op in ("WRITE", "DESCRIBE_CONFIGS")),
         Acl(principal, "TRANSACTIONAL_ID", f"{kafka.group_id}.", "WRITE", "PREFIXED"),
     ]
 
