@@ -7,11 +7,11 @@ import asyncio
 import hashlib
 
 import pytest
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
-from worker.transport.kafka.aiokafka_compat import (cache_scram_salted_passwords, fail_unsent_batches,
-                                                      group_generation, producer_is_dead)
+from worker.transport.kafka.aiokafka_compat import (cache_scram_salted_passwords, committed_with_metadata,
+                                                    fail_unsent_batches, group_generation, producer_is_dead)
 
 
 async def test_an_unstarted_consumer_has_no_group_coordinator_yet():
@@ -86,3 +86,20 @@ async def test_the_group_generation_is_read_after_a_join_and_grows_with_each_reb
             await second.stop()
     finally:
         await first.stop()
+
+
+@pytest.mark.kafka
+async def test_committed_offsets_come_back_with_their_metadata(kafka_topics):
+    """The progress record of exactly-once commits (progress.py) travels as offset metadata: written through a
+    plain commit here, read back through the coordinator as the worker reads it at an assignment."""
+    kafka = kafka_topics
+    tp = TopicPartition(kafka.request_topic, 1)
+    consumer = AIOKafkaConsumer(**kafka.client_kwargs(), group_id=f"{kafka.group_id}-meta", enable_auto_commit=False)
+    await consumer.start()
+    try:
+        consumer.assign([tp])
+        assert await committed_with_metadata(consumer, [tp]) == {}  # nothing committed yet
+        await consumer.commit({tp: (7, "llmw1@7:1.2")})
+        assert await committed_with_metadata(consumer, [tp]) == {tp: (7, "llmw1@7:1.2")}
+    finally:
+        await consumer.stop()
