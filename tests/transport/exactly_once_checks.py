@@ -25,24 +25,45 @@ def finals_by_id(collector: Collector, requests) -> dict[str, list[FinalRecord]]
     return {q.id: list(collector.results.finals.get(q.id, [])) for _, q in requests}
 
 
+def answered(collector: Collector, request_id: str) -> bool:
+    """The request's own final came (a request with several completions has one per completion besides)."""
+    return any(f.index is None for f in collector.results.finals.get(request_id, ()))
+
+
 def all_answered(collector: Collector, requests) -> bool:
-    return all(collector.results.finals.get(q.id) for _, q in requests)
+    return all(answered(collector, q.id) for _, q in requests)
 
 
 def check_exactly_one(collector: Collector, requests, what: str, shed_ok: bool = False) -> None:
-    """One final per id; each completed one with its whole stream. `shed_ok`: under steady traffic on a shared
-    2-core host a worker may shed by lag, which is an answer too (one `rejected` final)."""
+    """One final per id (and, for a request with n completions, one per completion index too); each completed
+    one with its whole stream. `shed_ok`: under steady traffic on a shared 2-core host a worker may shed by lag,
+    which is an answer too (one `rejected` final)."""
     finals = finals_by_id(collector, requests)
-    duplicates = {i: [(f.attempt, f.worker_id) for f in fs] for i, fs in finals.items() if len(fs) > 1}
-    missing = [i for i, fs in finals.items() if not fs]
+    duplicates, missing = {}, []
+    for request_id, fs in finals.items():
+        indexes = [f.index for f in fs]
+        if len(indexes) != len(set(indexes)):
+            duplicates[request_id] = [(f.index, f.attempt, f.worker_id) for f in fs]
+        if None not in indexes:
+            missing.append(request_id)
     assert not duplicates and not missing, (what, duplicates, missing)
-    for request_id, (final,) in finals.items():
+    n_of = {q.id: q.n for _, q in requests}
+    for request_id, fs in finals.items():
+        (final,) = [f for f in fs if f.index is None]
         if shed_ok and final.status == "rejected" and final.reason == "shed":
             continue
         assert final.status == "completed", (what, final)
         chunks = collector.results.chunks[(request_id, final.attempt)]
-        assert [c.seq for c in chunks] == list(range(final.num_chunks)), (what, request_id)
-        assert "".join(c.text for c in chunks) == final.text, (what, request_id)
+        if n_of[request_id] == 1:
+            assert [c.seq for c in chunks] == list(range(final.num_chunks)), (what, request_id)
+            assert "".join(c.text for c in chunks) == final.text, (what, request_id)
+            continue
+        completions = {f.index: f for f in fs if f.index is not None}
+        assert sorted(completions) == list(range(n_of[request_id])), (what, request_id, sorted(completions))
+        for index, completion in completions.items():
+            mine = [c for c in chunks if c.index == index]
+            assert [c.seq for c in mine] == list(range(completion.num_chunks)), (what, request_id, index)
+            assert "".join(c.text for c in mine) == completion.text, (what, request_id, index)
 
 
 async def committed_offsets(kafka: KafkaSettings) -> dict[int, int]:
@@ -64,7 +85,7 @@ def answered_above(collector: Collector, offsets: dict[str, tuple[int, int]], co
     does not lean on the mechanism it checks."""
     out: dict[int, int] = {}
     for request_id, (partition, offset) in offsets.items():
-        if partition in partitions and collector.results.finals.get(request_id) \
+        if partition in partitions and answered(collector, request_id) \
                 and offset >= committed.get(partition, 0):
             out[partition] = out.get(partition, 0) + 1
     return out
@@ -76,7 +97,7 @@ def owned_by(collector: Collector, worker_id: str) -> set[int]:
 
 
 def unanswered_on(collector: Collector, requests, kafka: KafkaSettings, partitions: set[int]) -> int:
-    return sum(1 for priority, q in requests if not collector.results.finals.get(q.id)
+    return sum(1 for priority, q in requests if not answered(collector, q.id)
                and partition_for(priority, q.routing_key, kafka.num_request_partitions, kafka.num_priorities)
                in partitions)
 
@@ -103,13 +124,14 @@ async def wait_for_answers_above_watermark(kafka: KafkaSettings, collector: Coll
                          f"within {timeout_s} s: {await committed_offsets(kafka)}")
 
 
-def third_party_final_counts(kafka: KafkaSettings, ids: set[str]) -> dict[str, int]:
-    """Finals per id, read from the start of the result topic by librdkafka with isolation.level=read_committed."""
+def third_party_final_counts(kafka: KafkaSettings, requests) -> dict[tuple[str, int | None], int]:
+    """Finals per (request id, completion index: None for the request's own), read from the start of the result
+    topic by librdkafka with isolation.level=read_committed."""
     consumer = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": f"{kafka.group_id}-check",
                          "auto.offset.reset": "earliest", "isolation.level": "read_committed",
                          "enable.auto.commit": False})
     consumer.subscribe([kafka.result_topic])
-    counts = dict.fromkeys(ids, 0)
+    counts = {(q.id, index): 0 for _, q in requests for index in (None, *(range(q.n) if q.n > 1 else ()))}
     idle = 0
     try:
         while idle < 20:
@@ -121,8 +143,8 @@ def third_party_final_counts(kafka: KafkaSettings, ids: set[str]) -> dict[str, i
             if msg.error():
                 continue
             record = decode_result(msg.value())
-            if isinstance(record, FinalRecord) and record.id in counts:
-                counts[record.id] += 1
+            if isinstance(record, FinalRecord) and (record.id, record.index) in counts:
+                counts[(record.id, record.index)] += 1
     finally:
         consumer.close()
     return counts

@@ -77,6 +77,7 @@ async def test_tables_are_empty_after_a_mixed_load(kafka_topics, tiny_model_path
 
         tables = worker.memory.table_sizes()
         assert tables["streams"] == tables["local_queue"] == tables["offsets_pending"] == 0, tables
+        assert tables["held_completions"] == 0, tables
         assert tables["engine_in_flight"] == 0, tables
         assert tables["cancelled_ids"] <= 16
         assert tables["metric_children"] <= 8

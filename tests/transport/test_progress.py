@@ -258,3 +258,30 @@ def check_exactly_once_from(log: TransactionalLog, start: int, read_up_to: int) 
     assert len(log.visible) == len(visible)
     assert not redone & visible
     assert not set(range(start, read_up_to)) - redone - visible
+
+
+def test_the_finals_of_a_requests_completions_go_in_its_own_transaction():
+    """n > 1: each completion's final waits for the request's final, so that all of them commit with its offset.
+    Written on their own, they would be committed while the request's offset is not, and the partition's next
+    owner would answer the request, completions included, a second time."""
+    from worker.transport.metrics import WorkerMetrics
+    from worker.transport.requests.answers import Answers
+
+    added: list[tuple[int | None, list[bytes]]] = []
+    answers = Answers(SimpleNamespace(), OffsetTracker(), WorkerMetrics.create(), "w", "results", "dlq",
+                      usage_topic="usage")
+    answers.lanes = SimpleNamespace(add=lambda tp, offset, records: added.append((offset, [r[2] for r in records])))
+
+    def final(request_id: str, index: int | None) -> FinalRecord:
+        return FinalRecord(id=request_id, status="completed", reason="length", finish_reason="length", index=index)
+
+    answers.final(TP, None, "results", final("a", 0))
+    answers.final(TP, None, "results", final("b", 1))
+    answers.final(TP, None, "results", final("a", 1))
+    assert added == [] and answers.num_held_completions == 2
+    answers.final(TP, 7, "results", final("a", None))
+    ((offset, values),) = added
+    assert offset == 7 and len(values) == 4  # a's two completions, its own final, its usage record
+    assert answers.num_held_completions == 1
+    answers.forget({TP})  # the partition went elsewhere: b is answered by its next owner
+    assert answers.num_held_completions == 0

@@ -142,6 +142,7 @@ class Worker:
             "local_queue": lambda: len(self.queue),
             "engine_in_flight": lambda: self.engine_thread.num_in_flight,
             "offsets_pending": lambda: self.tracker.num_pending(),
+            "held_completions": lambda: self.answers.num_held_completions,
             "cancelled_ids": lambda: len(self.cancels),
             "publisher_keys": lambda: self.publisher.num_cached_keys,
             "metric_children": lambda: len(self.metrics._children),
@@ -301,6 +302,7 @@ class Worker:
                                                                                            lost))
         held = set(self.streamer.held_partitions)
         gone = self.intake.on_assigned(assigned, generation, progress_found, lost) | (held - assigned)
+        self.answers.forget(gone)
         ids = self.streamer.close_where(lambda queued: queued.partition in gone)
         self.engine_thread.abort(ids)
         self.streamer.release(held - gone)

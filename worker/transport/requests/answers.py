@@ -56,6 +56,9 @@ class Answers:
         self.num_dead_letters = 0
         self.lanes = None
         """Exactly-once finals (exactly_once.FinalLanes) when on: then every answer goes through them."""
+        self._completions: dict[tuple[Hashable, str], list] = {}
+        """With exactly-once finals: (partition, request id) -> the per-completion finals written so far of a
+        request with several completions, held for its own final (`answer`)."""
         self.tenants = None
         """The worker's TenantBook: counts each tenant's finals by status."""
 
@@ -116,12 +119,29 @@ class Answers:
                 usage = self.usage_record(partition, final, tenant)
                 records = [*records, (self.usage_topic, final.id.encode(), encode(usage), None)]
         if self.lanes is not None:
-            self.lanes.add(partition, offset, records)
+            final = next((final for _, _, _, final in records if final is not None), None)
+            key = (partition, final.id) if final is not None else None
+            if offset is None and key is not None:
+                # One completion's final (n > 1): held until the request's own, so that all of them go in one
+                # transaction with its offset. Committed earlier, they would be answered again, a second time,
+                # by the partition's next owner if this worker died before the request's final.
+                self._completions.setdefault(key, []).extend(records)
+                return
+            held = self._completions.pop(key, None) if key is not None else None
+            self.lanes.add(partition, offset, held + records if held else records)
             return
         on_acked = self.tracker.on_acked(partition, offset) if offset is not None else None
         self.publisher.publish_group_nowait(
             [(topic, key, value, self.final_fallback(topic, final) if final is not None else None)
              for topic, key, value, final in records], on_acked)
+
+    def forget(self, partitions: set) -> None:
+        """Partitions given up: the completions held for their requests go (the next owner answers them)."""
+        self._completions = {key: held for key, held in self._completions.items() if key[0] not in partitions}
+
+    @property
+    def num_held_completions(self) -> int:
+        return len(self._completions)
 
     def replacement(self, topic: str, final: FinalRecord, code: str, message: str) -> tuple[str, FinalRecord] | None:
         """What goes instead of a final record that `topic` does not take, and where; None: nothing. Too large:
