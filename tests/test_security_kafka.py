@@ -290,9 +290,6 @@ async def test_a_broker_restart_over_sasl_ssl_loses_nothing_and_duplicates_no_fi
             answered_s = time.monotonic() - restarted
             await asyncio.sleep(2.0)
         assert proc.returncode is None, (tmp_path / "serve.log").read_text()[-3000:]
-        twice = {i: [(f.attempt, f.status, f.reason) for f in fs] for i, fs in committed.results.finals.items()
-                 if len(fs) > 1}
-        assert not twice, f"more than one committed final (attempt, status, reason): {twice}"
         check_exactly_one(committed, requests, "broker restart")
         print(f"\nSASL_SSL broker restart: {len(requests)} requests, one committed final each; all answered "
               f"{answered_s:.1f} s after the broker came back")
