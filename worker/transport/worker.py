@@ -100,6 +100,10 @@ def served_model_name(engine: Engine) -> str:
     return model.rstrip("/").rsplit("/", 1)[-1]
 
 
+STILL_MEMBER_WAIT_S = 1.0
+"""How long a lane waits for the group's word before it replaces a stuck producer (Worker._still_member)."""
+
+
 class Worker:
     def __init__(self, kafka: KafkaSettings, settings: WorkerSettings, engine: Engine, *, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, limits: Limits = DEFAULT_LIMITS) -> None:
@@ -170,7 +174,7 @@ class Worker:
             self.lanes = self.answers.lanes = FinalLanes(
                 kafka.client_kwargs(), kafka.group_id, self.tracker, publisher, self.answers.replacement,
                 interval_s=settings.transaction_interval_ms / 1000.0,
-                max_metadata_bytes=kafka.offset_metadata_max_bytes)
+                max_metadata_bytes=kafka.offset_metadata_max_bytes, still_member=self._still_member)
         self.admission = admission = Admission(kafka.result_topic, frozenset(kafka.allowed_reply_topics),
                                                list(settings.itl_target_ms), self.max_num_batched_tokens,
                                                allowed_reply_topic_prefixes=tuple(kafka.allowed_reply_topic_prefixes))
@@ -310,6 +314,14 @@ class Worker:
         if held:
             log.info("rebalance: kept %d partitions, gave up %d; aborted %d requests of those given up",
                      len(held & assigned), len(held - assigned), len(ids))
+
+    async def _still_member(self) -> bool:
+        """Whether this worker is still the group member of its last assignment. Asked after a stall: a process
+        that was frozen past its session timeout learns it at its first heartbeat, which is overdue and goes out
+        as soon as the loop turns, so a moment's wait lets the answer come."""
+        generation = self.intake.group_generation
+        await asyncio.sleep(STILL_MEMBER_WAIT_S)
+        return not self.closing and generation >= 0 and group_generation(self.consumer) == generation
 
     async def _committed_progress(self, partitions: set[TopicPartition]) -> dict:
         """{partition: (committed offset, answered runs above it)} for partitions that come to this worker

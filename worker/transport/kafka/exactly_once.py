@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaProducer
@@ -100,7 +100,8 @@ class FinalLanes:
 
     def __init__(self, client_kwargs: dict, group_id: str, tracker: OffsetTracker, publisher: Publisher,
                  replacement: Replacement, interval_s: float = 0.1, max_records: int = 500,
-                 max_metadata_bytes: int = progress.DEFAULT_MAX_BYTES) -> None:
+                 max_metadata_bytes: int = progress.DEFAULT_MAX_BYTES,
+                 still_member: Callable[[], Awaitable[bool]] | None = None) -> None:
         self._client_kwargs = client_kwargs
         self.group_id = group_id
         self.tracker = tracker
@@ -110,6 +111,9 @@ class FinalLanes:
         """A lane writes at most one transaction per interval: finals that come meanwhile wait for the next."""
         self.max_records = max_records
         """A lane writes at once when this many answers wait."""
+        self.still_member = still_member
+        """Whether this worker is still the group member that owns its partitions: asked before a lane starts a
+        new producer on its own, which fences whoever holds the transactional id now."""
         self.max_metadata_bytes = max_metadata_bytes
         """The broker's offset.metadata.max.bytes: the progress metadata of a commit stays within it."""
         self._lanes: dict[TopicPartition, Lane] = {}
@@ -249,6 +253,13 @@ class FinalLanes:
                 try:
                     if isinstance(exc, LaneStuck) or lane.needs_new_producer or producer_is_dead(lane.producer):
                         lane.needs_new_producer = True
+                        # A process that was frozen past its session timeout finds its transaction "stuck" as
+                        # it wakes: a new producer would fence the partition's new owner and commit stale
+                        # answers. Only a worker that is still the member that owned it replaces its producer.
+                        if self.still_member is not None and not await self.still_member():
+                            self._fence(lane, batch, LaneStuck("this worker is no longer the group member that "
+                                                               "owned the partition"))
+                            return
                         await self._replace_producer(lane)
                     else:
                         await self._abort(lane)
