@@ -285,3 +285,43 @@ def test_the_finals_of_a_requests_completions_go_in_its_own_transaction():
     assert answers.num_held_completions == 1
     answers.forget({TP})  # the partition went elsewhere: b is answered by its next owner
     assert answers.num_held_completions == 0
+
+
+async def test_a_lane_that_is_no_longer_the_members_does_not_replace_its_producer():
+    """A zombie wakes with its transaction 'stuck': starting a new producer would fence the partition's new
+    owner and commit stale answers. Asked whether it is still the member that owned the partition and told no,
+    the lane counts as fenced and writes nothing more."""
+    from worker.transport.kafka.exactly_once import LaneStuck
+
+    tracker = OffsetTracker()
+    tracker.assign(TP, 0)
+    tracker.track(TP, 0)
+    log = TransactionalLog("group")
+    asked = []
+
+    async def still_member() -> bool:
+        asked.append(1)
+        return False
+
+    lanes = FinalLanes({}, "group", tracker, fake_publisher(), lambda *args: None, interval_s=0.005,
+                       still_member=still_member)
+
+    async def send_all(producer, records, headers_for=None):
+        raise LaneStuck("records not acknowledged within 5 s")
+
+    async def never(lane):
+        raise AssertionError("a zombie's lane started a new producer")
+
+    lanes._send_all = send_all
+    lanes._replace_producer = never
+    lane = Lane(TP, producer=FakeTransactionalProducer(log))
+    lanes._lanes[TP] = lane
+
+    async def body():
+        lanes.add(TP, 0, final_of(0))
+        async with asyncio.timeout(5):
+            while not lane.fenced:
+                await asyncio.sleep(0.01)
+
+    await run_lane(lanes, lane, body)
+    assert asked and lane.fenced and log.visible == [] and lanes.fenced() == {TP}
