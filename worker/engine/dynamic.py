@@ -60,8 +60,5 @@ class DynamicEngine(InstantEngine):
         recompute = sum(state.num_prompt_tokens + state.num_output_tokens for state in seated)
         return self.step_time_s + self.per_seq_s * len(self._running) + self.prefill_s_per_token * recompute
 
-    def _finish_reason(self, state: _Running) -> str | None:
-        stop = eos_point(state.request, self.eos_probability)
-        if stop is not None and state.num_output_tokens >= stop:
-            return "stop"
-        return super(DynamicEngine, self)._finish_reason(state)
+    def _stop_at(self, request: EngineRequest) -> int | None:
+        return eos_point(request, self.eos_probability)

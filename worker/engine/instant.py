@@ -31,6 +31,8 @@ class _Running:
     num_output_tokens: int = 0
     order: int = 0
     """Arrival order: ties within a priority, and which request a more urgent one preempts."""
+    stop_at: int | None = None
+    """The output count at which the request ends early (an EOS), or None: drawn once, when it arrives."""
 
 
 def _prompt_bytes(request: EngineRequest) -> bytes:
@@ -72,7 +74,8 @@ class InstantEngine:
                                   f"prompt has {len(prompt)} tokens, the limit is {self.max_prompt_tokens}",
                                   num_prompt_tokens=len(prompt), arrival_time=arrival, finish_time=now)]
         self._counter += 1
-        state = _Running(request, zlib.crc32(prompt), max(1, len(prompt)), arrival, order=self._counter)
+        state = _Running(request, zlib.crc32(prompt), max(1, len(prompt)), arrival, order=self._counter,
+                         stop_at=self._stop_at(request))
         heapq.heappush(self._waiting, (request.priority, request.fair_tag, self._counter, state))
         return []
 
@@ -137,8 +140,14 @@ class InstantEngine:
         """How long this step takes, given the requests seated in it (dynamic.py charges for their prompts)."""
         return self.step_time_s
 
+    def _stop_at(self, request: EngineRequest) -> int | None:
+        """The output count at which a request stops on EOS (dynamic.py draws one); this engine never stops."""
+        return None
+
     def _finish_reason(self, state: _Running) -> str | None:
         """After a token: why the request ends now, or None."""
+        if state.stop_at is not None and state.num_output_tokens >= state.stop_at:
+            return "stop"
         return "length" if state.num_output_tokens >= state.request.sampling.max_new_tokens else None
 
     def _preempt_for_more_urgent(self) -> None:
