@@ -12,8 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
+import re
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import msgspec
 from starlette.applications import Starlette
@@ -24,14 +27,60 @@ from starlette.routing import Route
 from gateway.batch_jobs import BatchJobs, FileStore
 from gateway.batch_run import Translator
 from gateway.door import Door
+from gateway.keys import KeyEntry, Keys
 from gateway.openai_api import (CHAT, COMPLETIONS, ApiError, Options, Tiers, TokenText, bad_request, chunk_body,
                                 completion_body, delta_choice, final_error, now_s, to_request)
-from producer_examples.client import Delta, RequestHandle, RequestTimeout
+from aiokafka.errors import KafkaError
+
+from producer_examples.client import ClientError, Delta, RequestHandle, RequestTimeout
 from schemas.result import FinalRecord
 
 log = logging.getLogger(__name__)
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+OUTAGE_RETRY_S = 5
+"""Retry-After of a 503 when Kafka does not take a request: about a broker's restart or a leader election."""
+TRACEPARENT = re.compile(rb"^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
+"""A W3C traceparent of version 00 (the only one defined); anything else is not passed on."""
+MAX_TRACESTATE_BYTES = 512
+ANONYMOUS = "anonymous"
+"""Whose files and batches they are on a gateway without keys."""
+
+
+@dataclass(slots=True, frozen=True)
+class Caller:
+    """Who sent a request: its API key, or None on a gateway without keys (every caller trusted)."""
+
+    key: KeyEntry | None
+
+    @property
+    def owner(self) -> str:
+        """Whose files and batches: the key's id (never the key)."""
+        return self.key.id if self.key is not None else ANONYMOUS
+
+    @property
+    def most_urgent(self) -> int:
+        return self.key.most_urgent if self.key is not None else 0
+
+    def tenant(self, header: str | None) -> str | None:
+        """The request's tenant: the key's, or X-Tenant where the caller may name one."""
+        key = self.key
+        if key is None or (key.trusted and header):
+            return header
+        if header and header != key.tenant:
+            raise ApiError(403, f"this API key is for tenant {key.tenant!r} and may not name another (X-Tenant)",
+                           code="tenant_not_allowed", param="X-Tenant")
+        return key.tenant
+
+
+OPEN = Caller(None)
+
+
+def _header(scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value
+    return None
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -51,16 +100,20 @@ class Gateway:
                                  priority=door.bulk_priority, concurrency=settings.batch_concurrency,
                                  max_lines=settings.max_batch_lines, refusal=door.refusal)
         self.num_requests = 0
+        self.keys = Keys(settings.keys_path)
+        self.keys.load()  # a bad keys file stops the start, with its path and what is wrong
 
     # -- lifecycle --------------------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette):
         await self.door.start()
+        self.keys.start()
         self.batches.resume_all()
         try:
             yield
         finally:
             await self.batches.stop()
+            await self.keys.stop()
             await self.door.stop()
 
     def app(self):
@@ -79,14 +132,24 @@ class Gateway:
         ]
         routed = Starlette(routes=routes, lifespan=self.lifespan,
                            exception_handlers={ApiError: self._on_api_error, 404: self._on_not_found,
-                                               405: self._on_not_allowed})
+                                               405: self._on_not_allowed, Exception: self._on_error})
         generate = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS}
 
         async def app(scope, receive, send) -> None:
+            if scope["type"] != "http":
+                await routed(scope, receive, send)
+                return
+            path = scope["path"]
+            if path.startswith("/v1/"):
+                try:
+                    caller = self._authenticate(scope)
+                except ApiError as error:
+                    await error_response(error)(scope, receive, send)
+                    return
+                scope.setdefault("state", {})["caller"] = caller
             # The two generation routes skip Starlette's middleware and router: at a thousand requests a
             # second, its layers of wrapped send and receive callables cost more than the route itself.
-            # Everything else (and an error that is not an ApiError) goes the usual way.
-            endpoint = generate.get(scope.get("path")) if scope["type"] == "http" else None
+            endpoint = generate.get(path)
             if endpoint is None or scope["method"] != "POST":
                 await routed(scope, receive, send)
                 return
@@ -94,9 +157,41 @@ class Gateway:
                 response = await self._generate(Request(scope, receive, send), endpoint)
             except ApiError as error:
                 response = error_response(error)
+            except Exception as exc:  # noqa: BLE001 - every answer in OpenAI's shape, never a bare 500
+                response = error_response(self._unexpected(exc))
             await response(scope, receive, send)
 
         return app
+
+    def _authenticate(self, scope) -> Caller:
+        """The caller of a /v1/ route: 401 without a valid key (when keys are on), 429 past its rate."""
+        if not self.keys.enabled:
+            return OPEN
+        authorization = _header(scope, b"authorization")
+        entry = self.keys.check(authorization.decode("latin-1") if authorization is not None else None)
+        if entry is None:
+            raise ApiError(401, "Incorrect API key provided" if authorization else
+                           "You didn't provide an API key (Authorization: Bearer <key>)", code="invalid_api_key")
+        wait_s = self.keys.wait_s(entry)
+        if wait_s > 0:
+            raise ApiError(429, f"API key {entry.id} is past its {entry.requests_per_minute} requests a minute",
+                           "rate_limit_error", "rate_limit_exceeded",
+                           headers={"Retry-After": str(max(1, math.ceil(wait_s)))})
+        return Caller(entry)
+
+    def _unexpected(self, exc: BaseException) -> ApiError:
+        """An error that is not the gateway's own, in OpenAI's shape: Kafka not answering is 503 (retry), a
+        wait that ran out 504, anything else 500 (logged with its traceback)."""
+        if isinstance(exc, RequestTimeout):  # before the next: it is a ClientError and a TimeoutError too
+            return ApiError(504, str(exc), "timeout", "gateway_timeout")
+        if isinstance(exc, (KafkaError, ClientError, TimeoutError)):
+            return ApiError(503, f"the Kafka cluster is not answering ({type(exc).__name__}); retry later",
+                            "server_error", "service_unavailable", headers={"Retry-After": str(OUTAGE_RETRY_S)})
+        log.error("unexpected error serving a request", exc_info=exc)
+        return ApiError(500, "the gateway failed to serve this request", "server_error", "internal_error")
+
+    async def _on_error(self, request: Request, exc: Exception) -> JSONResponse:
+        return error_response(self._unexpected(exc))
 
     async def _on_api_error(self, request: Request, exc: ApiError) -> JSONResponse:
         return error_response(exc)
@@ -142,18 +237,29 @@ class Gateway:
 
     async def _generate(self, request: Request, endpoint: str) -> Response:
         body = await self._json(request)
+        caller = caller_of(request)
+        headers = request.headers
         request_id = f"{self.door.instance_id}-{os.urandom(8).hex()}"
         wire, priority, options = to_request(
             body, endpoint, request_id, self.models, self.tiers,
-            priority_header=request.headers.get("x-priority"), timeout_header=request.headers.get("x-timeout-ms"),
-            tenant_header=request.headers.get("x-tenant"), session_header=request.headers.get("x-session-id"))
+            priority_header=headers.get("x-priority"), timeout_header=headers.get("x-timeout-ms"),
+            tenant=caller.tenant(headers.get("x-tenant")), session_header=headers.get("x-session-id"),
+            most_urgent=caller.most_urgent)
         refused = self.door.refusal(priority)
         if refused is not None:
             why, retry_s = refused
             raise ApiError(429, f"priority {priority} is congested ({why}); retry after {retry_s} s",
                            "rate_limit_error", "rate_limit_exceeded", headers={"Retry-After": str(retry_s)})
         self.num_requests += 1
-        handle = await self.door.submit(wire, priority)
+        try:
+            async with asyncio.timeout(self.door.settings.submit_timeout_s):
+                handle = await self.door.submit(wire, priority, headers=trace_headers(request.scope))
+        except TimeoutError:
+            # The record may still reach Kafka once it is back: cancelled then, it costs no worker time.
+            self.door.client.cancel_later(request_id, "not taken by Kafka in time")
+            raise ApiError(503, f"Kafka did not take the request within {self.door.settings.submit_timeout_s:g} s; "
+                           "retry later", "server_error", "service_unavailable",
+                           headers={"Retry-After": str(OUTAGE_RETRY_S)}) from None
         watch = Disconnect(request)
         handed_over = False
         try:
@@ -268,6 +374,21 @@ class Gateway:
 
     async def cancel_batch(self, request: Request) -> JSONResponse:
         return JSONResponse(self.batches.cancel(request.path_params["batch_id"]))
+
+
+def caller_of(request: Request) -> Caller:
+    return request.scope.get("state", {}).get("caller", OPEN)
+
+
+def trace_headers(scope) -> list[tuple[str, bytes]] | None:
+    """The caller's W3C trace context, for the request record: the worker's span continues the caller's trace."""
+    parent = _header(scope, b"traceparent")
+    if parent is None or not TRACEPARENT.match(parent):
+        return None
+    state = _header(scope, b"tracestate")
+    if state is not None and len(state) <= MAX_TRACESTATE_BYTES:
+        return [("traceparent", parent), ("tracestate", state)]
+    return [("traceparent", parent)]
 
 
 async def _wait_disconnect(request: Request) -> None:

@@ -115,5 +115,6 @@ class Door:
                     retry_s = max(retry_s, entry.est_wait_s)
         return why, min(MAX_RETRY_AFTER_S, max(1, math.ceil(retry_s)))
 
-    async def submit(self, request: GenerationRequest, priority: int, wait_s: float | None = None) -> RequestHandle:
-        return await self.client.submit(request, priority, timeout_s=wait_s)
+    async def submit(self, request: GenerationRequest, priority: int, wait_s: float | None = None,
+                     headers: list[tuple[str, bytes]] | None = None) -> RequestHandle:
+        return await self.client.submit(request, priority, timeout_s=wait_s, headers=headers)

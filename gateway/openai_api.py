@@ -76,7 +76,20 @@ class Tiers:
     num_priorities: int
     default_priority: int
 
-    def priority(self, tier: str | None, header: str | None) -> int:
+    def priority(self, tier: str | None, header: str | None, most_urgent: int = 0) -> int:
+        """The request's priority; `most_urgent`: the most urgent one its API key may use. Asked for explicitly
+        (a header or a tier), a more urgent one is refused with 403; by default, it is lowered to the ceiling."""
+        wanted = self._wanted(tier, header)
+        if wanted >= most_urgent:
+            return wanted
+        if header is not None or tier not in (None, "auto", "default"):
+            asked = f"X-Priority {header}" if header is not None else f"service_tier {tier!r}"
+            raise ApiError(403, f"{asked} asks for priority {wanted}; this API key may use {most_urgent} and "
+                           "less urgent ones", code="priority_not_allowed",
+                           param="X-Priority" if header is not None else "service_tier")
+        return min(most_urgent, self.num_priorities - 1)
+
+    def _wanted(self, tier: str | None, header: str | None) -> int:
         if header is not None:
             try:
                 value = int(header)
@@ -200,13 +213,14 @@ def _logprobs(body: dict, endpoint: str) -> tuple[bool, int]:
 def to_request(body: Any, endpoint: str, request_id: str, models: list[str], tiers: Tiers, *,
                priority_header: str | None = None, timeout_header: str | None = None,
                reply_topic: str | None = None, default_timeout_ms: int | None = None,
-               tenant_header: str | None = None, session_header: str | None = None,
+               tenant: str | None = None, session_header: str | None = None, most_urgent: int = 0,
                ) -> tuple[GenerationRequest, int, Options]:
     """(the wire request, its priority, how to shape its answer); raises ApiError for what cannot be served.
 
-    Tenants and sessions: the tenant comes from the X-Tenant header (set by whatever authenticates the caller
-    in front of the gateway, never by the body); the session from `prompt_cache_key` (OpenAI's key for
-    requests that share a prefix) or the X-Session-Id header; `cache_salt` as vLLM takes it."""
+    Tenants and sessions: the tenant is the caller's API key's, or the X-Tenant header's where the caller may
+    name one (a trusted key, or a gateway without keys behind an authenticating proxy), never the body's; the
+    session from `prompt_cache_key` (OpenAI's key for requests that share a prefix) or the X-Session-Id header;
+    `cache_salt` as vLLM takes it."""
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object")
     model = body.get("model")
@@ -232,7 +246,7 @@ def to_request(body: Any, endpoint: str, request_id: str, models: list[str], tie
     max_tokens = _opt(body, "max_completion_tokens", int) if endpoint == CHAT else None
     max_tokens = max_tokens if max_tokens is not None else _opt(body, "max_tokens", int, DEFAULT_MAX_TOKENS)
     tier = _opt(body, "service_tier", str)
-    priority = tiers.priority(tier, priority_header)
+    priority = tiers.priority(tier, priority_header, most_urgent)
     timeout_ms = _timeout_ms(body, timeout_header) or default_timeout_ms
     seed = _opt(body, "seed", int)
     sampling = {
@@ -261,8 +275,8 @@ def to_request(body: Any, endpoint: str, request_id: str, models: list[str], tie
         record["timeout_ms"] = timeout_ms
     if reply_topic is not None:
         record["reply_topic"] = reply_topic
-    if tenant_header:
-        record["tenant"] = tenant_header
+    if tenant:
+        record["tenant"] = tenant
     session = _opt(body, "prompt_cache_key", str) or session_header
     if session:
         record["session_id"] = session

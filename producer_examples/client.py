@@ -229,10 +229,12 @@ class LLMClient:
         priority: int,
         *,
         timeout_s: float | None = None,
+        headers: list[tuple[str, bytes]] | None = None,
     ) -> RequestHandle:
         """Send a request to a partition of `priority` (key = request id; the partition is chosen by its session id
         when it has one, else its id: schemas.priority); returns once Kafka acknowledged it.
 
+        headers: Kafka headers of the request record (a W3C `traceparent` continues the caller's trace).
         timeout_s: default wait of the handle's stream() and result(), from now. Unset, it is the request's
         own deadline plus DEADLINE_GRACE_S, or the client's default_timeout_s when the request has none.
         Before sending, waits (bounded) while a worker reports this priority congested; see backoff.py. A
@@ -256,7 +258,7 @@ class LLMClient:
         partition = partition_for(priority, request.routing_key, self.settings.num_request_partitions,
                                   self.settings.num_priorities)
         handle = RequestHandle(request.id, priority, partition, timeout_s, self._forget,
-                               send_cancel=self._start_cancel, cancel_on_abandon=self.cancel_on_abandon)
+                               send_cancel=self.cancel_later, cancel_on_abandon=self.cancel_on_abandon)
         # Registered before sending: the answer may arrive before send_and_wait returns.
         self._handles[request.id] = handle
         try:
@@ -265,7 +267,7 @@ class LLMClient:
                 left_ms = max(1, request.timeout_ms - round(handle.backoff_s * 1000))
                 request = msgspec.structs.replace(request, timeout_ms=left_ms)
             await self._producer.send_and_wait(self.settings.request_topic, encode(request),
-                                               key=request.id.encode(), partition=partition)
+                                               key=request.id.encode(), partition=partition, headers=headers)
         except BaseException:
             self._handles.pop(request.id, None)
             raise
@@ -296,9 +298,9 @@ class LLMClient:
         await self._producer.send_and_wait(topic, encode(CancelRecord(id=request_id, reason=reason)),
                                            key=request_id.encode())
 
-    def _start_cancel(self, request_id: str, reason: str) -> asyncio.Task:
+    def cancel_later(self, request_id: str, reason: str) -> asyncio.Task:
         """cancel() as a task the client keeps (stop() lets it finish): a handle's cancel survives the
-        cancellation of the task that asked for it."""
+        cancellation of the task that asked for it, and one sent while the broker is away goes once it is back."""
         task = asyncio.ensure_future(self.cancel(request_id, reason))
         self._cancels_in_flight.add(task)
 

@@ -460,6 +460,18 @@ class GatewaySettings(BaseSettings):
     """Where batch files and batch progress live (they survive a restart)."""
     request_wait_s: float = Field(600.0, gt=0)
     """Longest the gateway waits for an answer to a request without a timeout."""
+    keys_file: Path | None = None
+    """API keys (`llm-worker gateway keys add`; a mounted Secret works too), read again when it changes. None:
+    `data_dir`/keys.json. While no such file exists the gateway is open (every caller trusted) and binds only
+    loopback unless `behind_auth_proxy`."""
+    behind_auth_proxy: bool = False
+    """Without keys, allow a non-loopback address: a proxy in front authenticates callers and sets X-Tenant."""
+    submit_timeout_s: float = Field(10.0, gt=0)
+    """Longest a request waits for Kafka to take it; then 503 with Retry-After (a broker outage)."""
+
+    @property
+    def keys_path(self) -> Path:
+        return self.keys_file if self.keys_file is not None else self.data_dir / "keys.json"
 
 
 class LogLimitSettings(BaseSettings):
