@@ -5,18 +5,28 @@ imports the worker's engine.
 Answers are routed by topic, not filtered by id: each gateway instance creates a reply topic of its own,
 `GATEWAY_REPLY_TOPIC_PREFIX` + instance id, names it in every request it sends, and reads only that topic (and
 the status topic). The workers allow it by prefix (`KAFKA_ALLOWED_REPLY_TOPIC_PREFIXES`), so adding an instance
-needs no change to the workers, and no instance reads another's answers. An instance with a random id deletes
-its topic when it stops.
+needs no change to the workers, and no instance reads another's answers.
+
+Reply topics do not leak. A stable instance id (GATEWAY_INSTANCE_ID, a StatefulSet's pod name) reuses its
+topic after a restart. A random one is deleted when its instance stops, and expires when it crashes: while it
+runs, an instance commits a heartbeat every quarter of its GATEWAY_REPLY_SWEEP_S (offset metadata of a group
+named after its topic, saying until when it holds: three beats), and every instance now and then deletes the
+random-id topics of its prefix whose heartbeat has expired, or is absent at two sweeps running. Only names a
+gateway makes at random are swept, so a topic someone named under the prefix is never touched.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
+import re
 import time
 import uuid
 
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.structs import OffsetAndMetadata
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError, for_code
 
@@ -30,6 +40,21 @@ STATUS_MAX_AGE_S = 5.0
 """Status records older than this say nothing (a dead worker must not keep a priority refused)."""
 MAX_RETRY_AFTER_S = 60
 TOPIC_READY_S = 15.0
+RANDOM_ID = re.compile(r"^(gw|batch)-[0-9a-f]{10}$")
+"""The instance ids a Door makes up; only their topics are swept."""
+HEARTBEAT = "alive-until@"
+BEATS_HELD = 3
+"""A heartbeat holds for this many beats: one missed beat (a slow broker) does not expire a live instance."""
+
+
+def heartbeat_ms(offsets: dict) -> int | None:
+    """Until when (epoch ms) the newest heartbeat among a group's committed offsets (their metadata) holds."""
+    newest = None
+    for meta in offsets.values():
+        text = getattr(meta, "metadata", "") or ""
+        if text.startswith(HEARTBEAT) and text[len(HEARTBEAT):].isdigit():
+            newest = max(newest or 0, int(text[len(HEARTBEAT):]))
+    return newest
 
 
 class Door:
@@ -43,6 +68,10 @@ class Door:
         # No client-side backoff: an interactive caller gets 429 with Retry-After instead of a silent wait.
         self.client = LLMClient(kafka, reply_topic=self.reply_topic, backoff=BackoffPolicy(enabled=False),
                                 default_timeout_s=settings.request_wait_s)
+        self._presence: AIOKafkaConsumer | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._idle_before: set[str] = set()
+        self.num_swept = 0
 
     @property
     def num_priorities(self) -> int:
@@ -56,12 +85,83 @@ class Door:
     async def start(self) -> None:
         await self._ensure_reply_topic()
         await self.client.start()
+        if self.ephemeral:
+            await self._hold_presence()
+        if self.settings.reply_sweep_s > 0:
+            self._tasks.append(asyncio.create_task(self._sweep_every(self.settings.reply_sweep_s),
+                                                   name="reply-topic-sweep"))
         log.info("gateway %s reads its answers on %s", self.instance_id, self.reply_topic)
 
     async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
         await self.client.stop()
+        if self._presence is not None:
+            await self._presence.stop()
+            self._presence = None
         if self.ephemeral:
             await self._delete_reply_topic()
+
+    async def _hold_presence(self) -> None:
+        """Heartbeats for this instance's reply topic: a commit with the time in its metadata, which a sweep
+        reads. A plain commit (no group membership): nothing is assigned, fetched or rebalanced."""
+        consumer = AIOKafkaConsumer(**self.kafka.client_kwargs(), group_id=self.reply_topic,
+                                    enable_auto_commit=False)
+        await consumer.start()
+        tp = TopicPartition(self.reply_topic, 0)
+        consumer.assign([tp])
+        self._presence = consumer
+        interval_s = max(0.25, self.settings.reply_sweep_s / 4) if self.settings.reply_sweep_s > 0 else 60.0
+
+        async def beat() -> None:
+            while True:
+                try:
+                    until_ms = int((time.time() + BEATS_HELD * interval_s) * 1000)
+                    await consumer.commit({tp: OffsetAndMetadata(0, f"{HEARTBEAT}{until_ms}")})
+                except Exception as exc:  # noqa: BLE001 - a broker away for a while; the next beat says it
+                    log.debug("heartbeat of %s: %r", self.reply_topic, exc)
+                await asyncio.sleep(interval_s)
+
+        self._tasks.append(asyncio.create_task(beat(), name="reply-topic-heartbeat"))
+
+    async def _sweep_every(self, interval_s: float) -> None:
+        while True:
+            try:
+                await self.sweep()
+            except Exception as exc:  # noqa: BLE001 - a leftover topic costs disk, not correctness
+                log.warning("sweeping reply topics under %s: %r", self.settings.reply_topic_prefix, exc)
+            await asyncio.sleep(interval_s)
+
+    async def sweep(self) -> list[str]:
+        """Deletes the random-id reply topics of this prefix whose instance is gone: its heartbeat expired, or
+        there is none at this sweep and the last one (a sweep alone could catch an instance between creating
+        its topic and its first heartbeat). Each heartbeat says how long it holds: instances of one prefix
+        may sweep at different intervals."""
+        prefix = self.settings.reply_topic_prefix
+        admin = await self._admin()
+        try:
+            topics = [t for t in await admin.list_topics()
+                      if t.startswith(prefix) and t != self.reply_topic and RANDOM_ID.match(t[len(prefix):])]
+            now_ms = time.time() * 1000
+            silent, stale = set(), set()
+            for topic in topics:
+                until_ms = heartbeat_ms(await admin.list_consumer_group_offsets(topic))
+                if until_ms is None:
+                    silent.add(topic)
+                elif now_ms > until_ms:
+                    stale.add(topic)
+            doomed = sorted(stale | (silent & self._idle_before))
+            self._idle_before = silent - set(doomed)
+            if doomed:
+                await admin.delete_topics(doomed)
+                self.num_swept += len(doomed)
+                log.info("deleted %d reply topics of instances gone: %s", len(doomed), ", ".join(doomed))
+            return doomed
+        finally:
+            await admin.close()
 
     async def _admin(self) -> AIOKafkaAdminClient:
         admin = AIOKafkaAdminClient(**self.kafka.client_kwargs())

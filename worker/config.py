@@ -438,6 +438,9 @@ class GatewaySettings(BaseSettings):
     (KAFKA_ALLOWED_REPLY_TOPIC_PREFIXES)."""
     reply_topic_partitions: int = Field(2, ge=1, le=256)
     """Partitions of an instance's reply topic."""
+    reply_sweep_s: float = Field(300.0, ge=0)
+    """How often an instance deletes the reply topics of random-id instances gone (their heartbeat, sent every
+    quarter of this, expired); 0: never. Stable ids (`instance_id`) are reused, never swept."""
     models: list[str] = ["smollm2-135m-instruct"]
     """Model names the workers behind the request topic serve (`GET /v1/models`); a request naming another is
     refused with 404. All workers of one request topic serve one model."""

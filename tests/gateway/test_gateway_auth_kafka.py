@@ -210,3 +210,39 @@ async def test_a_broker_outage_is_answered_503_with_openais_error_json(tmp_path)
             assert [m.id async for m in client.models.list()] == [MODEL]
     finally:
         broker.stop()
+
+
+async def test_reply_topics_of_crashed_random_instances_expire_and_others_stay(door, tmp_path):
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+    from aiokafka.structs import OffsetAndMetadata
+
+    kafka, _, live = door
+    prefix = kafka.allowed_reply_topic_prefixes[0]
+    crashed, stable, named = prefix + "gw-0123456789", prefix + "stable-7", prefix + "myapp"
+    long_gone = prefix + "batch-abcdef0123"  # its last heartbeat expired an hour ago
+    admin = AIOKafkaAdminClient(**kafka.client_kwargs())
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(t, 1, 1) for t in (crashed, long_gone, stable, named)])
+        beat = AIOKafkaConsumer(**kafka.client_kwargs(), group_id=long_gone, enable_auto_commit=False)
+        await beat.start()
+        beat.assign([TopicPartition(long_gone, 0)])
+        hour_ago = int(time.time() * 1000) - 3600_000
+        await beat.commit({TopicPartition(long_gone, 0): OffsetAndMetadata(0, f"alive-until@{hour_ago}")})
+        await beat.stop()
+        settings = GatewaySettings(reply_topic_prefix=prefix, data_dir=tmp_path, reply_sweep_s=0.5)
+        async with RunningGateway(kafka, settings) as sweeper:
+            async with asyncio.timeout(30):
+                while {crashed, long_gone} & set(await admin.list_topics()):
+                    await asyncio.sleep(0.2)
+            await asyncio.sleep(1.5)  # three sweeps more: the live instance's topic must outlast them
+            left = set(await admin.list_topics())
+            assert sweeper.gateway.door.num_swept == 2
+        assert {stable, named, live.gateway.door.reply_topic} <= left
+        # The live instance still answers on its topic.
+        _, key = door[1].add("after-sweep")
+        await wait_reloaded(live, door[1])
+        assert (await chat(sdk(live, key))).choices
+    finally:
+        await admin.close()
