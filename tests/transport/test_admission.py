@@ -1,7 +1,7 @@
 """Admission: reply-topic allow-list, deadlines by estimate, latency-target hold-back."""
 
 from schemas.request import ChatMessage
-from worker.broker.acls import Acl, worker_acls
+from worker.broker.acls import Acl, client_acls, worker_acls
 from worker.config import GatewaySettings, KafkaSettings
 from worker.engine.api import EngineStats
 from worker.transport.load.admission import DEADLINE_SAFETY_FACTOR, DEADLINE_SAFETY_S, Admission, estimate_prompt_tokens
@@ -36,6 +36,10 @@ def test_a_worker_on_its_defaults_answers_a_gateway_on_its_defaults():
                           allowed_reply_topic_prefixes=tuple(kafka.allowed_reply_topic_prefixes))
     assert admission.check_reply_topic(gateway.reply_topic_prefix + "gw-a1b2") is None
     assert Acl("worker", "TOPIC", gateway.reply_topic_prefix, "WRITE", "PREFIXED") in worker_acls(kafka)
+    # A gateway (the client principal) makes, reads, heartbeats for and sweeps topics under the same prefix.
+    granted = set(client_acls(kafka))
+    for kind, op in (("TOPIC", "CREATE"), ("TOPIC", "READ"), ("TOPIC", "DELETE"), ("GROUP", "READ")):
+        assert Acl("client", kind, gateway.reply_topic_prefix, op, "PREFIXED") in granted
 
 
 def test_deadline_passed_or_unreachable_is_rejected():

@@ -7,6 +7,9 @@ withdrawn through the admin API by a super user.
   finals are written in transactions).
 - client: WRITE the request and control topics (requests and cancels), READ the result and status topics,
   and READ consumer groups whose names start with `client-` (for readers of results that commit offsets).
+  As a gateway, on the allowed reply prefixes: CREATE, DESCRIBE, READ and DELETE its reply topics (it makes
+  one per instance and sweeps those of crashed instances) and READ the groups of the same names (their
+  heartbeats).
 
 Consuming with a group needs READ on the group too; the worker's control reader and the example client read
 without a group. Every name is taken from KafkaSettings.
@@ -64,6 +67,9 @@ def client_acls(kafka: KafkaSettings, principal: str = "client") -> list[Acl]:
         Acl(principal, "TOPIC", kafka.result_topic, "READ"),
         Acl(principal, "TOPIC", kafka.status_topic, "READ"),
         Acl(principal, "GROUP", CLIENT_GROUP_PREFIX, "READ", "PREFIXED"),
+        *(Acl(principal, kind, prefix, op, "PREFIXED") for prefix in kafka.allowed_reply_topic_prefixes
+          for kind, op in (("TOPIC", "CREATE"), ("TOPIC", "DESCRIBE"), ("TOPIC", "READ"), ("TOPIC", "DELETE"),
+                           ("GROUP", "READ"))),
     ]
 
 
