@@ -13,6 +13,8 @@ A local broker, one `llm-worker serve --engine instant` and one `llm-worker gate
    request than the gateway). `--py-spy DIR` records the gateway and the worker meanwhile.
 3. Batch: `llm-worker batch run` of `--batch-lines` lines, SIGKILLed at a third and at two thirds of the
    answers, then run to the end; missing and duplicate custom_ids in the output.
+4. Keys (`--phases keys`): the throughput and TTFT of a gateway with API keys against the open one, in
+   alternating rounds (keys_phase).
 
     python -m benchmarks.bench_gateway    # about 3 minutes on 2 cores
     python -m benchmarks.bench_gateway --phases throughput --concurrency 256 --duration-s 15
@@ -77,10 +79,11 @@ def body(i: int, max_tokens: int) -> dict:
             "temperature": 0, "stream": True}
 
 
-async def gateway_ttft(http: httpx.AsyncClient, url: str, i: int) -> float:
+async def gateway_ttft(http: httpx.AsyncClient, url: str, i: int, api_key: str | None = None) -> float:
     started = time.perf_counter()
     ttft = None
-    async with http.stream("POST", url, json=body(i, 8)) as response:
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else None
+    async with http.stream("POST", url, json=body(i, 8), headers=headers) as response:
         async for line in response.aiter_lines():
             if ttft is None and line.startswith("data: ") and '"content":"<' in line:
                 ttft = time.perf_counter() - started
@@ -138,9 +141,10 @@ class RawStream:
     client several times what the gateway spends on a request, and on a small machine the load generator
     shares the cores with what it measures."""
 
-    def __init__(self, host: str, port: int, path: str) -> None:
+    def __init__(self, host: str, port: int, path: str, api_key: str | None = None) -> None:
         self.host, self.port = host, port
-        self.head = (f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
+        auth = f"authorization: Bearer {api_key}\r\n" if api_key else ""
+        self.head = (f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n{auth}"
                      "content-length: ").encode()
         self.reader = self.writer = None
 
@@ -177,7 +181,8 @@ class RawStream:
 
 
 async def throughput_phase(url: str, concurrency: int, duration_s: float, pids: dict[str, int | None],
-                           client: str = "raw", warmup_s: float = 3.0, py_spy: Path | None = None) -> dict:
+                           client: str = "raw", warmup_s: float = 3.0, py_spy: Path | None = None,
+                           api_key: str | None = None) -> dict:
     """Streamed requests back to back from `concurrency` connections; after `warmup_s`, for `duration_s`:
     completed requests per second and CPU ms per request of each process (gateway, worker, broker, this
     load generator) and of the whole machine."""
@@ -188,7 +193,7 @@ async def throughput_phase(url: str, concurrency: int, duration_s: float, pids: 
 
     async def raw_client(k: int) -> None:
         nonlocal done, failed
-        http = RawStream(parsed.host, parsed.port, parsed.path)
+        http = RawStream(parsed.host, parsed.port, parsed.path, api_key)
         i = 0
         try:
             while not stop.is_set():
@@ -259,6 +264,59 @@ async def throughput_phase(url: str, concurrency: int, duration_s: float, pids: 
             "loadavg_end": loadavg}
 
 
+async def start_gateway(kafka: KafkaSettings, tmp: Path, name: str, *args: str, **extra: str):
+    """(process, chat URL) of a gateway answering /health."""
+    (port,) = free_ports(1)
+    process = await spawn(kafka, tmp / f"{name}.log", "gateway", "--port", str(port), *args, **extra)
+    async with httpx.AsyncClient() as http:
+        for _ in range(600):
+            try:
+                if (await http.get(f"http://127.0.0.1:{port}/health")).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.1)
+    return process, f"http://127.0.0.1:{port}/v1/chat/completions"
+
+
+async def keys_phase(kafka: KafkaSettings, tmp: Path, open_url: str, pids: dict, args) -> dict:
+    """What API keys cost: a second gateway with a keys file (100 keys, every request with one of them)
+    beside the open one, both in front of the same worker; `--keys-rounds` rounds, each a throughput run and
+    `--ttft-requests` one-at-a-time TTFTs on both, in alternating order. Medians over the rounds."""
+    from gateway.keys import KeyEntry, digest, new_key, write_keys
+
+    keyed_dir = tmp / "keyed"
+    made = [new_key() for _ in range(100)]
+    write_keys(keyed_dir / "keys.json", [KeyEntry(id=i, sha256=digest(k), tenant=f"t{n}")
+                                          for n, (i, k) in enumerate(made)])
+    key = made[57][1]
+    keyed, keyed_url = await start_gateway(kafka, tmp, "gateway-keyed", *args.gateway_args.split(),
+                                           GATEWAY_DATA_DIR=str(keyed_dir))
+    runs: dict[str, dict[str, list[float]]] = {"open": {"rps": [], "ttft": []}, "keyed": {"rps": [], "ttft": []}}
+    try:
+        sides = {"open": (open_url, None, pids), "keyed": (keyed_url, key, dict(pids, gateway=keyed.pid))}
+        async with httpx.AsyncClient(timeout=60) as http:
+            for i in range(5):
+                await gateway_ttft(http, keyed_url, i, key)
+            for r in range(args.keys_rounds):
+                for name in (("open", "keyed") if r % 2 == 0 else ("keyed", "open")):
+                    url, api_key, side_pids = sides[name]
+                    out = await throughput_phase(url, args.concurrency, args.duration_s, side_pids, "raw",
+                                                 warmup_s=2.0, api_key=api_key)
+                    runs[name]["rps"].append(out["streamed_req_per_s"])
+                    runs[name]["ttft"].append(statistics.median(
+                        [await gateway_ttft(http, url, j, api_key) for j in range(args.ttft_requests)]) * 1000)
+    finally:
+        keyed.send_signal(signal.SIGTERM)
+        await keyed.wait()
+    med = {name: {k: statistics.median(v) for k, v in run.items()} for name, run in runs.items()}
+    return {"rounds": args.keys_rounds, "per_round": runs,
+            "open_req_per_s": round(med["open"]["rps"], 1), "keyed_req_per_s": round(med["keyed"]["rps"], 1),
+            "keyed_over_open_req_per_s": round(med["keyed"]["rps"] / med["open"]["rps"], 3),
+            "open_ttft_p50_ms": round(med["open"]["ttft"], 2), "keyed_ttft_p50_ms": round(med["keyed"]["ttft"], 2),
+            "ttft_p50_added_ms": round(med["keyed"]["ttft"] - med["open"]["ttft"], 2)}
+
+
 async def batch_phase(kafka: KafkaSettings, tmp: Path, num_lines: int) -> dict:
     source, output = tmp / "batch.jsonl", tmp / "batch.out.jsonl"
     with open(source, "w") as f:
@@ -314,6 +372,9 @@ async def main(args) -> dict:
             pids = {"gateway": gateway.pid, "worker": worker.pid, "broker": broker.status().pid}
             result["throughput"] = await throughput_phase(url, args.concurrency, args.duration_s, pids,
                                                           args.client, py_spy=args.py_spy)
+        if "keys" in phases:
+            pids = {"gateway": gateway.pid, "worker": worker.pid, "broker": broker.status().pid}
+            result["keys"] = await keys_phase(kafka, tmp, url, pids, args)
         if "batch" in phases:
             result["batch"] = await batch_phase(kafka, tmp, args.batch_lines)
         result["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
@@ -332,7 +393,9 @@ if __name__ == "__main__":
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--duration-s", type=float, default=30.0)
     parser.add_argument("--batch-lines", type=int, default=10_000)
-    parser.add_argument("--phases", default="ttft,throughput,batch", help="which phases, comma-separated")
+    parser.add_argument("--phases", default="ttft,throughput,batch",
+                        help="which phases, comma-separated (also: keys)")
+    parser.add_argument("--keys-rounds", type=int, default=3, help="keys phase: rounds of open vs keyed")
     parser.add_argument("--client", choices=("raw", "httpx"), default="raw",
                         help="the throughput phase's load generator: a lean asyncio HTTP/1.1 client, or httpx")
     parser.add_argument("--gateway-args", default="", help="more arguments of `llm-worker gateway` (--loop, --http)")

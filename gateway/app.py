@@ -28,6 +28,7 @@ from gateway.batch_jobs import BatchJobs, FileStore
 from gateway.batch_run import Translator
 from gateway.door import Door
 from gateway.keys import KeyEntry, Keys
+from gateway.metrics import NO_KEY, UNAUTHENTICATED, GatewayMetrics
 from gateway.openai_api import (CHAT, COMPLETIONS, ApiError, Options, Tiers, TokenText, bad_request, chunk_body,
                                 completion_body, delta_choice, final_error, now_s, to_request)
 from aiokafka.errors import KafkaError
@@ -57,6 +58,11 @@ class Caller:
     def owner(self) -> str:
         """Whose files and batches: the key's id (never the key)."""
         return self.key.id if self.key is not None else ANONYMOUS
+
+    @property
+    def label(self) -> str:
+        """Its metrics label: the key's id."""
+        return self.key.id if self.key is not None else NO_KEY
 
     @property
     def most_urgent(self) -> int:
@@ -101,6 +107,7 @@ class Gateway:
                                  max_lines=settings.max_batch_lines, refusal=door.refusal)
         self.num_requests = 0
         self.keys = Keys(settings.keys_path)
+        self.metrics = GatewayMetrics()
         self.keys.load()  # a bad keys file stops the start, with its path and what is wrong
 
     # -- lifecycle --------------------------------------------------------------------------------------
@@ -129,6 +136,7 @@ class Gateway:
             Route("/v1/batches/{batch_id}", self.get_batch, methods=["GET"]),
             Route("/v1/batches/{batch_id}/cancel", self.cancel_batch, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.prometheus, methods=["GET"]),
         ]
         routed = Starlette(routes=routes, lifespan=self.lifespan,
                            exception_handlers={ApiError: self._on_api_error, 404: self._on_not_found,
@@ -140,18 +148,22 @@ class Gateway:
                 await routed(scope, receive, send)
                 return
             path = scope["path"]
-            if path.startswith("/v1/"):
-                try:
-                    caller = self._authenticate(scope)
-                except ApiError as error:
-                    await error_response(error)(scope, receive, send)
-                    return
-                scope.setdefault("state", {})["caller"] = caller
+            if not path.startswith("/v1/"):
+                await routed(scope, receive, send)
+                return
+            try:
+                caller = self._authenticate(scope)
+            except ApiError as error:
+                self.metrics.answered(UNAUTHENTICATED if error.status == 401 else error.key_id or NO_KEY,
+                                      _route(path), error.status)
+                await error_response(error)(scope, receive, send)
+                return
+            scope.setdefault("state", {})["caller"] = caller
             # The two generation routes skip Starlette's middleware and router: at a thousand requests a
             # second, its layers of wrapped send and receive callables cost more than the route itself.
             endpoint = generate.get(path)
             if endpoint is None or scope["method"] != "POST":
-                await routed(scope, receive, send)
+                await routed(scope, receive, _counting(send, self.metrics, caller.label, _route(path)))
                 return
             try:
                 response = await self._generate(Request(scope, receive, send), endpoint)
@@ -159,6 +171,7 @@ class Gateway:
                 response = error_response(error)
             except Exception as exc:  # noqa: BLE001 - every answer in OpenAI's shape, never a bare 500
                 response = error_response(self._unexpected(exc))
+            self.metrics.answered(caller.label, endpoint, response.status_code)
             await response(scope, receive, send)
 
         return app
@@ -176,7 +189,7 @@ class Gateway:
         if wait_s > 0:
             raise ApiError(429, f"API key {entry.id} is past its {entry.requests_per_minute} requests a minute",
                            "rate_limit_error", "rate_limit_exceeded",
-                           headers={"Retry-After": str(max(1, math.ceil(wait_s)))})
+                           headers={"Retry-After": str(max(1, math.ceil(wait_s)))}, key_id=entry.id)
         return Caller(entry)
 
     def _unexpected(self, exc: BaseException) -> ApiError:
@@ -202,6 +215,9 @@ class Gateway:
     async def _on_not_allowed(self, request: Request, exc) -> JSONResponse:
         return error_response(ApiError(405, f"{request.method} is not allowed on {request.url.path}",
                                        code="method_not_allowed"))
+
+    async def prometheus(self, request: Request) -> Response:
+        return Response(self.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
     async def health(self, request: Request) -> JSONResponse:
         return JSONResponse({"status": "ok", "reply_topic": self.door.reply_topic})
@@ -280,10 +296,11 @@ class Gateway:
             if not options.stream:
                 watch.stop()
                 final = await handle.result()
+                self.metrics.used(caller.label, final.usage.prompt_tokens, final.usage.completion_tokens)
                 completions = await handle.completions()
                 return JSONResponse(completion_body(options, request_id, now_s(), final, completions, self.tokens))
             handed_over = True
-            return SSEResponse(self._events(handle, options, request_id, first), watch, handle)
+            return SSEResponse(self._events(handle, options, request_id, first, caller.label), watch, handle)
         finally:
             if not handed_over:
                 watch.stop()
@@ -292,7 +309,8 @@ class Gateway:
         refused = self.door.refusal(priority)
         return float(refused[1]) if refused else 1.0
 
-    async def _events(self, handle: RequestHandle, options: Options, request_id: str, first) -> AsyncIterator[dict]:
+    async def _events(self, handle: RequestHandle, options: Options, request_id: str, first,
+                      key_label: str) -> AsyncIterator[dict]:
         """OpenAI's chunks: per completion a first delta with the role, deltas, a last one with finish_reason;
         with include_usage a last chunk with no choices and the usage (every other chunk has usage null)."""
         created = now_s()
@@ -320,6 +338,7 @@ class Gateway:
         final = await handle.result()
         if final.status != "completed":
             raise final_error(final, self._retry_after(handle.priority))
+        self.metrics.used(key_label, final.usage.prompt_tokens, final.usage.completion_tokens)
         for index, done in enumerate(await handle.completions()):
             yield piece(index, "", None, done.finish_reason or "stop")
         if with_usage:
@@ -374,6 +393,23 @@ class Gateway:
 
     async def cancel_batch(self, request: Request) -> JSONResponse:
         return JSONResponse(self.batches.cancel(request.path_params["batch_id"]))
+
+
+def _route(path: str) -> str:
+    """A bounded label for a path: ids in it are dropped (/v1/files/file-abc/content -> /v1/files/content)."""
+    parts = [p for p in path.split("/") if p and not p.startswith(("file-", "batch_", "batch-"))]
+    return "/" + "/".join(parts[:3])
+
+
+def _counting(send, metrics: GatewayMetrics, key_label: str, route: str):
+    """`send`, counting the answer's status as it starts."""
+
+    async def counted(message) -> None:
+        if message["type"] == "http.response.start":
+            metrics.answered(key_label, route, message["status"])
+        await send(message)
+
+    return counted
 
 
 def caller_of(request: Request) -> Caller:

@@ -45,6 +45,8 @@ class ApiError(Exception):
     code: str | None = None
     param: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    key_id: str | None = None
+    """The caller's API key id, where the error is about the key (its metrics label)."""
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

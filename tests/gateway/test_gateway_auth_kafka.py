@@ -151,8 +151,8 @@ async def test_an_ordinary_key_cannot_forge_a_tenant_or_a_priority_and_nothing_r
 
 async def test_a_trusted_key_names_tenants_and_a_busy_key_gets_429(door):
     kafka, ring, gateway = door
-    _, upstream = ring.add("upstream", trusted=True, most_urgent=0)
-    _, slow = ring.add("slowpoke", requests_per_minute=2)
+    upstream_id, upstream = ring.add("upstream", trusted=True, most_urgent=0)
+    slow_id, slow = ring.add("slowpoke", requests_per_minute=2)
     await wait_reloaded(gateway, ring)
     named = await chat(sdk(gateway, upstream), extra_headers={"X-Tenant": "team-x", "X-Priority": "0"})
     own = await chat(sdk(gateway, upstream))
@@ -166,6 +166,15 @@ async def test_a_trusted_key_names_tenants_and_a_busy_key_gets_429(door):
     with pytest.raises(openai.RateLimitError) as limited:
         await chat(client)
     assert 1 <= int(limited.value.response.headers["retry-after"]) <= 30
+
+    # Metrics by key id, never by key.
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(f"http://127.0.0.1:{gateway.port}/metrics")).text
+    chat_route = 'route="/v1/chat/completions"'
+    assert f'llm_gateway_requests_total{{key_id="{slow_id}",{chat_route},status="200"}} 2.0' in text
+    assert f'llm_gateway_requests_total{{key_id="{slow_id}",{chat_route},status="429"}} 1.0' in text
+    assert f'llm_gateway_tokens_total{{key_id="{upstream_id}",kind="completion"}} 6.0' in text
+    assert "sk-llmw-" not in text
 
 
 async def test_the_callers_traceparent_reaches_the_request_record(door):
