@@ -459,8 +459,9 @@ class GatewaySettings(BaseSettings):
     """Most requests in one batch file."""
     batch_concurrency: int = Field(256, ge=1)
     """Requests of one batch in flight at once (the rest wait on disk, not in Kafka)."""
-    data_dir: Path = DEFAULT_HOME / "gateway"
-    """Where batch files and batch progress live (they survive a restart)."""
+    data_dir: Path = Field(default_factory=lambda: PathSettings().home / "gateway")
+    """Where batch files, batch progress and API keys live (they survive a restart); default: `gateway` under
+    LLM_WORKER_HOME, so one volume keeps a container's whole state."""
     request_wait_s: float = Field(600.0, gt=0)
     """Longest the gateway waits for an answer to a request without a timeout."""
     keys_file: Path | None = None

@@ -68,7 +68,131 @@ def settings_table() -> str:
     return "\n".join(lines)
 
 
+FOREIGN_NAMES = frozenset({
+    "KAFKA_HEAP_OPTS", "KAFKA_OPTS", "KAFKA_JVM_PERFORMANCE_OPTS", "KAFKA_LOG4J_OPTS", "KAFKA_JMX_OPTS",
+    "KAFKA_GC_LOG_OPTS", "KAFKA_DEBUG", "KAFKA_HOME", "KAFKA_LOG_DIR",
+})
+"""Variables of Kafka's own scripts and images that share our prefix: not ours to refuse."""
+
+
+def _known_names() -> dict[str, tuple[type[BaseSettings], str]]:
+    """Every setting's variable name -> (its class, its field)."""
+    return {f"{cls.model_config.get('env_prefix', '')}{name}".upper(): (cls, name)
+            for cls in SETTINGS_CLASSES for name in cls.model_fields}
+
+
+def check_settings(env: dict[str, str], workers: int | None = None) -> list[str]:
+    """What is wrong with a set of variables, one line each naming the variable: a name with one of our
+    prefixes that is no setting (with the nearest one), a value a setting refuses, a worker count above the
+    partitions per priority (workers past it hold no partition of some priority and idle there)."""
+    import difflib
+    import os
+    import re
+
+    from pydantic import ValidationError
+    from pydantic_settings import SettingsError
+
+    known = _known_names()
+    prefixes = tuple(cls.model_config.get("env_prefix", "") for cls in SETTINGS_CLASSES)
+    problems = []
+    for name in sorted(env):
+        upper = name.upper()
+        if upper.startswith(prefixes) and upper not in known and upper not in FOREIGN_NAMES:
+            near = difflib.get_close_matches(upper, list(known), n=1)
+            problems.append(f"{name}: no such setting" + (f" (did you mean {near[0]}?)" if near else ""))
+    saved = dict(os.environ)
+    loaded: dict[type, BaseSettings] = {}
+    try:
+        os.environ.clear()
+        os.environ.update({k: v for k, v in saved.items() if k.upper() not in known} | env)
+        for cls in SETTINGS_CLASSES:
+            prefix = cls.model_config.get("env_prefix", "")
+            try:
+                loaded[cls] = cls(_env_file=None)
+            except ValidationError as exc:
+                for error in exc.errors():
+                    field = str(error["loc"][0]) if error["loc"] else ""
+                    where = f"{prefix}{field}".upper() if field in cls.model_fields else cls.__name__
+                    problems.append(f"{where}: {error['msg']}")
+            except SettingsError as exc:  # a list or a map that is not JSON
+                field = re.search(r'field "(\w+)"', str(exc))
+                where = f"{prefix}{field.group(1)}".upper() if field else cls.__name__
+                problems.append(f"{where}: not valid JSON (lists and maps are written as JSON)")
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    kafka = loaded.get(config.KafkaSettings)
+    if workers is not None and kafka is not None and workers > kafka.partitions_per_priority:
+        problems.append(
+            f"KAFKA_PARTITIONS_PER_PRIORITY: {workers} workers over {kafka.partitions_per_priority} partitions per "
+            f"priority: {workers - kafka.partitions_per_priority} would hold no partition of some priority and "
+            "idle there; run fewer workers or raise it (and the request topic's partitions)")
+    return problems
+
+
+def _env_file(path: Path) -> dict[str, str]:
+    values = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            key, value = line.removeprefix("export ").split("=", 1)
+            values[key.strip()] = value.strip().strip("'\"")
+    return values
+
+
+def _compose_services(path: Path) -> dict[str, tuple[dict[str, str], int | None]]:
+    """name -> (environment, replicas) of the compose services that run `llm-worker`, `${VAR:-default}`
+    taken as its default."""
+    import re
+
+    import yaml
+
+    def plain(value) -> str:
+        return re.sub(r"\$\{[A-Za-z_][A-Za-z0-9_]*(?::?-([^}]*))?\}", lambda m: m.group(1) or "", str(value))
+
+    services = {}
+    for name, service in (yaml.safe_load(path.read_text()).get("services") or {}).items():
+        command = service.get("command") or []
+        command = command.split() if isinstance(command, str) else command
+        if not command or command[0] != "llm-worker":
+            continue
+        env = service.get("environment") or {}
+        if isinstance(env, list):
+            env = dict(item.split("=", 1) for item in env if "=" in item)
+        replicas = (service.get("deploy") or {}).get("replicas", service.get("scale"))
+        services[name] = ({k: plain(v) for k, v in env.items() if v is not None},
+                          int(replicas) if replicas is not None and command[1:2] == ["serve"] else None)
+    return services
+
+
+def run_check(args: argparse.Namespace) -> int:
+    import os
+
+    if args.compose is not None:
+        targets = {f"{args.compose}:{name}": found for name, found in _compose_services(args.compose).items()}
+    else:
+        env = {k: v for k, v in os.environ.items()}
+        for path in args.env_file or []:
+            env.update(_env_file(path))
+        targets = {"environment": (env, None)}
+    failed = False
+    for where, (env, replicas) in targets.items():
+        problems = check_settings(env, args.workers if args.workers is not None else replicas)
+        for problem in problems:
+            print(f"{where}: {problem}", file=sys.stderr)
+        failed = failed or bool(problems)
+        if not problems:
+            print(f"{where}: ok")
+    return 1 if failed else 0
+
+
 def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--check", action="store_true",
+                        help="check the settings (this environment, --env-file, or --compose services): unknown "
+                        "names, refused values, more workers than partitions per priority; exit 1 naming each")
+    parser.add_argument("--env-file", type=Path, action="append", help="with --check: KEY=VALUE lines to add")
+    parser.add_argument("--compose", type=Path, help="with --check: the llm-worker services of a compose file")
+    parser.add_argument("--workers", type=int, help="with --check: how many workers will run")
     parser.add_argument("--markdown", action="store_true", help=f"print the settings table of {TABLE_DOC}")
     parser.add_argument("--write-docs", metavar="PATH", nargs="?", const=str(TABLE_DOC),
                         help=f"replace the settings table in PATH (default ./{TABLE_DOC})")
@@ -86,6 +210,8 @@ def run(args: argparse.Namespace) -> int:
     if args.write_readme is not None:
         print(f"the settings table moved to {TABLE_DOC}: run `llm-worker config --write-docs`", file=sys.stderr)
         return 2
+    if args.check:
+        return run_check(args)
     if args.write_docs:
         write_table(Path(args.write_docs))
         return 0

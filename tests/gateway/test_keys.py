@@ -136,3 +136,10 @@ def test_an_open_gateway_on_a_public_address_refuses_to_start_naming_the_setting
     refused = _cli("--host", "0.0.0.0", "--port", "0", home=tmp_path)
     assert refused.returncode == 2 and time.monotonic() - started < 10
     assert "GATEWAY_KEYS_FILE" in refused.stderr and "GATEWAY_BEHIND_AUTH_PROXY" in refused.stderr
+
+
+def test_the_gateways_state_follows_llm_worker_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLM_WORKER_HOME", str(tmp_path))
+    monkeypatch.delenv("GATEWAY_DATA_DIR", raising=False)
+    settings = GatewaySettings()
+    assert settings.data_dir == tmp_path / "gateway" and settings.keys_path == tmp_path / "gateway" / "keys.json"
