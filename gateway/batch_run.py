@@ -211,9 +211,12 @@ class BatchRunner:
                 if self._cancelled:
                     slots.release()
                     break
-                task = asyncio.create_task(self._serve(line, slots))
+                task = asyncio.create_task(self._serve(line))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+                # Not in _serve's finally: a task cancelled before its first step never runs that, and its
+                # slot would be lost with the loop above waiting for it.
+                task.add_done_callback(lambda _: slots.release())
             if self._tasks:
                 await asyncio.gather(*list(self._tasks), return_exceptions=True)
         finally:
@@ -229,7 +232,7 @@ class BatchRunner:
         for task in list(self._tasks):
             task.cancel()
 
-    async def _serve(self, line: BatchLine, slots: asyncio.Semaphore) -> None:
+    async def _serve(self, line: BatchLine) -> None:
         try:
             for send in range(MAX_SENDS):
                 request_id = f"{self.run_tag}-{line.number}-{send}"
@@ -266,7 +269,6 @@ class BatchRunner:
         except ClientError as exc:
             self._fail(line, f"{self.run_tag}-{line.number}", ApiError(500, str(exc), "server_error"))
         finally:
-            slots.release()
             self.on_progress(self.progress)
 
     def _fail(self, line: BatchLine, request_id: str, error: ApiError) -> None:
