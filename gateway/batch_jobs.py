@@ -18,7 +18,7 @@ from pathlib import Path
 
 import msgspec
 
-from gateway.batch_run import AnswerFile, BatchRunner, Progress, Translator
+from gateway.batch_run import AnswerFile, BatchRunner, Progress, Translator, parse_input
 from gateway.openai_api import ENDPOINTS, ApiError, bad_request
 from producer_examples.client import LLMClient
 
@@ -172,8 +172,8 @@ class BatchJobs:
 
         try:
             data = self.files.content_path(batch["input_file_id"]).read_bytes()
-            runner = BatchRunner(self.client, self.translator, data, output, errors, priority=self.priority,
-                                 concurrency=self.concurrency, endpoint=batch["endpoint"], on_progress=on_progress,
+            runner = BatchRunner(self.client, self.translator, parse_input(data, batch["endpoint"]), output, errors,
+                                 priority=self.priority, concurrency=self.concurrency, on_progress=on_progress,
                                  refusal=self.refusal)
             self._runners[batch["id"]] = runner
             batch.update(status="in_progress", in_progress_at=batch["in_progress_at"] or int(time.time()))
@@ -191,8 +191,8 @@ class BatchJobs:
                          errors={"object": "list", "data": [{"code": "internal", "message": str(exc)}]})
             self._save(batch)
         finally:
-            output.close()
-            errors.close()
+            await output.close()
+            await errors.close()
             self._runners.pop(batch["id"], None)
 
     def _save_counts(self, batch: dict, output: AnswerFile, errors: AnswerFile) -> None:
