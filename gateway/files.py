@@ -272,14 +272,17 @@ class FileStore:
         self._uploading[owner] += 1
         file_id = f"file-{uuid.uuid4().hex[:24]}"
         tmp = self.root / f".upload-{file_id}"
-        out = await asyncio.to_thread(open, tmp, "wb")
+        out = None
         try:
+            out = await asyncio.to_thread(open, tmp, "wb")
             received = 0
             async for chunk in chunks:
                 received += len(chunk)
                 if received > max_bytes + FRAMING_BYTES:
                     raise too_large(max_bytes)
                 form.feed(chunk)
+                if form.fields.get("purpose", "batch") != "batch":  # known before the file: refuse it unread
+                    self._check_fields(form)
                 if form.pending_bytes >= WRITE_BYTES:
                     await asyncio.to_thread(out.writelines, form.take())
             form.finish()
@@ -371,6 +374,7 @@ def _finish_write(out, pieces: list[bytes]) -> None:
 
 
 def _discard(out, tmp: Path) -> None:
-    with contextlib.suppress(OSError):
-        out.close()
+    if out is not None:
+        with contextlib.suppress(OSError):
+            out.close()
     tmp.unlink(missing_ok=True)

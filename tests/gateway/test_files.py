@@ -115,9 +115,11 @@ async def test_an_upload_lands_on_disk_whole_and_one_past_the_limit_is_refused_u
 
 
 async def test_an_upload_without_purpose_batch_or_file_is_refused(store):
+    wrong = Chunks(form(b"x" * (8 << 20), purpose="fine-tune"))
     with pytest.raises(ApiError) as info:
-        await upload(store, "alice", purpose="fine-tune")
+        await store.upload(wrong, CONTENT_TYPE, "alice", max_bytes=16 << 20)
     assert info.value.status == 400 and info.value.param == "purpose"
+    assert wrong.taken <= wrong.size  # the purpose came first: the file was not read
     body = f"--{BOUNDARY}\r\ncontent-disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n--{BOUNDARY}--\r\n"
     with pytest.raises(ApiError) as info:
         await store.upload(Chunks(body.encode()), CONTENT_TYPE, "alice", max_bytes=1 << 20)
