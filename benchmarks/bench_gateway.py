@@ -15,9 +15,16 @@ A local broker, one `llm-worker serve --engine instant` and one `llm-worker gate
    answers, then run to the end; missing and duplicate custom_ids in the output.
 4. Keys (`--phases keys`): the throughput and TTFT of a gateway with API keys against the open one, in
    alternating rounds (keys_phase).
+5. Upload: does a large upload stall the streams? A gateway of its own (`GATEWAY_MAX_UPLOAD_BYTES` =
+   `--upload-limit-mib`) in front of a worker whose instant engine takes `--upload-step-ms` a token:
+   `--upload-streams` streamed chat requests of `--upload-max-tokens` tokens at once, alone, then again while
+   a chunked upload of `--upload-mib` goes in (from a thread of its own, as fast as the gateway reads it).
+   The gaps between consecutive chunks of every stream (alone, and those that end while the upload is
+   received) with the ratio of their medians, and the time from the upload passing the limit to its 413.
 
     python -m benchmarks.bench_gateway    # about 3 minutes on 2 cores
     python -m benchmarks.bench_gateway --phases throughput --concurrency 256 --duration-s 15
+    python -m benchmarks.bench_gateway --phases upload    # about a minute
 """
 
 from __future__ import annotations
@@ -28,9 +35,11 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -344,28 +353,186 @@ async def batch_phase(kafka: KafkaSettings, tmp: Path, num_lines: int) -> dict:
             "seconds_in_all": round(time.monotonic() - started, 1)}
 
 
+MIB = 1 << 20
+UPLOAD_BOUNDARY = "bench-upload-boundary"
+
+
+async def timed_stream(port: int, payload: bytes) -> list[float]:
+    """One streamed answer over a fresh connection: the arrival time of each HTTP chunk (one event each)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json"
+                     f"\r\ncontent-length: {len(payload)}\r\nconnection: close\r\n\r\n".encode() + payload)
+        head = await reader.readuntil(b"\r\n\r\n")
+        if head[9:12] != b"200":
+            raise RuntimeError(f"status {head[9:12].decode()}")
+        arrivals = []
+        while True:
+            size = int((await reader.readuntil(b"\r\n"))[:-2].split(b";", 1)[0], 16)
+            if size == 0:
+                break
+            await reader.readexactly(size + 2)
+            arrivals.append(time.monotonic())
+        return arrivals
+    finally:
+        writer.close()
+
+
+def gap_stats(gaps: list[float]) -> dict:
+    if not gaps:
+        return {"gaps": 0}
+    ordered = sorted(gaps)
+    return {"gaps": len(gaps), "gap_p50_ms": round(statistics.median(ordered) * 1000, 2),
+            "gap_p99_ms": round(ordered[int(0.99 * (len(ordered) - 1))] * 1000, 2),
+            "gap_max_ms": round(ordered[-1] * 1000, 2)}
+
+
+async def stream_gaps(port: int, streams: int, max_tokens: int) -> list[tuple[float, float]]:
+    """(gap, time it ended) between consecutive chunks of `streams` concurrent streamed answers."""
+    answers = await asyncio.gather(*[timed_stream(port, json.dumps(body(i, max_tokens)).encode())
+                                     for i in range(streams)])
+    return [(b - a, b) for arrivals in answers for a, b in zip(arrivals, arrivals[1:])]
+
+
+class Upload(threading.Thread):
+    """A multipart upload of `total` file bytes with Transfer-Encoding: chunked, sent from a thread with
+    blocking sends (so the benchmark's event loop, which times the streams, does not carry it), the answer
+    read by a second thread meanwhile."""
+
+    def __init__(self, port: int, total: int, limit: int) -> None:
+        super().__init__(daemon=True)
+        self.port, self.total, self.limit = port, total, limit
+        self.sent = 0
+        self.started_at = self.crossed_at = self.answered_at = None
+        self.status = None
+        self.answer = b""
+        self.underway = threading.Event()
+
+    def _read(self, sock: socket.socket) -> None:
+        data = b""
+        try:
+            while b"\r\n\r\n" not in data:
+                piece = sock.recv(65536)
+                if not piece:
+                    return
+                data += piece
+        except OSError:
+            return
+        self.answered_at = time.monotonic()
+        self.status = int(data[9:12])
+        head, self.answer = data.split(b"\r\n\r\n", 1)
+        marker = b"content-length:"
+        if marker in head.lower():
+            start = head.lower().index(marker) + len(marker)
+            length = int(head[start:].split(b"\r\n", 1)[0])
+            try:
+                while len(self.answer) < length and (piece := sock.recv(65536)):
+                    self.answer += piece
+            except OSError:
+                pass
+
+    def run(self) -> None:
+        sock = socket.create_connection(("127.0.0.1", self.port))
+        reader = threading.Thread(target=self._read, args=(sock,), daemon=True)
+        reader.start()
+        block = (b'{"custom_id": "x", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n' * 14_000)[:MIB]
+        framed = f"{len(block):x}\r\n".encode() + block + b"\r\n"
+        preamble = (f"--{UPLOAD_BOUNDARY}\r\ncontent-disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+                    f"--{UPLOAD_BOUNDARY}\r\ncontent-disposition: form-data; name=\"file\"; filename=\"big.jsonl\"\r\n"
+                    "\r\n").encode()
+        self.started_at = time.monotonic()
+        try:
+            sock.sendall(f"POST /v1/files HTTP/1.1\r\nhost: 127.0.0.1\r\ntransfer-encoding: chunked\r\n"
+                         f"content-type: multipart/form-data; boundary={UPLOAD_BOUNDARY}\r\n\r\n".encode()
+                         + f"{len(preamble):x}\r\n".encode() + preamble + b"\r\n")
+            while self.sent < self.total and self.answered_at is None:
+                sock.sendall(framed)
+                self.sent += len(block)
+                if self.crossed_at is None and self.sent > self.limit:
+                    self.crossed_at = time.monotonic()
+                if self.sent >= 4 * MIB:
+                    self.underway.set()
+            if self.answered_at is None:
+                end = f"\r\n--{UPLOAD_BOUNDARY}--\r\n".encode()
+                sock.sendall(f"{len(end):x}\r\n".encode() + end + b"\r\n0\r\n\r\n")
+        except OSError:
+            pass  # refused and closed while the body was still going out
+        finally:
+            self.underway.set()
+            reader.join(30)
+            sock.close()
+
+
+async def upload_phase(bootstrap: str, tmp: Path, streams: int, max_tokens: int, step_ms: float, upload_mib: int,
+                       limit_mib: int) -> dict:
+    """Streams alone, then streams while a large chunked upload goes in: inter-chunk gaps, and the 413."""
+    kafka = settings(bootstrap)
+    await ensure_topics(kafka)
+    worker = await spawn(kafka, tmp / "upload-worker.log", "serve", "--engine", "instant", "--instant-step-ms",
+                         str(step_ms))
+    (port,) = free_ports(1)
+    gateway = await spawn(kafka, tmp / "upload-gateway.log", "gateway", "--port", str(port),
+                          GATEWAY_MAX_UPLOAD_BYTES=str(limit_mib * MIB), GATEWAY_DATA_DIR=str(tmp / "upload-data"))
+    try:
+        await wait_healthy(port)
+        await stream_gaps(port, 4, 4)  # warm
+        alone = await stream_gaps(port, streams, max_tokens)
+        upload = Upload(port, upload_mib * MIB, limit_mib * MIB)
+        upload.start()
+        await asyncio.to_thread(upload.underway.wait, 60)
+        during = await stream_gaps(port, streams, max_tokens)
+        await asyncio.to_thread(upload.join, 120)
+        end = upload.answered_at or time.monotonic()
+        overlapping = [gap for gap, ended in during if ended <= end]
+        alone_stats, during_stats = gap_stats([g for g, _ in alone]), gap_stats(overlapping)
+        received_s = (end - upload.started_at) if upload.started_at else None
+        return {
+            "streams": streams, "max_tokens": max_tokens, "engine_step_ms": step_ms,
+            "alone": alone_stats, "during_upload": during_stats,
+            "whole_run_with_upload": gap_stats([g for g, _ in during]),
+            "gap_p50_ratio": round(during_stats["gap_p50_ms"] / alone_stats["gap_p50_ms"], 3)
+            if during_stats.get("gaps") and alone_stats.get("gaps") else None,
+            "upload": {"mib": upload_mib, "limit_mib": limit_mib, "status": upload.status,
+                       "answer": upload.answer.decode(errors="replace"), "mib_sent": round(upload.sent / MIB, 1),
+                       "seconds_to_answer": round(received_s, 2) if received_s else None,
+                       "refused_after_limit_ms": round((upload.answered_at - upload.crossed_at) * 1000, 1)
+                       if upload.answered_at and upload.crossed_at else None}}
+    finally:
+        for process in (gateway, worker):
+            if process.returncode is None:
+                process.send_signal(signal.SIGTERM)
+                await process.wait()
+
+
+async def wait_healthy(port: int) -> None:
+    async with httpx.AsyncClient() as http:
+        for _ in range(600):
+            try:
+                if (await http.get(f"http://127.0.0.1:{port}/health")).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.1)
+    raise RuntimeError(f"no gateway on port {port}")
+
+
 async def main(args) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     target = start_broker(tmp)
     bootstrap, broker = target.bootstrap, target.broker
     worker = gateway = None
+    phases = set(args.phases.split(","))
     try:
-        kafka = settings(bootstrap)
-        await ensure_topics(kafka)
-        worker = await spawn(kafka, tmp / "worker.log", "serve", "--engine", "instant")
-        (port,) = free_ports(1)
-        gateway = await spawn(kafka, tmp / "gateway.log", "gateway", "--port", str(port), *args.gateway_args.split())
-        url = f"http://127.0.0.1:{port}/v1/chat/completions"
-        async with httpx.AsyncClient() as http:
-            for _ in range(600):
-                try:
-                    if (await http.get(f"http://127.0.0.1:{port}/health")).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                await asyncio.sleep(0.1)
         result = {"loadavg_before": Path("/proc/loadavg").read_text().split()[:3], "cpus": os.cpu_count()}
-        phases = set(args.phases.split(","))
+        if phases & {"ttft", "throughput", "batch"}:
+            kafka = settings(bootstrap)
+            await ensure_topics(kafka)
+            worker = await spawn(kafka, tmp / "worker.log", "serve", "--engine", "instant")
+            (port,) = free_ports(1)
+            gateway = await spawn(kafka, tmp / "gateway.log", "gateway", "--port", str(port),
+                                  *args.gateway_args.split())
+            url = f"http://127.0.0.1:{port}/v1/chat/completions"
+            await wait_healthy(port)
         if "ttft" in phases:
             result["ttft"] = await ttft_phase(kafka, url, args.ttft_requests)
         if "throughput" in phases:
@@ -377,6 +544,9 @@ async def main(args) -> dict:
             result["keys"] = await keys_phase(kafka, tmp, url, pids, args)
         if "batch" in phases:
             result["batch"] = await batch_phase(kafka, tmp, args.batch_lines)
+        if "upload" in phases:
+            result["upload"] = await upload_phase(bootstrap, tmp, args.upload_streams, args.upload_max_tokens,
+                                                  args.upload_step_ms, args.upload_mib, args.upload_limit_mib)
         result["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
         return result
     finally:
@@ -394,8 +564,15 @@ if __name__ == "__main__":
     parser.add_argument("--duration-s", type=float, default=30.0)
     parser.add_argument("--batch-lines", type=int, default=10_000)
     parser.add_argument("--phases", default="ttft,throughput,batch",
-                        help="which phases, comma-separated (also: keys)")
+                        help="which phases, comma-separated (ttft, throughput, batch, keys, upload)")
     parser.add_argument("--keys-rounds", type=int, default=3, help="keys phase: rounds of open vs keyed")
+    parser.add_argument("--upload-streams", type=int, default=100, help="upload phase: concurrent streams")
+    parser.add_argument("--upload-max-tokens", type=int, default=150, help="upload phase: tokens per stream")
+    parser.add_argument("--upload-step-ms", type=float, default=20.0,
+                        help="upload phase: the instant engine's step (one token per stream per step)")
+    parser.add_argument("--upload-mib", type=int, default=1024, help="upload phase: the chunked upload's size")
+    parser.add_argument("--upload-limit-mib", type=int, default=960,
+                        help="upload phase: the gateway's GATEWAY_MAX_UPLOAD_BYTES, in MiB")
     parser.add_argument("--client", choices=("raw", "httpx"), default="raw",
                         help="the throughput phase's load generator: a lean asyncio HTTP/1.1 client, or httpx")
     parser.add_argument("--gateway-args", default="", help="more arguments of `llm-worker gateway` (--loop, --http)")

@@ -24,9 +24,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.batch_jobs import BatchJobs, FileStore
+from gateway.batch_jobs import BatchJobs
 from gateway.batch_run import Translator
 from gateway.door import Door
+from gateway.files import ANONYMOUS, FRAMING_BYTES, FileStore, int_param
 from gateway.keys import KeyEntry, Keys
 from gateway.metrics import NO_KEY, UNAUTHENTICATED, GatewayMetrics
 from gateway.openai_api import (CHAT, COMPLETIONS, ApiError, Options, Tiers, TokenText, bad_request, chunk_body,
@@ -44,8 +45,6 @@ OUTAGE_RETRY_S = 5
 TRACEPARENT = re.compile(rb"^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 """A W3C traceparent of version 00 (the only one defined); anything else is not passed on."""
 MAX_TRACESTATE_BYTES = 512
-ANONYMOUS = "anonymous"
-"""Whose files and batches they are on a gateway without keys."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -100,11 +99,12 @@ class Gateway:
         self.models = list(settings.models)
         self.tiers = Tiers(door.num_priorities, settings.default_priority)
         self.tokens = tokens
-        self.files = FileStore(settings.data_dir)
+        self.files = FileStore(settings.data_dir, max_files_per_owner=settings.max_files_per_owner)
         self.batches = BatchJobs(settings.data_dir, self.files, door.client,
                                  Translator(self.models, self.tiers, tokens),
                                  priority=door.bulk_priority, concurrency=settings.batch_concurrency,
-                                 max_lines=settings.max_batch_lines, refusal=door.refusal)
+                                 max_lines=settings.max_batch_lines, refusal=door.refusal,
+                                 max_active_per_owner=settings.max_active_batches_per_owner)
         self.num_requests = 0
         self.keys = Keys(settings.keys_path)
         self.metrics = GatewayMetrics()
@@ -115,10 +115,14 @@ class Gateway:
     async def lifespan(self, app: Starlette):
         await self.door.start()
         self.keys.start()
-        self.batches.resume_all()
+        await self.files.load()
+        await self.batches.load()
+        sweeper = asyncio.create_task(self.files.sweep_every(self.door.settings.file_sweep_interval_s))
         try:
             yield
         finally:
+            sweeper.cancel()
+            await asyncio.gather(sweeper, return_exceptions=True)
             await self.batches.stop()
             await self.keys.stop()
             await self.door.stop()
@@ -130,9 +134,12 @@ class Gateway:
             Route("/v1/models", self.list_models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.get_model, methods=["GET"]),
             Route("/v1/files", self.upload, methods=["POST"]),
+            Route("/v1/files", self.list_files, methods=["GET"]),
             Route("/v1/files/{file_id}", self.get_file, methods=["GET"]),
+            Route("/v1/files/{file_id}", self.delete_file, methods=["DELETE"]),
             Route("/v1/files/{file_id}/content", self.file_content, methods=["GET"]),
             Route("/v1/batches", self.create_batch, methods=["POST"]),
+            Route("/v1/batches", self.list_batches, methods=["GET"]),
             Route("/v1/batches/{batch_id}", self.get_batch, methods=["GET"]),
             Route("/v1/batches/{batch_id}/cancel", self.cancel_batch, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
@@ -230,8 +237,9 @@ class Gateway:
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
-            if size > limit:
-                raise ApiError(413, f"the body exceeds {limit} bytes", code="request_too_large")
+            if size > limit:  # the rest is left unread, so the connection cannot carry another request
+                raise ApiError(413, f"the body exceeds {limit} bytes", code="request_too_large",
+                               headers={"connection": "close"})
             chunks.append(chunk)
         return b"".join(chunks)
 
@@ -358,41 +366,56 @@ class Gateway:
         return JSONResponse(self._model(name))
 
     # -- files and batches ------------------------------------------------------------------------------
-    async def upload(self, request: Request) -> JSONResponse:
-        settings = self.door.settings
+    def _owner(self, request: Request) -> str:
+        """Who the files and batches a request touches belong to: its API key's id (`anonymous` without keys)."""
+        return caller_of(request).owner
+
+    async def upload(self, request: Request) -> Response:
+        limit = self.door.settings.max_upload_bytes
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > settings.max_upload_bytes:
-            raise ApiError(413, f"the upload has {declared} bytes, the limit is {settings.max_upload_bytes}",
-                           code="file_too_large")
+        if declared is not None and declared.isdigit() and int(declared) > limit + FRAMING_BYTES:
+            raise ApiError(413, f"the upload has {declared} bytes, the limit is {limit}", code="file_too_large",
+                           headers={"connection": "close"})
         try:
-            async with request.form(max_part_size=settings.max_upload_bytes) as form:
-                purpose = form.get("purpose")
-                upload = form.get("file")
-                if purpose != "batch":
-                    raise bad_request("purpose must be 'batch' (the only one this gateway serves)", "purpose")
-                if upload is None or isinstance(upload, str):
-                    raise bad_request("file is required (multipart form field `file`)", "file")
-                data = await upload.read()
-                filename = upload.filename or "upload.jsonl"
+            meta = await self.files.upload(request.stream(), request.headers.get("content-type", ""),
+                                           self._owner(request), max_bytes=limit)
         except ClientDisconnect:
             return Response(status_code=499)
-        return JSONResponse(self.files.create(data, filename, purpose))
+        return JSONResponse(meta)
+
+    async def list_files(self, request: Request) -> JSONResponse:
+        query = request.query_params
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise bad_request("order must be 'asc' or 'desc'", "order")
+        return JSONResponse(self.files.list(self._owner(request), purpose=query.get("purpose"),
+                                            after=query.get("after"), order=order,
+                                            limit=int_param(query.get("limit"), "limit", 10_000, 1, 10_000)))
 
     async def get_file(self, request: Request) -> JSONResponse:
-        return JSONResponse(self.files.get(request.path_params["file_id"]))
+        return JSONResponse(self.files.get(request.path_params["file_id"], self._owner(request)))
+
+    async def delete_file(self, request: Request) -> JSONResponse:
+        return JSONResponse(await self.files.delete(request.path_params["file_id"], self._owner(request)))
 
     async def file_content(self, request: Request) -> Response:
-        path = self.files.content_path(request.path_params["file_id"])
-        return FileResponse(path, media_type="application/jsonl")
+        path = self.files.content_path(request.path_params["file_id"], self._owner(request))
+        return FileResponse(path, media_type="application/jsonl")  # read in a thread by Starlette
 
     async def create_batch(self, request: Request) -> JSONResponse:
-        return JSONResponse(self.batches.create(await self._json(request)))
+        tenant = caller_of(request).tenant(request.headers.get("x-tenant"))
+        return JSONResponse(await self.batches.create(await self._json(request), self._owner(request), tenant))
+
+    async def list_batches(self, request: Request) -> JSONResponse:
+        query = request.query_params
+        return JSONResponse(self.batches.list(self._owner(request), after=query.get("after"),
+                                              limit=int_param(query.get("limit"), "limit", 20, 1, 100)))
 
     async def get_batch(self, request: Request) -> JSONResponse:
-        return JSONResponse(self.batches.get(request.path_params["batch_id"]))
+        return JSONResponse(self.batches.get(request.path_params["batch_id"], self._owner(request)))
 
     async def cancel_batch(self, request: Request) -> JSONResponse:
-        return JSONResponse(self.batches.cancel(request.path_params["batch_id"]))
+        return JSONResponse(await self.batches.cancel(request.path_params["batch_id"], self._owner(request)))
 
 
 def _route(path: str) -> str:

@@ -15,7 +15,7 @@ import signal
 import sys
 from pathlib import Path
 
-from gateway.batch_run import AnswerFile, BatchRunner, Progress, Translator
+from gateway.batch_run import AnswerFile, BatchRunner, Progress, Translator, parse_input
 from gateway.door import Door
 from gateway.openai_api import Tiers, load_token_text
 from worker.config import GatewaySettings, KafkaSettings, PathSettings
@@ -105,9 +105,11 @@ async def run_batch(kafka: KafkaSettings, settings: GatewaySettings, args: argpa
         return 2
     translator = Translator(list(settings.models), Tiers(kafka.num_priorities, settings.default_priority),
                             load_token_text(settings.tokenizer, PathSettings().models_dir, settings.models[0]))
-    output_file, error_file = AnswerFile(args.output).open(), AnswerFile(errors).open()
+    output_file = await asyncio.to_thread(AnswerFile(args.output).open)
+    error_file = await asyncio.to_thread(AnswerFile(errors).open)
+    parsed = await asyncio.to_thread(lambda: parse_input(args.input.read_bytes()))
     bar = ProgressBar(args.quiet)
-    runner = BatchRunner(door.client, translator, args.input.read_bytes(), output_file, error_file,
+    runner = BatchRunner(door.client, translator, parsed, output_file, error_file,
                          priority=priority, concurrency=args.concurrency or settings.batch_concurrency,
                          on_progress=bar, refusal=door.refusal)
     loop = asyncio.get_running_loop()
@@ -127,8 +129,8 @@ async def run_batch(kafka: KafkaSettings, settings: GatewaySettings, args: argpa
         finally:
             await door.stop()
     finally:
-        output_file.close()
-        error_file.close()
+        await output_file.close()
+        await error_file.close()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
     bar.end()

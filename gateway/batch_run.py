@@ -8,9 +8,10 @@ be served never reaches Kafka.
 
 The two files are the state: a run first reads them, cuts a last line that a crash left half-written, and sends
 only the `custom_id`s that have no answer yet; an answer is written once (a redelivered or late answer to an id
-already written is dropped). Lines are appended and flushed as answers come, so a kill loses at most the
-requests in flight, which the next run sends again. Requests go at the least urgent priority by default, wait
-(not fail) while the workers report that priority shed or paused, and are sent again when a worker sheds one.
+already written is dropped). Lines are appended as answers come (from a thread, off the event loop), so a
+kill loses at most the requests in flight and the few answers not yet written, which the next run sends
+again. Requests go at the least urgent priority by default, wait (not fail) while the workers report that
+priority shed or paused, and are sent again when a worker sheds one.
 """
 
 from __future__ import annotations
@@ -50,7 +51,10 @@ def answer_key(custom_id: str | None, number: int) -> str:
     return custom_id if custom_id is not None else f"#line{number}"
 
 
-def parse_input(data: bytes, endpoint: str | None = None) -> tuple[list[BatchLine], list[tuple[str, dict]]]:
+ParsedInput = tuple[list[BatchLine], list[tuple[str, dict]]]
+
+
+def parse_input(data: bytes, endpoint: str | None = None) -> ParsedInput:
     """(the requests, (key, error line) for each line that is not one). Blank lines are skipped."""
     lines: list[BatchLine] = []
     errors: list[tuple[str, dict]] = []
@@ -88,13 +92,20 @@ def parse_input(data: bytes, endpoint: str | None = None) -> tuple[list[BatchLin
 
 
 class AnswerFile:
-    """An append-only JSONL file of answers, keyed by custom_id (or #line<n>)."""
+    """An append-only JSONL file of answers, keyed by custom_id (or #line<n>).
+
+    `open` reads the file (run it in a thread); `write` decides at once whether an answer is new and queues
+    it, and one writer task appends what is queued from a thread, so the event loop never waits on the disk.
+    A kill loses at most the queued lines, whose requests the next run sends again."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.keys: set[str] = set()
         self.num_lines = 0
         self._file = None
+        self._queued: list[bytes] = []
+        self._writer: asyncio.Task | None = None
+        self._failure: BaseException | None = None
 
     def open(self) -> "AnswerFile":
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -116,21 +127,51 @@ class AnswerFile:
         return self
 
     def write(self, key: str, line: dict) -> bool:
-        """Append the answer unless one is there already; True if written."""
+        """Queue the answer unless one is there already; True if queued. Called on the event loop."""
+        if self._failure is not None:
+            raise OSError(f"cannot write {self.path}: {self._failure!r}")
         if key in self.keys:
             return False
         self.keys.add(key)
-        self._file.write(msgspec.json.encode(line) + b"\n")
-        self._file.flush()
+        self._queued.append(msgspec.json.encode(line) + b"\n")
         self.num_lines += 1
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.get_running_loop().create_task(self._write_queued())
         return True
 
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self._file.close()
-            self._file = None
+    async def _write_queued(self) -> None:
+        try:
+            while self._queued:
+                lines, self._queued = self._queued, []
+                await asyncio.to_thread(self._append, lines)
+        except Exception as exc:  # noqa: BLE001 - kept for the next write and close, which raise it
+            log.error("cannot write %s: %r", self.path, exc)
+            self._failure = exc
+
+    def _append(self, lines: list[bytes]) -> None:
+        self._file.writelines(lines)
+        self._file.flush()
+
+    async def drain(self) -> None:
+        """Returns once every queued answer is in the file."""
+        while self._writer is not None and not self._writer.done():
+            await asyncio.shield(self._writer)
+        if self._failure is not None:
+            raise OSError(f"cannot write {self.path}: {self._failure!r}")
+
+    async def close(self) -> None:
+        try:
+            await self.drain()
+        finally:
+            if self._file is not None:
+                await asyncio.to_thread(self._sync_and_close, self._file)
+                self._file = None
+
+    @staticmethod
+    def _sync_and_close(file) -> None:
+        file.flush()
+        os.fsync(file.fileno())
+        file.close()
 
 
 @dataclass(slots=True)
@@ -172,22 +213,24 @@ class Translator:
 
 
 class BatchRunner:
-    def __init__(self, client: LLMClient, translator: Translator, input_data: bytes, output: AnswerFile,
-                 errors: AnswerFile, *, priority: int, concurrency: int, endpoint: str | None = None,
+    def __init__(self, client: LLMClient, translator: Translator, parsed: ParsedInput, output: AnswerFile,
+                 errors: AnswerFile, *, priority: int, concurrency: int,
                  on_progress: Callable[[Progress], None] = lambda progress: None,
                  refusal: Callable[[int], tuple[str, int] | None] = lambda priority: None,
-                 wait_s: float = 24 * 3600.0) -> None:
-        """refusal(priority): (why, seconds to wait) while the workers report the priority shed or paused;
-        wait_s: how long one request may wait for its answer (a batch's requests queue behind everything)."""
+                 wait_s: float = 24 * 3600.0, tenant: str | None = None) -> None:
+        """parsed: parse_input's answer (a large file takes a while: run it in a thread); refusal(priority):
+        (why, seconds to wait) while the workers report the priority shed or paused; wait_s: how long one
+        request may wait for its answer (a batch's requests queue behind everything)."""
         self.client = client
         self.translator = translator
-        self.lines, self.bad_lines = parse_input(input_data, endpoint)
+        self.lines, self.bad_lines = parsed
         self.output, self.errors = output, errors
         self.priority = priority
         self.concurrency = concurrency
         self.on_progress = on_progress
         self.refusal = refusal
         self.wait_s = wait_s
+        self.tenant = tenant
         self.run_tag = f"b{uuid.uuid4().hex[:10]}"
         self.progress = Progress(total=len(self.lines) + len(self.bad_lines))
         self._cancelled = False
@@ -211,9 +254,12 @@ class BatchRunner:
                 if self._cancelled:
                     slots.release()
                     break
-                task = asyncio.create_task(self._serve(line, slots))
+                task = asyncio.create_task(self._serve(line))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+                # Not in _serve's finally: a task cancelled before its first step never runs that, and its
+                # slot would be lost with the loop above waiting for it.
+                task.add_done_callback(lambda _: slots.release())
             if self._tasks:
                 await asyncio.gather(*list(self._tasks), return_exceptions=True)
         finally:
@@ -229,13 +275,13 @@ class BatchRunner:
         for task in list(self._tasks):
             task.cancel()
 
-    async def _serve(self, line: BatchLine, slots: asyncio.Semaphore) -> None:
+    async def _serve(self, line: BatchLine) -> None:
         try:
             for send in range(MAX_SENDS):
                 request_id = f"{self.run_tag}-{line.number}-{send}"
                 try:
                     request, priority, options = to_request(line.body, line.url, request_id, self.translator.models,
-                                                            self.translator.tiers)
+                                                            self.translator.tiers, tenant=self.tenant)
                 except ApiError as error:
                     self._fail(line, request_id, error)
                     return
@@ -266,7 +312,6 @@ class BatchRunner:
         except ClientError as exc:
             self._fail(line, f"{self.run_tag}-{line.number}", ApiError(500, str(exc), "server_error"))
         finally:
-            slots.release()
             self.on_progress(self.progress)
 
     def _fail(self, line: BatchLine, request_id: str, error: ApiError) -> None:

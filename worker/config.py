@@ -454,7 +454,16 @@ class GatewaySettings(BaseSettings):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1)
     """Largest request body; above it 413."""
     max_upload_bytes: int = Field(200 * 1024 * 1024, ge=1)
-    """Largest batch input file (`POST /v1/files`)."""
+    """Largest batch input file (`POST /v1/files`), counted as it streams, chunked or not: past it (plus 64 KiB
+    of multipart framing) 413 at once, the rest unread, the connection closed."""
+    max_files_per_owner: int = Field(100, ge=1)
+    """Most files one owner keeps (uploads and batch output files, until deleted or expired); an upload past it
+    gets 429. A batch's output files are always kept."""
+    max_active_batches_per_owner: int = Field(10, ge=1)
+    """Most batches of one owner not yet ended (validating, in progress, finalizing, cancelling); another gets
+    429."""
+    file_sweep_interval_s: float = Field(60.0, gt=0)
+    """How often expired files are deleted from disk (an expired file answers 404 at once)."""
     max_batch_lines: int = Field(50_000, ge=1)
     """Most requests in one batch file."""
     batch_concurrency: int = Field(256, ge=1)

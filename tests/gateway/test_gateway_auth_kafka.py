@@ -255,3 +255,31 @@ async def test_reply_topics_of_crashed_random_instances_expire_and_others_stay(d
         assert (await chat(sdk(live, key))).choices
     finally:
         await admin.close()
+
+
+async def test_a_keys_batch_is_its_own_and_runs_as_its_tenant(door):
+    import io
+    import json
+
+    kafka, ring, gateway = door
+    _, key = ring.add("batcher", most_urgent=2)
+    _, other = ring.add("someone-else")
+    await wait_reloaded(gateway, ring)
+    client = sdk(gateway, key)
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": MODEL, "messages": [{"role": "user", "content": f"line {i}"}], "max_tokens": 2}}
+             for i in range(3)]
+    upload = await client.files.create(file=("in.jsonl", io.BytesIO(
+        "\n".join(json.dumps(line) for line in lines).encode())), purpose="batch")
+    batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                        completion_window="24h")
+    for call in (sdk(gateway, other).files.retrieve(upload.id), sdk(gateway, other).batches.retrieve(batch.id)):
+        with pytest.raises(openai.NotFoundError):
+            await call
+    async with asyncio.timeout(60):
+        while (batch := await client.batches.retrieve(batch.id)).status != "completed":
+            await asyncio.sleep(0.2)
+    output = (await client.files.content(batch.output_file_id)).text
+    ids = {json.loads(line)["response"]["request_id"] for line in output.splitlines()}
+    usage = await usage_of(kafka, ids)
+    assert {usage[i].tenant for i in ids} == {"batcher"} and len(ids) == 3

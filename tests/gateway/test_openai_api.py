@@ -121,15 +121,17 @@ def test_batch_input_keeps_good_lines_and_answers_bad_ones():
     assert errors[0][0] == "x"
 
 
-def test_answer_file_resumes_cuts_a_half_line_and_never_writes_twice(tmp_path):
+async def test_answer_file_resumes_cuts_a_half_line_and_never_writes_twice(tmp_path):
     path = tmp_path / "out.jsonl"
     answers = AnswerFile(path).open()
     assert answers.write("a", {"custom_id": "a"}) and not answers.write("a", {"custom_id": "a"})
-    answers.close()
+    await answers.close()
     with open(path, "ab") as f:
         f.write(b'{"custom_id": "b", "resp')  # a kill in the middle of a line
     again = AnswerFile(path).open()
     assert again.keys == {"a"} and again.num_lines == 1
     assert again.write("b", {"custom_id": "b"}) and not again.write("a", {"custom_id": "a"})
-    again.close()
+    await again.drain()
+    assert [json.loads(x)["custom_id"] for x in path.read_text().splitlines()] == ["a", "b"]
+    await again.close()
     assert [json.loads(x)["custom_id"] for x in path.read_text().splitlines()] == ["a", "b"]
