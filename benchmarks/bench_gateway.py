@@ -301,7 +301,8 @@ async def keys_phase(kafka: KafkaSettings, tmp: Path, open_url: str, pids: dict,
     key = made[57][1]
     keyed, keyed_url = await start_gateway(kafka, tmp, "gateway-keyed", *args.gateway_args.split(),
                                            GATEWAY_DATA_DIR=str(keyed_dir))
-    runs: dict[str, dict[str, list[float]]] = {"open": {"rps": [], "ttft": []}, "keyed": {"rps": [], "ttft": []}}
+    runs: dict[str, dict[str, list[float]]] = {name: {"rps": [], "cpu_ms": [], "ttft": []}
+                                               for name in ("open", "keyed")}
     try:
         sides = {"open": (open_url, None, pids), "keyed": (keyed_url, key, dict(pids, gateway=keyed.pid))}
         async with httpx.AsyncClient(timeout=60) as http:
@@ -313,15 +314,22 @@ async def keys_phase(kafka: KafkaSettings, tmp: Path, open_url: str, pids: dict,
                     out = await throughput_phase(url, args.concurrency, args.duration_s, side_pids, "raw",
                                                  warmup_s=2.0, api_key=api_key)
                     runs[name]["rps"].append(out["streamed_req_per_s"])
-                    runs[name]["ttft"].append(statistics.median(
-                        [await gateway_ttft(http, url, j, api_key) for j in range(args.ttft_requests)]) * 1000)
+                    runs[name]["cpu_ms"].append(out["gateway_cpu_ms_per_req"])
+            # TTFT one request at a time, the two gateways in turn, so that drift hits both alike.
+            for j in range(args.ttft_requests):
+                for name in (("open", "keyed") if j % 2 == 0 else ("keyed", "open")):
+                    url, api_key, _ = sides[name]
+                    runs[name]["ttft"].append(await gateway_ttft(http, url, j, api_key) * 1000)
     finally:
         keyed.send_signal(signal.SIGTERM)
         await keyed.wait()
     med = {name: {k: statistics.median(v) for k, v in run.items()} for name, run in runs.items()}
-    return {"rounds": args.keys_rounds, "per_round": runs,
+    return {"rounds": args.keys_rounds, "ttft_pairs": args.ttft_requests,
+            "per_round": {name: {k: v for k, v in run.items() if k != "ttft"} for name, run in runs.items()},
             "open_req_per_s": round(med["open"]["rps"], 1), "keyed_req_per_s": round(med["keyed"]["rps"], 1),
             "keyed_over_open_req_per_s": round(med["keyed"]["rps"] / med["open"]["rps"], 3),
+            "open_gateway_cpu_ms_per_req": med["open"]["cpu_ms"],
+            "keyed_gateway_cpu_ms_per_req": med["keyed"]["cpu_ms"],
             "open_ttft_p50_ms": round(med["open"]["ttft"], 2), "keyed_ttft_p50_ms": round(med["keyed"]["ttft"], 2),
             "ttft_p50_added_ms": round(med["keyed"]["ttft"] - med["open"]["ttft"], 2)}
 
@@ -524,7 +532,7 @@ async def main(args) -> dict:
     phases = set(args.phases.split(","))
     try:
         result = {"loadavg_before": Path("/proc/loadavg").read_text().split()[:3], "cpus": os.cpu_count()}
-        if phases & {"ttft", "throughput", "batch"}:
+        if phases & {"ttft", "throughput", "batch", "keys"}:
             kafka = settings(bootstrap)
             await ensure_topics(kafka)
             worker = await spawn(kafka, tmp / "worker.log", "serve", "--engine", "instant")
