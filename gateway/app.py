@@ -175,6 +175,8 @@ class Gateway:
             try:
                 response = await self._generate(Request(scope, receive, send), endpoint)
             except ApiError as error:
+                if error.status == 403:  # a key asking for what it may not have: worth a line, by key id
+                    log.warning("API key %s refused: %s", caller.label, error.message)
                 response = error_response(error)
             except Exception as exc:  # noqa: BLE001 - every answer in OpenAI's shape, never a bare 500
                 response = error_response(self._unexpected(exc))
