@@ -48,7 +48,7 @@ import httpx2 as httpx
 
 from benchmarks.bench_plumbing import process_cpu_s
 from benchmarks.broker_target import start_broker
-from producer_examples.client import BackoffPolicy, LLMClient
+from llm_client import BackoffPolicy, LLMClient
 from schemas.request import ChatMessage, GenerationRequest
 from worker.broker.local import free_ports
 from worker.broker.topics import ensure_topics

@@ -52,9 +52,9 @@ from benchmarks.overload_stats import (
 )
 from benchmarks.results_store import raw_dir, write_results
 from benchmarks.settings import cpu_model, set_threads
-from producer_examples.client import BackoffPolicy, LLMClient
-from producer_examples.loadgen import make_prompt
-from producer_examples.loadstats import poisson_gaps
+from llm_client import BackoffPolicy, LLMClient
+from llm_client.commands.loadgen import make_prompt
+from llm_client.commands.loadstats import poisson_gaps
 from schemas.priority import priority_of_partition
 from schemas.request import GenerationRequest, SamplingSpec
 from schemas.result import FinalRecord, StreamChunk

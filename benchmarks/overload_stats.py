@@ -13,7 +13,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from producer_examples.loadstats import percentile
+from llm_client.commands.loadstats import percentile
 
 IN_TIME, LATE, MISSING = "completed_in_time", "completed_late", "missing"
 

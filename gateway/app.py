@@ -34,7 +34,7 @@ from gateway.openai_api import (CHAT, COMPLETIONS, ApiError, Options, Tiers, Tok
                                 completion_body, delta_choice, final_error, now_s, to_request)
 from aiokafka.errors import KafkaError
 
-from producer_examples.client import ClientError, Delta, RequestHandle, RequestTimeout
+from llm_client import ClientError, Delta, RequestHandle, RequestTimeout
 from schemas.result import FinalRecord
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from gateway.batch_run import AnswerFile, BatchRunner, Translator, parse_input
 from gateway.files import (ANONYMOUS, DEFAULT_EXPIRY_S, FileStore, expiry_seconds, not_found, page, public,
                            quota_exceeded, sort_key, write_json)
 from gateway.openai_api import ENDPOINTS, ApiError, bad_request
-from producer_examples.client import LLMClient
+from llm_client import LLMClient
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import msgspec
 
 from gateway.openai_api import ENDPOINTS, ApiError, Tiers, TokenText, completion_body, final_error, now_s, to_request
-from producer_examples.client import ClientError, LLMClient
+from llm_client import ClientError, LLMClient
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The gateway's one Kafka client: its own reply topic, the status board (429 before anything is produced), and
-request submission. Built on the Python client (producer_examples/client.py), as any producer would be; it never
+request submission. Built on the Python client (the llm_client package), as any producer would be; it never
 imports the worker's engine.
 
 Answers are routed by topic, not filtered by id: each gateway instance creates a reply topic of its own,
@@ -30,7 +30,7 @@ from aiokafka.structs import OffsetAndMetadata
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError, for_code
 
-from producer_examples.client import BackoffPolicy, LLMClient, RequestHandle
+from llm_client import BackoffPolicy, LLMClient, RequestHandle
 from schemas.request import GenerationRequest
 from worker.config import GatewaySettings, KafkaSettings
 

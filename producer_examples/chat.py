@@ -13,8 +13,8 @@ import asyncio
 import sys
 import uuid
 
-from producer_examples.client import LLMClient, RequestTimeout
-from producer_examples.generate import stream_to, summary_line
+from llm_client import LLMClient, RequestTimeout
+from llm_client.commands.generate import stream_to, summary_line
 from schemas.request import ChatMessage, GenerationRequest, SamplingSpec
 from worker.config import KafkaSettings
 

@@ -190,7 +190,7 @@ def test_the_worker_never_names_its_clients():
     """No import of the client side from worker/, and no module name of it in a string either (an importlib
     call is an import all the same): client commands reach `llm-worker` through the `llm_worker.commands`
     entry points that pyproject.toml declares."""
-    clients = ("producer_examples", "gateway")
+    clients = ("llm_client", "producer_examples", "gateway")
     found = violations(modules_under("worker"), clients)
     for name, path in source_files().items():
         if not is_under(name, "worker"):
@@ -199,7 +199,8 @@ def test_the_worker_never_names_its_clients():
             # A dotted module path ("gateway.cli"), or the client package's own name; a folder called "gateway"
             # (the gateway's data directory) is no import.
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and (
-                    node.value == "producer_examples" or any(node.value.startswith(c + ".") for c in clients)):
+                    node.value in ("llm_client", "producer_examples")
+                    or any(node.value.startswith(c + ".") for c in clients)):
                 found.append(f"{name}: {node.value!r}")
     assert found == []
 
@@ -213,3 +214,17 @@ def test_every_client_command_is_registered_as_an_entry_point():
         path = ROOT / (module.replace(".", "/") + ".py")
         source = path.read_text()
         assert "def configure_parser(" in source and "def run(" in source and "\nHELP = " in source, name
+
+
+def test_the_client_package_imports_without_the_workers_engine():
+    """`import llm_client` (and the gateway built on it) in a fresh interpreter loads no torch, transformers or
+    engine module: a producer installs the client, not a model runtime."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, llm_client, gateway.app; "
+             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'triton') "
+             "or m.startswith(('worker.engine', 'worker.model', 'worker.transport', 'kernels'))); print(bad)")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

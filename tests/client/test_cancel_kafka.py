@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from producer_examples.client import LLMClient
+from llm_client import LLMClient
 from schemas.decode import decode_control
 from schemas.request import GenerationRequest, SamplingSpec
 from tests.client.helpers import instant_text, new_id, read_topic

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from producer_examples import loadgen
+from llm_client.commands import loadgen
 from schemas.decode import decode_request
 from schemas.request import ChatMessage, GenerationRequest
 from tests.client.helpers import instant_text, read_topic

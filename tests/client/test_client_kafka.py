@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from producer_examples.client import BackoffPolicy, ClientError, LLMClient, RequestTimeout, StreamGap
+from llm_client import BackoffPolicy, ClientError, LLMClient, RequestTimeout, StreamGap
 from schemas.decode import decode_request
 from schemas.priority import partition_for, partitions_for_priority
 from schemas.request import ChatMessage, GenerationRequest

@@ -10,10 +10,10 @@ import random
 
 import pytest
 
-from producer_examples import generate
-from producer_examples.backoff import BackoffPolicy, StatusBoard, wait_while_congested
-from producer_examples.demo_view import LoadWatch, PrefixedLines, outcome_table, shedding_check
-from producer_examples.handle import RequestHandle, RequestTimeout
+from llm_client.commands import generate
+from llm_client.backoff import BackoffPolicy, StatusBoard, wait_while_congested
+from llm_client.commands.demo_view import LoadWatch, PrefixedLines, outcome_table, shedding_check
+from llm_client import RequestHandle, RequestTimeout
 from schemas.result import FinalRecord, StreamChunk
 from schemas.status import PriorityStatus, WorkerStatus
 
@@ -91,7 +91,7 @@ async def test_handle_follows_each_completion_and_ends_at_the_request_level_fina
 
 
 async def test_a_missing_chunk_of_one_completion_is_a_gap():
-    from producer_examples.handle import StreamGap
+    from llm_client import StreamGap
     handle = RequestHandle("r", 0, 0, timeout_s=5, on_close=lambda _: None)
     handle.feed(StreamChunk(id="r", seq=0, index=0, text="a"))
     handle.feed(StreamChunk(id="r", seq=1, index=1, text="?"))  # index 1's seq 0 is missing
@@ -189,7 +189,7 @@ def test_the_client_imports_neither_torch_nor_the_engine():
     import subprocess
     import sys
 
-    code = ("import sys, producer_examples.client, producer_examples.generate, producer_examples.loadgen; "
+    code = ("import sys, llm_client.client, llm_client.commands.generate, llm_client.commands.loadgen; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or m.startswith('worker.engine')))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"

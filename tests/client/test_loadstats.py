@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from producer_examples.loadstats import (
+from llm_client.commands.loadstats import (
     LengthDist, format_table, parse_deadlines, parse_priority_mix, percentile, poisson_gaps, summarize,
 )
 

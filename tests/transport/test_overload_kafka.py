@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from producer_examples.client import BackoffPolicy, LLMClient
+from llm_client import BackoffPolicy, LLMClient
 from schemas.request import GenerationRequest
 from worker.engine.dynamic import DynamicEngine
 from worker.engine.instant import InstantEngine

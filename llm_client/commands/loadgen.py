@@ -21,8 +21,8 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from producer_examples.client import BackoffPolicy, LLMClient, RequestTimeout
-from producer_examples.loadstats import (
+from llm_client import BackoffPolicy, LLMClient, RequestTimeout
+from llm_client.commands.loadstats import (
     LengthDist, format_table, parse_deadlines, parse_priority_mix, poisson_gaps, summarize,
 )
 from schemas.request import GenerationRequest

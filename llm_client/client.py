@@ -37,8 +37,8 @@ from schemas.priority import partition_for
 from schemas.request import GenerationRequest
 from schemas.status import WorkerStatus
 from worker.config import KafkaSettings
-from producer_examples.backoff import BackoffPolicy, StatusBoard, wait_while_congested
-from producer_examples.handle import ClientError, Delta, RequestHandle, RequestTimeout, StreamGap, wait_event
+from llm_client.backoff import BackoffPolicy, StatusBoard, wait_while_congested
+from llm_client.handle import ClientError, Delta, RequestHandle, RequestTimeout, StreamGap, wait_event
 
 log = logging.getLogger(__name__)
 

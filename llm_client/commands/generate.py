@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import msgspec
 from aiokafka.errors import KafkaError
 
-from producer_examples.client import BackoffPolicy, ClientError, LLMClient, RequestHandle, RequestTimeout, StreamGap
+from llm_client import BackoffPolicy, ClientError, LLMClient, RequestHandle, RequestTimeout, StreamGap
 from schemas.decode import encode
 from schemas.request import ChatMessage, GenerationRequest, JsonSchemaFormat, JsonSchemaSpec, SamplingSpec
 from schemas.result import FinalRecord

@@ -22,9 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-from producer_examples.client import BackoffPolicy, LLMClient, RequestTimeout
-from producer_examples.demo_view import LoadWatch, PrefixedLines, outcome_table, say, shedding_check
-from producer_examples.generate import summary_line
+from llm_client import BackoffPolicy, LLMClient, RequestTimeout
+from llm_client.commands.demo_view import LoadWatch, PrefixedLines, outcome_table, say, shedding_check
+from llm_client.commands.generate import summary_line
 from schemas.request import ChatMessage, GenerationRequest
 from worker.config import KafkaSettings, PathSettings
 
