@@ -282,8 +282,8 @@ async def compare(args, broker, engine_settings: EngineSettings, ordinary: list[
                   out: dict) -> dict:
     """An uncounted warm-up; then --rounds times: alone, and mixed for each of --formats x --passes; then alone
     once more (module docstring). Each mixed run's ratio is taken against the alone runs either side of it."""
-    import worker.model.grammar as grammar
-    import worker.model.grammar_judge as grammar_judge
+    import worker.model.structured.grammar as grammar
+    import worker.model.structured.judge as grammar_judge
 
     ordinary_ids = [r.id for r in ordinary]
     default_judges, default_share = grammar.JUDGE_PROCESSES, grammar_judge.JUDGE_BUSY_SHARE

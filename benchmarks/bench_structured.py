@@ -67,8 +67,8 @@ class Llguidance:
         self.executor = llguidance.LLExecutor(num_threads=1)
 
     def compile(self, schema: dict):
-        # As the engine does (worker/model/grammar.py): a pristine matcher, copied for each request.
-        from worker.model.grammar import JSON_OPTIONS
+        # As the engine does (worker/model/structured/grammar.py): a pristine matcher, copied for each request.
+        from worker.model.structured.compile import JSON_OPTIONS
 
         grammar = self.lib.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
         matcher = self.lib.LLMatcher(self.tokenizer, grammar, log_level=0)

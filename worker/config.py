@@ -190,7 +190,7 @@ class EngineSettings(BaseSettings):
     """Structured output: the compile budget of a response_format's grammar. The first pass, on a niced thread
     under cut limits (never inside a step), settles nearly every grammar in milliseconds and may take this long,
     wall-clock, the first-mask probe included. A grammar refused there on a cut limit goes to a judge process
-    at idle priority (worker/model/grammar_judge.py), which may spend this many CPU seconds under the full
+    at idle priority (worker/model/structured/judge.py), which may spend this many CPU seconds under the full
     limits, or 10 times it in wall time since it was sent. Past either the request ends with invalid_request
     naming this limit, and the same format is refused at once from then on."""
     grammar_compile_threads: int = Field(2, ge=1, le=16)

@@ -13,10 +13,26 @@ import asyncio
 import shlex
 import ssl
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from worker.config import KafkaSettings
+from pydantic import SecretStr
+
+
+class KafkaSecurity(Protocol):
+    """The security fields this module reads (KafkaSettings has them): named here so that the settings
+    module may call this one without this one importing it back."""
+
+    security_protocol: str
+    sasl_mechanism: str | None
+    sasl_username: str | None
+    sasl_password: SecretStr | None
+    sasl_oauth_token_file: str | None
+    sasl_oauth_token_command: str | None
+    ssl_cafile: str | None
+    ssl_certfile: str | None
+    ssl_keyfile: str | None
+    ssl_key_password: SecretStr | None
+    ssl_check_hostname: bool
 
 TLS_PROTOCOLS = ("SSL", "SASL_SSL")
 SASL_PROTOCOLS = ("SASL_PLAINTEXT", "SASL_SSL")
@@ -27,7 +43,7 @@ class SecuritySettingsError(ValueError):
     """Security settings that cannot work together (raised while the settings are validated)."""
 
 
-def check_security(kafka: "KafkaSettings") -> None:
+def check_security(kafka: KafkaSecurity) -> None:
     """Refuse combinations that would only fail later, at the broker, with a vaguer message."""
     protocol, mechanism = kafka.security_protocol, kafka.sasl_mechanism
     if protocol in SASL_PROTOCOLS and not mechanism:
@@ -50,7 +66,7 @@ def check_security(kafka: "KafkaSettings") -> None:
         raise SecuritySettingsError("KAFKA_SSL_KEYFILE needs KAFKA_SSL_CERTFILE")
 
 
-def security_kwargs(kafka: "KafkaSettings") -> dict:
+def security_kwargs(kafka: KafkaSecurity) -> dict:
     kwargs: dict = {"security_protocol": kafka.security_protocol}
     if kafka.security_protocol in SASL_PROTOCOLS:
         kwargs["sasl_mechanism"] = kafka.sasl_mechanism
@@ -68,7 +84,7 @@ def security_kwargs(kafka: "KafkaSettings") -> dict:
     return kwargs
 
 
-def ssl_context(kafka: "KafkaSettings") -> ssl.SSLContext:
+def ssl_context(kafka: KafkaSecurity) -> ssl.SSLContext:
     """Verifies the broker against ssl_cafile (or the system's CAs), its name unless ssl_check_hostname is off,
     and presents ssl_certfile when set. Unreadable files fail here, naming the setting."""
     context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
@@ -97,7 +113,7 @@ def _reason(exc: BaseException) -> str:
     return getattr(exc, "strerror", None) or getattr(exc, "reason", None) or type(exc).__name__
 
 
-def token_provider(kafka: "KafkaSettings"):
+def token_provider(kafka: KafkaSecurity):
     from aiokafka.abc import AbstractTokenProvider
 
     class TokenProvider(AbstractTokenProvider):

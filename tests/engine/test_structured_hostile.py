@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 
 from worker.engine.api import EngineRequest, SamplingParams, StructuredOutput
 from worker.engine.engine import LLMEngine
-from worker.model.structured_output import StructuredOutputManager
-from worker.model.grammar import GrammarLimits
+from worker.model.structured.manager import StructuredOutputManager
+from worker.model.structured.compile import GrammarLimits
 
 from tests.engine.test_structured_output import tiny_engine
 
@@ -202,10 +202,11 @@ def spin(release: threading.Event) -> None:
 def test_a_compile_starved_of_cpu_is_refused_for_a_while_only(tiny_model_path: Path, monkeypatch):
     # The budget counts the compile's CPU: one that gets none (a machine busy with other work) is refused after
     # WALL_FACTOR budgets of wall time with a message that says so, and the same spec is compiled again later.
-    import worker.model.grammar as grammar
+    import worker.model.structured.grammar as grammar
     from transformers import AutoTokenizer
 
     monkeypatch.setattr(grammar, "WALL_FACTOR", 3)
+    monkeypatch.setattr("worker.model.structured.compile.WALL_FACTOR", 3)
     manager = StructuredOutputManager(AutoTokenizer.from_pretrained(tiny_model_path), 49152, (EOS,),
                                       GrammarLimits(compile_timeout_s=0.1))
     release = threading.Event()

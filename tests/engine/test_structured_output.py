@@ -19,7 +19,7 @@ from benchmarks.structured_schemas import PROMPTS, SCHEMAS
 from worker.config import EngineSettings
 from worker.engine.api import EngineRequest, SamplingParams, StructuredOutput
 from worker.engine.engine import LLMEngine
-from worker.model.structured_output import GRAMMAR_POLL_S
+from worker.model.structured.manager import GRAMMAR_POLL_S
 
 
 def tiny_engine(model: Path, num_kv_blocks: int = 160, grammar_compile_timeout_s: float = 60.0) -> LLMEngine:
@@ -163,10 +163,9 @@ def test_smollm2_50_requests_over_5_schemas_all_validate(smollm2_path: Path):
 
 
 def test_closing_the_engine_stops_its_grammar_judges(tiny_model_path: Path, monkeypatch):
-    import worker.model.grammar as grammar
     from tests.model.test_grammar import judges_gone
 
-    monkeypatch.setattr(grammar, "QUICK_LEXER_FUEL", 500)  # so an ordinary enum goes to a judge
+    monkeypatch.setattr("worker.model.structured.compile.QUICK_LEXER_FUEL", 500)  # so an ordinary enum goes to a judge
     engine = tiny_engine(tiny_model_path)
     spec = json.dumps({"enum": [f"v{i}" for i in range(300)]})
     request = EngineRequest("enum", prompt_token_ids=[5, 6, 7], sampling=SamplingParams(

@@ -1,5 +1,5 @@
-"""The grammar compiler (worker/model/grammar.py): compiled once per distinct spec, off the caller's thread, errors
-kept as values with llguidance's message; matchers advance independently; bitmasks match the grammar."""
+"""The grammar compiler (worker/model/structured/grammar.py): compiled once per distinct spec, off the caller's
+thread, errors kept as values with llguidance's message; matchers advance independently; bitmasks match the grammar."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from worker import memory
-from worker.model.grammar import GrammarCompiler, GrammarError, GrammarLimits
+from worker.model.structured.grammar import GrammarCompiler, GrammarError, GrammarLimits
 
 VOCAB = 49152
 EOS = 2
@@ -316,9 +316,9 @@ def test_a_refusal_on_a_cut_limit_is_judged_in_a_process_at_the_full_limits(pati
 
 
 def test_a_grammar_the_judge_passes_is_built_here_at_the_full_limits(tokenizer, monkeypatch):
-    import worker.model.grammar as grammar
 
-    monkeypatch.setattr(grammar, "QUICK_LEXER_FUEL", 500)  # so an ordinary enum is past the first pass
+    # So that an ordinary enum is past the first pass.
+    monkeypatch.setattr("worker.model.structured.compile.QUICK_LEXER_FUEL", 500)
     compiler = GrammarCompiler(tokenizer, VOCAB, (EOS,), limits=GrammarLimits(compile_timeout_s=60))
     try:
         result = compiled(compiler, "json_schema", json.dumps({"enum": [f"v{i}" for i in range(300)]}))
@@ -330,10 +330,9 @@ def test_a_grammar_the_judge_passes_is_built_here_at_the_full_limits(tokenizer, 
 
 
 def test_a_judge_past_the_cpu_budget_is_killed_and_the_next_grammar_gets_a_fresh_one(tokenizer, monkeypatch):
-    import worker.model.grammar as grammar
-    import worker.model.grammar_judge as grammar_judge
+    import worker.model.structured.judge as grammar_judge
 
-    monkeypatch.setattr(grammar, "QUICK_LEXER_FUEL", 500)
+    monkeypatch.setattr("worker.model.structured.compile.QUICK_LEXER_FUEL", 500)
     monkeypatch.setattr(grammar_judge, "JUDGE_WALL_FACTOR", 1000)  # the CPU budget, not the wall time, decides
     # About a second of CPU at the default lexer fuel; the first pass (500) refuses it in microseconds.
     compiler = GrammarCompiler(tokenizer, VOCAB, (EOS,), limits=GrammarLimits(compile_timeout_s=0.1),
@@ -367,10 +366,9 @@ def test_the_cache_keeps_a_digest_of_each_spec_not_the_spec(compiler):
 
 
 def test_a_grammar_that_waited_past_its_wall_time_for_a_judge_is_refused(tokenizer, monkeypatch):
-    import worker.model.grammar as grammar
-    import worker.model.grammar_judge as grammar_judge
+    import worker.model.structured.judge as grammar_judge
 
-    monkeypatch.setattr(grammar, "QUICK_LEXER_FUEL", 500)
+    monkeypatch.setattr("worker.model.structured.compile.QUICK_LEXER_FUEL", 500)
     monkeypatch.setattr(grammar_judge, "JUDGE_WALL_FACTOR", 0)  # every grammar is past its time when taken
     compiler = GrammarCompiler(tokenizer, VOCAB, (EOS,), limits=GrammarLimits(compile_timeout_s=60))
     try:
@@ -395,9 +393,8 @@ def judges_gone(pids: list[int], timeout: float = 10.0) -> bool:
 
 def test_closing_the_compiler_stops_its_judges_at_once(tokenizer, monkeypatch):
     # A judge holds about 100 MB; it must not outlive the compiler (an engine's close closes it).
-    import worker.model.grammar as grammar
 
-    monkeypatch.setattr(grammar, "QUICK_LEXER_FUEL", 500)
+    monkeypatch.setattr("worker.model.structured.compile.QUICK_LEXER_FUEL", 500)
     compiler = GrammarCompiler(tokenizer, VOCAB, (EOS,), limits=GrammarLimits(compile_timeout_s=60))
     assert compiled(compiler, "json_schema", json.dumps({"enum": [f"v{i}" for i in range(300)]})).error is None
     pids = compiler._judges.pids
@@ -412,9 +409,8 @@ def test_closing_the_compiler_stops_its_judges_at_once(tokenizer, monkeypatch):
 def test_a_dropped_compiler_stops_its_judges(tokenizer, monkeypatch):
     import gc
 
-    import worker.model.grammar as grammar
 
-    monkeypatch.setattr(grammar, "QUICK_LEXER_FUEL", 500)
+    monkeypatch.setattr("worker.model.structured.compile.QUICK_LEXER_FUEL", 500)
     compiler = GrammarCompiler(tokenizer, VOCAB, (EOS,), limits=GrammarLimits(compile_timeout_s=60))
     assert compiled(compiler, "json_schema", json.dumps({"enum": [f"v{i}" for i in range(301)]})).error is None
     pids = compiler._judges.pids
@@ -428,7 +424,7 @@ def test_a_dropped_compiler_stops_its_judges(tokenizer, monkeypatch):
 
 
 def judge_cpu_seconds(pid: int) -> float:
-    from worker.model.grammar_judge import _cpu_seconds
+    from worker.model.structured.judge import _cpu_seconds
 
     return _cpu_seconds(pid)
 
@@ -437,10 +433,9 @@ def test_while_the_engine_is_busy_a_judge_takes_only_its_share_and_finishes_once
                                                                                               monkeypatch):
     import time
 
-    import worker.model.grammar as grammar
-    from worker.model.grammar_judge import JUDGE_BUSY_SHARE
+    from worker.model.structured.judge import JUDGE_BUSY_SHARE
 
-    monkeypatch.setattr(grammar, "QUICK_LEXER_FUEL", 500)
+    monkeypatch.setattr("worker.model.structured.compile.QUICK_LEXER_FUEL", 500)
     busy = threading.Event()
     compiler = GrammarCompiler(tokenizer, VOCAB, (EOS,), limits=GrammarLimits(compile_timeout_s=60),
                                judge_processes=1, busy=busy.is_set)
@@ -479,8 +474,9 @@ def test_a_judge_stopped_for_the_forward_pass_ends_with_its_worker(tiny_model_pa
 import sys, time
 sys.path.insert(0, {str(root)!r})
 from transformers import AutoTokenizer
-import worker.model.grammar as grammar
-grammar.QUICK_LEXER_FUEL = 500
+import worker.model.structured.grammar as grammar
+import worker.model.structured.compile as grammar_compile
+grammar_compile.QUICK_LEXER_FUEL = 500
 compiler = grammar.GrammarCompiler(AutoTokenizer.from_pretrained({str(tiny_model_path)!r}), {VOCAB}, ({EOS},),
                                    limits=grammar.GrammarLimits(compile_timeout_s=60), judge_processes=1,
                                    busy=lambda: True)

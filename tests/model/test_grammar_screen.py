@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.model.grammar_screen import MAX_REGEX_REPEAT, screen
+from worker.model.structured.screen import MAX_REGEX_REPEAT, screen
 
 NODE = {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}, "required": ["next"]}
 
@@ -99,7 +99,8 @@ def test_what_the_screen_refuses_the_library_refuses_too(tiny_model_path: Path):
     import llguidance
     from transformers import AutoTokenizer
 
-    from worker.model.grammar import JSON_OPTIONS, GrammarLimits, _check, _llg_tokenizer
+    from worker.model.structured.compile import JSON_OPTIONS, GrammarLimits, first_step_error
+    from worker.model.structured.grammar import _llg_tokenizer
 
     hf = AutoTokenizer.from_pretrained(tiny_model_path)
     tokenizer = _llg_tokenizer(hf, 49152, [2])
@@ -108,6 +109,6 @@ def test_what_the_screen_refuses_the_library_refuses_too(tiny_model_path: Path):
         grammar = llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=GrammarLimits().quick().parser_limits())
         if name in entered:
-            assert _check(matcher, 49152) is None, name  # the library cannot tell in advance
+            assert first_step_error(matcher, 49152) is None, name  # the library cannot tell in advance
             matcher.consume_tokens(hf.encode(entered[name], add_special_tokens=False))
-        assert _check(matcher, 49152) is not None, name
+        assert first_step_error(matcher, 49152) is not None, name

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-from worker.model.grammar import GrammarLimits
-from worker.model.structured_output import GRAMMAR_POLL_S, StructuredOutputManager, _Held
+from worker.model.structured.compile import GrammarLimits
+from worker.model.structured.manager import GRAMMAR_POLL_S, StructuredOutputManager, _Held
 
 
 def test_the_wake_time_of_held_requests_comes_due_and_a_step_renews_it():

@@ -427,12 +427,11 @@ async def test_stopping_the_thread_ends_its_engines_grammar_judges(tiny_model_pa
     """The outcome: after a worker's engine thread stops, no judge process of its engine is left running."""
     import json
 
-    import worker.model.grammar as grammar
     from tests.engine.test_structured_output import tiny_engine
     from tests.model.test_grammar import judges_gone
     from worker.engine.api import StructuredOutput
 
-    monkeypatch.setattr(grammar, "QUICK_LEXER_FUEL", 500)  # so an ordinary enum goes to a judge
+    monkeypatch.setattr("worker.model.structured.compile.QUICK_LEXER_FUEL", 500)  # so an ordinary enum goes to a judge
     engine = tiny_engine(tiny_model_path)
     spec = json.dumps({"enum": [f"v{i}" for i in range(300)]})
     request = EngineRequest("enum", prompt_token_ids=[5, 6, 7], sampling=SamplingParams(

@@ -24,10 +24,10 @@ from worker.engine.request import Request, RequestStatus
 from worker.engine.scheduler import Scheduler
 from worker.engine.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput
 from worker.engine.step_time import StepTimeModel
-from worker.model.grammar import GrammarLimits
+from worker.model.structured.compile import GrammarLimits
 from worker.model.input import Launched, StepArrays
 from worker.model.step_batch import StepRequests
-from worker.model.structured_output import StructuredOutputManager
+from worker.model.structured.manager import StructuredOutputManager
 from worker.model.runner import ModelRunner, make_runner
 from worker.model.sampler import RowSampling, Sampler
 from worker.model.token_mask import TokenMask

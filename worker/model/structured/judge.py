@@ -49,8 +49,8 @@ from pathlib import Path
 from typing import Callable
 from weakref import WeakMethod
 
-from worker.model.grammar import (WALL_FACTOR, Compiled, GrammarLimits, _lower_priority, compile_timeout_message,
-                                  starved_message)
+from worker.model.structured.compile import (WALL_FACTOR, Compiled, GrammarLimits, compile_timeout_message,
+                                             first_step_error, library_grammar, lower_priority, starved_message)
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ try:
     os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 except (AttributeError, OSError):
     os.nice(19)
-from worker.model.grammar_judge import main
+from worker.model.structured.judge import main
 main()
 """
 """The judge's entry: bound to die with its worker, and at idle priority, before its imports (about 0.1 s of
@@ -158,7 +158,7 @@ class JudgePool:
         return Compiled(None, CLOSED) if build is None else build(kind, spec)
 
     def _serve(self, judge: _Judge) -> None:
-        _lower_priority()  # the rebuild of a passed grammar runs here, like a first pass
+        lower_priority()  # the rebuild of a passed grammar runs here, like a first pass
         wall = JUDGE_WALL_FACTOR * self.limits.compile_timeout_s
         try:
             while (job := self._jobs.get()) is not None:
@@ -368,7 +368,6 @@ _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 def main() -> None:
     import llguidance
 
-    from worker.model.grammar import _check, _grammar
 
     # The protocol owns the real stdout; anything else printed goes to stderr.
     out = os.fdopen(os.dup(1), "w")
@@ -384,11 +383,11 @@ def main() -> None:
     out.flush()
     for line in sys.stdin:
         job = json.loads(line)
-        grammar = _grammar(job["kind"], job["spec"])
+        grammar = library_grammar(job["kind"], job["spec"])
         if isinstance(grammar, Compiled):
             error = grammar.error
         else:
-            error = _check(llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits),
+            error = first_step_error(llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits),
                            setup["vocab_size"])
             error = limits.explain(error) if error else None
         out.write(json.dumps({"error": error}) + "\n")

@@ -24,7 +24,8 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from worker.model.grammar import CACHE_SIZE, Compiled, GrammarCompiler, GrammarError, GrammarLimits, Matcher
+from worker.model.structured.compile import Compiled, GrammarError, GrammarLimits
+from worker.model.structured.grammar import CACHE_SIZE, GrammarCompiler, Matcher
 
 GRAMMAR_POLL_S = 0.002
 """While a grammar compiles (on its own thread) and nothing else can run, the engine looks again this often."""
