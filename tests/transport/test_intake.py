@@ -39,8 +39,8 @@ def build(max_in_engine: int = 4, **settings_overrides) -> SimpleNamespace:
     service = ServiceModel(KAFKA.num_priorities, 64, 512)
     tenants = TenantBook.from_settings(settings, KAFKA.num_priorities)
     queue = LocalQueue(KAFKA.num_priorities, settings.max_waiting, tenants.fair)
-    answers = Answers(publisher, tracker, metrics, settings.worker_id, KAFKA.result_topic, KAFKA.dead_letter_topic)
-    answers.tenants = tenants
+    answers = Answers(publisher, tracker, metrics, settings.worker_id, KAFKA.result_topic, KAFKA.dead_letter_topic,
+                      tenants=tenants)
     admission = Admission(KAFKA.result_topic, frozenset(KAFKA.allowed_reply_topics), list(settings.itl_target_ms))
     streamer = Streamer(publisher, tracker, answers, metrics, service, settings.worker_id, KAFKA.num_priorities, 0.0,
                         tenants)

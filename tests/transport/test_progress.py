@@ -268,9 +268,9 @@ def test_the_finals_of_a_requests_completions_go_in_its_own_transaction():
     from worker.transport.requests.answers import Answers
 
     added: list[tuple[int | None, list[bytes]]] = []
+    lanes = SimpleNamespace(add=lambda tp, offset, records: added.append((offset, [r[2] for r in records])))
     answers = Answers(SimpleNamespace(), OffsetTracker(), WorkerMetrics.create(), "w", "results", "dlq",
-                      usage_topic="usage")
-    answers.lanes = SimpleNamespace(add=lambda tp, offset, records: added.append((offset, [r[2] for r in records])))
+                      usage_topic="usage", lanes=lanes)
 
     def final(request_id: str, index: int | None) -> FinalRecord:
         return FinalRecord(id=request_id, status="completed", reason="length", finish_reason="length", index=index)

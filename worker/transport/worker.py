@@ -45,7 +45,7 @@ from worker.transport.kafka.access_check import AccessDenied, Needs, check_acces
 from worker.transport.load.admission import Admission
 from worker.transport.kafka import progress
 from worker.transport.kafka.aiokafka_compat import committed_with_metadata, group_generation
-from worker.transport.requests.answers import Answers
+from worker.transport.requests.answers import Answers, FinalReplacement
 from worker.transport.load.autoscale import ScaleSignal
 from worker.transport.load.backpressure import Backpressure
 from worker.transport.requests.cancels import Cancel, CancelledIds
@@ -115,6 +115,8 @@ class Worker:
         self.metrics.commits.source = lambda: self.tracker.commit_progress()  # the tracker is built at connect
         self.stopping = asyncio.Event()
         self.started = asyncio.Event()
+        self.connected = False
+        """Whether the parts that need the Kafka clients exist (`_build`, at the first connect)."""
         self.closing = False
         """Set at the end of shutdown, so the background loops exit at their next turn even if a library call
         inside one of them swallowed its cancellation."""
@@ -134,9 +136,8 @@ class Worker:
         """The readiness probe's answer (read from the metrics server's thread): the engine is built (its model
         loaded) before the worker runs, the group is joined (an assignment came, even an empty one) and intake
         runs, and the worker is not stopping."""
-        intake = getattr(self, "intake", None)
-        return (self.started.is_set() and not self.stopping.is_set() and intake is not None
-                and intake.group_generation >= 0)
+        return (self.started.is_set() and not self.stopping.is_set() and self.connected
+                and self.intake.group_generation >= 0)
 
     def _tables(self) -> dict:
         """What each per-request table and cache holds now (memory_metrics.py; bounds in docs/memory.md). Read on
@@ -162,19 +163,18 @@ class Worker:
         self.engine_thread = make_engine_client(self.engine, asyncio.get_running_loop(), self.outputs)
         self.queue = LocalQueue(kafka.num_priorities, settings.max_waiting, self.tenants.fair)
         self.service = ServiceModel(kafka.num_priorities, self.max_num_seqs, self.max_num_batched_tokens)
+        replacement = FinalReplacement(kafka.result_topic, settings.worker_id, self.metrics)
+        self.lanes = FinalLanes(
+            kafka.client_kwargs(), kafka.group_id, self.tracker, publisher, replacement,
+            interval_s=settings.transaction_interval_ms / 1000.0,
+            max_metadata_bytes=kafka.offset_metadata_max_bytes, still_member=self._still_member,
+        ) if kafka.exactly_once else None
         self.answers = Answers(
             publisher, self.tracker, self.metrics, settings.worker_id, kafka.result_topic, kafka.dead_letter_topic,
             usage_topic=kafka.usage_topic, model=served_model_name(self.engine),
             priority_of=lambda tp: priority_of_partition(tp.partition, kafka.num_request_partitions,
-                                                         kafka.num_priorities))
-        self.answers.tenants = self.tenants
-        self.lanes: FinalLanes | None = None
-        if kafka.exactly_once:
-            publisher.track_settled = True
-            self.lanes = self.answers.lanes = FinalLanes(
-                kafka.client_kwargs(), kafka.group_id, self.tracker, publisher, self.answers.replacement,
-                interval_s=settings.transaction_interval_ms / 1000.0,
-                max_metadata_bytes=kafka.offset_metadata_max_bytes, still_member=self._still_member)
+                                                         kafka.num_priorities),
+            tenants=self.tenants, lanes=self.lanes, replacement=replacement)
         self.admission = admission = Admission(kafka.result_topic, frozenset(kafka.allowed_reply_topics),
                                                list(settings.itl_target_ms), self.max_num_batched_tokens,
                                                allowed_reply_topic_prefixes=tuple(kafka.allowed_reply_topic_prefixes))
@@ -184,14 +184,12 @@ class Worker:
                                      self.service, self.max_in_engine, cancelled=self._cancel_of, tenants=self.tenants)
         self.intake = Intake(consumer, self.tracker, self.queue, self.answers, admission, self.service,
                              IntakeLayout.from_settings(kafka, settings, self.limits), self.tenants,
-                             cancelled=self._cancel_of)
+                             cancelled=self._cancel_of, tracing=self.tracing)
         self.load_control = LoadControl(Shedder(list(settings.max_queue_time_s), kafka.num_priorities),
                                         Backpressure.from_settings(settings, kafka.num_priorities), self.service)
         self.reporter = StatusReporter(publisher, self.metrics, settings.worker_id, kafka.status_topic)
         self.scale_signal = ScaleSignal(list(settings.max_queue_time_s), kafka.num_request_partitions)
-        if self.tracing is not None:
-            self.intake.tracing = self.tracing
-            publisher.headers_for = self.tracing.headers_for
+        self.connected = True
 
     def _topic_label(self, topic: str) -> str:
         """A topic as a metric label: its name when configured, one label for the reply topics a prefix allows
@@ -229,8 +227,9 @@ class Worker:
             await asyncio.sleep(self.settings.destination_check_interval_s)
 
     def io_gather_s(self) -> float:
-        engine_thread = getattr(self, "engine_thread", None)  # the publisher exists before the engine thread
-        return 0.0 if engine_thread is None else io_gather_s(engine_thread.stats, self.settings.io_gather_max_ms)
+        if not self.connected:  # the publisher exists before the engine thread
+            return 0.0
+        return io_gather_s(self.engine_thread.stats, self.settings.io_gather_max_ms)
 
     def _see_engine(self) -> None:
         """Hand the service model the engine as it is now, before the parts that ask it for estimates run.
@@ -250,7 +249,7 @@ class Worker:
         it before its next step, which frees its KV blocks; the abort's output ends it `cancelled` with the
         text so far (streamer.py). Not here (not yet read, finished, another worker's): the id is remembered,
         so that a request read later is answered `cancelled` at once (intake.py)."""
-        if not hasattr(self, "queue") or self.closing:
+        if not self.connected or self.closing:
             return  # not connected yet (the intake checks the remembered id), or shut down
         self._take_cancelled(cancel.request_id)
         self.engine_thread.abort(self.streamer.cancel(cancel.request_id, cancel.reason))
@@ -345,7 +344,10 @@ class Worker:
             publisher = Publisher(self.kafka.client_kwargs(),
                                   on_dropped=lambda topic: self.metrics.dropped_for(self._topic_label(topic)).inc(),
                                   gather_s=self.io_gather_s, topic_wait_s=self.settings.destination_wait_s,
-                                  on_topic_change=self._on_topic_change)
+                                  on_topic_change=self._on_topic_change,
+                                  # An exactly-once lane writes a final only once its request's chunks settled.
+                                  track_settled=self.kafka.exactly_once,
+                                  headers_for=self.tracing.headers_for if self.tracing is not None else None)
             consumer = make_consumer(self.kafka, self.settings)
             # Built before start: the first assignment may arrive inside start(), and its listener needs them.
             self._build(consumer, publisher)

@@ -85,7 +85,9 @@ class Publisher:
     def __init__(self, client_kwargs: dict, max_request_size: int = 4 * 1024 * 1024, linger_ms: int = 2,
                  on_dropped: Callable[[str], None] = lambda topic: None,
                  gather_s: Callable[[], float] = lambda: 0.0, topic_wait_s: float = 5.0,
-                 on_topic_change: Callable[[str, TopicState], None] = lambda topic, state: None) -> None:
+                 on_topic_change: Callable[[str, TopicState], None] = lambda topic, state: None,
+                 track_settled: bool = False,
+                 headers_for: Callable[[bytes | None, bytes], list | None] | None = None) -> None:
         self._producer_kwargs = dict(
             **client_kwargs, enable_idempotence=True, acks="all", linger_ms=linger_ms,
             max_request_size=max_request_size, max_batch_size=256 * 1024,
@@ -105,7 +107,7 @@ class Publisher:
         self._watchdog: asyncio.Task | None = None
         """Records whose topic is being looked up, in publish order."""
         self.num_undeliverable = 0
-        self.track_settled = False
+        self.track_settled = track_settled
         """Count unsettled records by key, for `has_unsettled` (an exactly-once lane writes a request's final
         only once its chunks are settled)."""
         self._needs_new_producer = False
@@ -117,7 +119,7 @@ class Publisher:
         """Called with the topic of each record dropped as undeliverable (a metric)."""
         self.gather_s = gather_s
         """How long the flusher lets records gather after the first one wakes it (worker.io_gather_s)."""
-        self.headers_for: Callable[[bytes | None, bytes], list | None] | None = None
+        self.headers_for = headers_for
         """(key, value) -> a record's headers, or None for none: the trace context (tracing.py) when on."""
         self._partitioner = DefaultPartitioner()
         self._key_partitions: dict[tuple[str, bytes], int] = {}

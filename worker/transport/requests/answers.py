@@ -12,6 +12,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -27,6 +28,10 @@ from worker.transport.kafka.offsets import OffsetTracker
 from worker.transport.kafka.publisher import OnFailed, Publisher
 from worker.transport.requests.records import answer_record, cancel_message, slimmed
 
+if TYPE_CHECKING:
+    from worker.transport.kafka.exactly_once import FinalLanes
+    from worker.transport.load.tenant_book import TenantBook
+
 log = logging.getLogger(__name__)
 
 MAX_DEAD_LETTER_VALUE = 512 * 1024
@@ -37,11 +42,45 @@ limit this keeps every dead letter well under the broker's default message.max.b
 never refused and its offset never waits on it."""
 
 
+class FinalReplacement:
+    """What goes instead of a final record that its topic does not take, and where: the publisher's fallback
+    (Answers.final_fallback) and the exactly-once lanes (exactly_once.py) both ask it."""
+
+    def __init__(self, result_topic: str, worker_id: str, metrics: WorkerMetrics) -> None:
+        self.result_topic = result_topic
+        self.worker_id = worker_id
+        self.metrics = metrics
+
+    def __call__(self, topic: str, final: FinalRecord, code: str, message: str) -> tuple[str, FinalRecord] | None:
+        """What goes instead of a final record that `topic` does not take, and where; None: nothing. Too large:
+        the final without the parts that may be left out (`omitted` says which: records.slimmed), and a
+        `result_too_large` error when even that does not fit. Topic unavailable: an `error` final naming the
+        cause, on the result topic."""
+        if code == "result_too_large":
+            slim = slimmed(final)
+            if slim is not None:
+                return topic, slim
+            target = topic
+        elif final.index is not None:
+            return None  # one completion's final: the request's own final carries the error
+        elif topic == self.result_topic:
+            log.error("a final record for request %r cannot be delivered to the result topic: %s", final.id, message)
+            return None
+        else:
+            target, message = self.result_topic, f"reply topic {topic!r} unavailable: {message}"
+        error = msgspec.structs.replace(
+            answer_record(final.id, final.attempt, "error", code, message, None, self.worker_id, final.metadata),
+            timings=final.timings, usage=final.usage, index=final.index, num_chunks=final.num_chunks)
+        self.metrics.rejected_for(code).inc()
+        return target, error
+
+
 class Answers:
     def __init__(
         self, publisher: Publisher, tracker: OffsetTracker, metrics: WorkerMetrics, worker_id: str,
         result_topic: str, dead_letter_topic: str, *, usage_topic: str = "", model: str = "",
-        priority_of: Callable[[Hashable], int] = lambda partition: 0,
+        priority_of: Callable[[Hashable], int] = lambda partition: 0, tenants: TenantBook | None = None,
+        lanes: FinalLanes | None = None, replacement: FinalReplacement | None = None,
     ) -> None:
         self.publisher = publisher
         self.usage_topic = usage_topic
@@ -54,12 +93,14 @@ class Answers:
         self.result_topic = result_topic
         self.dead_letter_topic = dead_letter_topic
         self.num_dead_letters = 0
-        self.lanes = None
+        self.lanes = lanes
         """Exactly-once finals (exactly_once.FinalLanes) when on: then every answer goes through them."""
+        self.replacement = replacement or FinalReplacement(result_topic, worker_id, metrics)
+        """The lanes' too (they are built with the same one)."""
         self._completions: dict[tuple[Hashable, str], list] = {}
         """With exactly-once finals: (partition, request id) -> the per-completion finals written so far of a
         request with several completions, held for its own final (`answer`)."""
-        self.tenants = None
+        self.tenants = tenants
         """The worker's TenantBook: counts each tenant's finals by status."""
 
     def reject(
@@ -142,29 +183,6 @@ class Answers:
     @property
     def num_held_completions(self) -> int:
         return len(self._completions)
-
-    def replacement(self, topic: str, final: FinalRecord, code: str, message: str) -> tuple[str, FinalRecord] | None:
-        """What goes instead of a final record that `topic` does not take, and where; None: nothing. Too large:
-        the final without the parts that may be left out (`omitted` says which: records.slimmed), and a
-        `result_too_large` error when even that does not fit. Topic unavailable: an `error` final naming the
-        cause, on the result topic."""
-        if code == "result_too_large":
-            slim = slimmed(final)
-            if slim is not None:
-                return topic, slim
-            target = topic
-        elif final.index is not None:
-            return None  # one completion's final: the request's own final carries the error
-        elif topic == self.result_topic:
-            log.error("a final record for request %r cannot be delivered to the result topic: %s", final.id, message)
-            return None
-        else:
-            target, message = self.result_topic, f"reply topic {topic!r} unavailable: {message}"
-        error = msgspec.structs.replace(
-            answer_record(final.id, final.attempt, "error", code, message, None, self.worker_id, final.metadata),
-            timings=final.timings, usage=final.usage, index=final.index, num_chunks=final.num_chunks)
-        self.metrics.rejected_for(code).inc()
-        return target, error
 
     def final_fallback(self, topic: str, final: FinalRecord) -> OnFailed:
         """The publisher's on_failed for a final record: its replacement goes out, with a fallback of its own

@@ -52,6 +52,7 @@ from worker.transport.load.service_model import ServiceModel
 from worker.transport.load.shedding import ReachFraction
 from worker.transport.load.tenant_book import TenantBook
 from worker.transport.load.tenants import DEFAULT_TENANT
+from worker.transport.requests.tracing import RequestTracing
 
 log = logging.getLogger(__name__)
 
@@ -89,15 +90,14 @@ class IntakeLayout:
 
 
 class Intake:
-    tracing = None
-    """tracing.RequestTracing when tracing is on (the worker sets it): traced records start their spans here."""
-
     def __init__(
         self, consumer: AIOKafkaConsumer, tracker: OffsetTracker, queue: LocalQueue, answers: Answers,
         admission: Admission, service: ServiceModel, layout: IntakeLayout, tenants: TenantBook | None = None,
-        cancelled: Callable[[str], Cancel | None] = lambda _id: None,
+        cancelled: Callable[[str], Cancel | None] = lambda _id: None, tracing: RequestTracing | None = None,
     ) -> None:
         self.consumer = consumer
+        self.tracing = tracing
+        """tracing.RequestTracing when tracing is on: traced records start their spans here."""
         self.cancelled = cancelled
         """The live cancel of a wire request id, if any (the worker's CancelledIds)."""
         self.tracker = tracker
