@@ -297,3 +297,38 @@ async def test_a_broker_restart_over_sasl_ssl_loses_nothing_and_duplicates_no_fi
         if proc is not None:
             await stop([proc])
         secured.broker.stop()
+
+
+async def test_a_gateway_serves_the_openai_sdk_on_the_sasl_ssl_broker(sasl_ssl: SecuredBroker, tmp_path) -> None:
+    """The gateway as the `client` principal with only the ACLs `broker start --security` writes: it creates its
+    reply topic, heartbeats, sweeps and reads its answers under the reply prefix, and a worker answers there."""
+    import openai
+
+    from tests.gateway.test_gateway_kafka import RunningGateway
+    from worker.config import GatewaySettings
+
+    settings = GatewaySettings(data_dir=tmp_path / "gateway", reply_sweep_s=1.0)
+    async with running_worker(sasl_ssl.as_("worker"), worker_settings(), InstantEngine(max_num_seqs=8)):
+        async with RunningGateway(sasl_ssl.as_("client"), settings) as gateway:
+            client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.port}/v1", api_key="-",
+                                        max_retries=0, timeout=30)
+            answer = await client.chat.completions.create(
+                model="smollm2-135m-instruct", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+            assert answer.choices[0].message.content and answer.usage.completion_tokens == 3
+            await asyncio.sleep(2.5)  # two sweeps and heartbeats under the ACLs
+            assert gateway.gateway.door.num_swept == 0
+            from aiokafka.admin import AIOKafkaAdminClient
+
+            from gateway.door import heartbeat_ms
+
+            admin = AIOKafkaAdminClient(**sasl_ssl.as_("admin").client_kwargs())
+            await admin.start()
+            try:  # the heartbeat was committed (a missing group grant would leave none, and others would sweep)
+                offsets = await admin.list_consumer_group_offsets(gateway.gateway.door.reply_topic)
+            finally:
+                await admin.close()
+            assert heartbeat_ms(offsets) > time.time() * 1000
+            stream = await client.chat.completions.create(
+                model="smollm2-135m-instruct", messages=[{"role": "user", "content": "again"}], max_tokens=3,
+                stream=True)
+            assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
