@@ -101,7 +101,13 @@ def make_backend(setting: str, device: torch.device) -> AttentionBackend:
     name = setting if setting != "auto" else ("triton" if device.type == "cuda" else "torch")
     if name == "triton":
         # Imported only here: importing Triton is slow and pointless on a CPU-only worker.
-        from worker.model.triton_attention import TritonAttention
+        try:
+            from worker.model.triton_attention import TritonAttention
+        except ModuleNotFoundError as exc:
+            if exc.name != "triton":
+                raise
+            raise RuntimeError("ENGINE_ATTENTION_BACKEND=triton needs the triton package, installed on Linux only; "
+                               "set ENGINE_ATTENTION_BACKEND=torch") from None
 
         return TritonAttention()
     from worker.model.torch_attention import TorchAttention
