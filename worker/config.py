@@ -349,7 +349,7 @@ class WorkerSettings(BaseSettings):
     redelivered request that was cancelled is not run first); past it intake starts anyway."""
     malloc_arena_max: int = Field(128, ge=0)
     """glibc malloc arenas the worker process may use, set at start (0: glibc's default, 8 per core). More than
-    the threads a worker runs (15 on 2 cores: the event loop, the engine, torch's and llguidance's pools, the
+    the threads a worker runs (about 15: the event loop, the engine, torch's and llguidance's pools, the
     grammar compile threads, the metrics server), so that no thread shares another's arena: glibc binds a
     thread to an arena at its first malloc and, past the cap, hands out the arenas in use in turn. With 8, a
     grammar compile thread shared the engine thread's arena, and the grammars it built, kept for minutes in the
@@ -382,8 +382,8 @@ class WorkerSettings(BaseSettings):
     makes, carved from the arena while the burst has it widened: a step in the resident size that `malloc_trim`
     cannot undo (docs/memory.md). glibc's per-thread cache reuses small blocks as fast."""
     malloc_trim_interval_s: float = Field(60.0, ge=0)
-    """How often free heap pages are handed back to the kernel (glibc malloc_trim, on a thread: 7-40 ms on the
-    2-core machine with 250 MB free in 30,000 holes); 0 never."""
+    """How often free heap pages are handed back to the kernel (glibc malloc_trim, on a thread of its own: a
+    trim walks every free hole, tens of milliseconds on a fragmented heap); 0 never."""
 
     tenant_weights: dict[str, float] = {}
     """Fair share among the tenants of a priority, by tokens served: a tenant's weight (default 1), e.g.

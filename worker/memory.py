@@ -2,7 +2,7 @@
 
 Why the allocator needs settings: glibc malloc binds each thread to an arena at its first malloc (a new one
 while fewer than the cap exist, else the arenas in use in turn), and memory freed into an arena stays there
-for that arena's reuse. A worker allocates from about 15 threads on 2 cores: the event loop, the engine
+for that arena's reuse. A worker allocates from about 15 threads: the event loop, the engine
 thread, torch's and llguidance's pools, the grammar compile threads (which live as long as the worker), the
 metrics server's. A compiled grammar is built on a compile thread and kept for minutes in the engine's cache;
 when a compile thread shared the engine thread's arena (8 arenas for 15 threads), the grammars pinned pages

@@ -42,7 +42,7 @@ the rest of priorities 1 and 2 wait until the worker sheds them (`shed`). Priori
 BURST_SHARES = (1, 2, 3)
 """Priorities 0, 1, 2 in the burst as 1:2:3 (10, 20 and 30 of 60): most of the overload is least urgent."""
 # The worker's settings for the demo: a small running batch and a short tolerated queue time for the less
-# urgent priorities, so that a burst of 60 requests overloads a 2-core CPU visibly within seconds.
+# urgent priorities, so that a burst of 60 requests overloads a small CPU machine visibly within seconds.
 WORKER_ENV = {
     "ENGINE_DEVICE": "cpu", "ENGINE_MAX_NUM_SEQS": "8", "WORKER_MAX_ENGINE_INFLIGHT": "8",
     "WORKER_MAX_QUEUE_TIME_S": "[60, 6, 3]", "WORKER_MAX_WAITING": "16", "WORKER_RESUME_WAITING": "4",

@@ -73,7 +73,8 @@ def render_server_properties(*, log_dir: Path, port: int, controller_port: int, 
         "transaction.state.log.min.isr": "1",
         "share.coordinator.state.topic.replication.factor": "1",
         "share.coordinator.state.topic.min.isr": "1",
-        # The first group join creates the offsets topic; 50 partitions (the default) is slow to set up on 2 cores.
+        # The first group join creates the offsets topic; 50 partitions (the default) is slow to set up on a
+        # small machine, and a single local broker needs no more than a few.
         "offsets.topic.num.partitions": "8",
         # Group joins complete at once instead of waiting 3 s for more members.
         "group.initial.rebalance.delay.ms": "0",

@@ -273,7 +273,7 @@ class SimRunner(PersistentInputRunner):
 
     def _wait_until(self, ready_at: float) -> None:
         """Like a device sync: back within microseconds of ready_at, the GIL free meanwhile. time.sleep alone
-        wakes up late (about 90 µs for a 3 ms sleep on the 2-core machine), which a real sync does not, so the
+        wakes up late (tens of microseconds past a millisecond sleep), which a real sync does not, so the
         last SYNC_SPIN_S are waited by yielding (time.sleep(0) releases the GIL each time)."""
         remaining = ready_at - time.perf_counter()
         if self._sleep is not time.sleep:  # tests: an injected sleep that records every wait instead of waiting

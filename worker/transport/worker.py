@@ -86,9 +86,8 @@ def io_gather_s(stats: EngineStats, max_ms: float) -> float:
     of the engine's last step (IO_GATHER_STEP_FRACTION, at most max_ms), and nothing while the engine runs no
     request. A request read or a record sent a few percent of a step later changes nothing the engine does
     (work joins at step boundaries), but each read and send wakes the loop, and on a CPU worker every
-    wake-up takes the core from the forward: at 5x overload on the 2-core machine the loop woke about 125
-    times a second (once per arriving request for the read, once per answer for the send) and used 8 % of
-    the worker's core."""
+    wake-up takes the core from the forward: under overload the loop would wake once per arriving request
+    and once per answer, and those wake-ups add up to a visible share of the worker's core."""
     if max_ms <= 0 or not stats.num_running:
         return 0.0
     return min(max_ms / 1000.0, IO_GATHER_STEP_FRACTION * stats.last_step_s)

@@ -64,8 +64,8 @@ def _salted_password(hashname: str, password: bytes, salt: bytes, iterations: in
 
 def cache_scram_salted_passwords() -> None:
     """Make aiokafka's SCRAM logins derive each user's salted password once per process. The derivation is
-    PBKDF2 with the broker's iteration count (4096 by default: 5 to 10 ms of CPU for SHA-512 on the 2-core
-    machine) and its result is the same at every login of that user (same password, salt and count, which the
+    PBKDF2 with the broker's iteration count (4096 by default: milliseconds of CPU each for SHA-512) and its
+    result is the same at every login of that user (same password, salt and count, which the
     broker sends), yet aiokafka derives it at each one; a worker opens some 25 connections at start-up (its
     consumer, publisher, control reader, admin client and a transactional producer per partition) and again
     after every broker outage. Safe to call more than once; other mechanisms are untouched."""

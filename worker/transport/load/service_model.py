@@ -43,10 +43,10 @@ from worker.transport.load.shedding import CompletionRate
 MIN_MEASURED_FRACTION = 0.25
 """The measured capacity is never taken below this share of the step-time model's (which follows every step the
 engine times, so it tracks how fast the engine computes when it runs). Far below it the engine was not slow
-but starved between steps while counted as saturated: in a flood of 10,000 bad records, the asyncio thread
-decoding and answering them held the engine thread off, the measured rate fell to ~58 tokens/s against
-thousands modelled, and valid requests were shed for the bad ones (tests/transport/test_real_traffic_kafka.py
-failed that way about one run in three). Under real overload the two agree within tens of percent."""
+but starved between steps while counted as saturated: a flood of bad records, decoded and answered on the
+asyncio thread, can hold the engine thread off so that the measured rate falls far below the modelled one,
+and valid requests would then be shed for the bad ones (tests/transport/test_real_traffic_kafka.py). Under
+real overload the two agree within tens of percent."""
 
 
 @dataclass(slots=True)
@@ -233,9 +233,9 @@ class ServiceModel:
     def engine_waiting_by_priority(self) -> list[float]:
         """Per priority, how many of its requests in the engine wait to start: the engine's own count where
         it gives one (EngineStats.num_waiting_by_priority; priorities past the last counted at it). Requests
-        wait there with seats free whenever the steps' token budget, not max_num_seqs, is what runs out: at 5×
-        overload on a 2-core CPU, ~21 of 64 seats were taken while priority 1 waited inside the engine, and a
-        count inferred from seats saw none of it (its queue waits came out 2-15× the prediction).
+        wait there with seats free whenever the steps' token budget, not max_num_seqs, is what runs out: under
+        overload on a CPU a third of the seats can be taken while a priority waits inside the engine, which a
+        count inferred from seats does not see (its queue waits then come out several times the prediction).
 
         Otherwise inferred from seats: the engine seats the most urgent first and preempts less urgent ones
         for them, so priority p's requests wait only for the seats that requests of priority <= p fill:
