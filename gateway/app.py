@@ -276,6 +276,9 @@ class Gateway:
             why, retry_s = refused
             raise ApiError(429, f"priority {priority} is congested ({why}); retry after {retry_s} s",
                            "rate_limit_error", "rate_limit_exceeded", headers={"Retry-After": str(retry_s)})
+        mismatch = self.door.reply_topic_refusal()
+        if mismatch is not None:
+            raise ApiError(503, mismatch, "server_error", "reply_topic_not_allowed")
         self.num_requests += 1
         try:
             async with asyncio.timeout(self.door.settings.submit_timeout_s):

@@ -91,6 +91,9 @@ class Door:
             self._tasks.append(asyncio.create_task(self._sweep_every(self.settings.reply_sweep_s),
                                                    name="reply-topic-sweep"))
         log.info("gateway %s reads its answers on %s", self.instance_id, self.reply_topic)
+        mismatch = self.reply_topic_refusal()  # the status topic was read up to date by client.start()
+        if mismatch is not None:
+            log.error("requests will be refused with 503: %s", mismatch)
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -198,6 +201,24 @@ class Door:
                 await admin.close()
         except Exception as exc:  # noqa: BLE001 - a leftover topic costs disk, not correctness
             log.warning("could not delete reply topic %s: %r", self.reply_topic, exc)
+
+    def reply_topic_refusal(self) -> str | None:
+        """Why requests would not be answered here, naming the settings to change: a fresh worker report says its
+        worker does not answer on this instance's reply topic (it would answer on the result topic, which a
+        gateway does not read, and the caller would wait for nothing). None when every reporting worker allows
+        it, or none reports."""
+        topic = self.reply_topic
+        refusing = [status for status in self.client.board.fresh(STATUS_MAX_AGE_S)
+                    if status.allowed_reply_topic_prefixes is not None
+                    and topic not in (status.allowed_reply_topics or [])
+                    and not any(topic.startswith(prefix) for prefix in status.allowed_reply_topic_prefixes)]
+        if not refusing:
+            return None
+        prefixes = sorted({prefix for status in refusing for prefix in status.allowed_reply_topic_prefixes})
+        return (f"worker {refusing[0].worker_id} (and {len(refusing) - 1} more) does not answer on this gateway's "
+                f"reply topic {topic}: add {self.settings.reply_topic_prefix!r} to the workers' "
+                f"KAFKA_ALLOWED_REPLY_TOPIC_PREFIXES (now {prefixes}), or set GATEWAY_REPLY_TOPIC_PREFIX to one "
+                "of those")
 
     def refusal(self, priority: int) -> tuple[str, int] | None:
         """(why, Retry-After seconds) while a fresh status report says `priority` is shed or paused, else None.

@@ -95,3 +95,10 @@ class WorkerStatus(WireRecord, kw_only=True):
         "partitions."))] | None = None
     tenants: Annotated[list[TenantStatus], Meta(description=(
         "Per tenant, most traffic first (bounded: WORKER_TENANT_MAX_LABELS named ones, then other and none)."))] = []
+    allowed_reply_topics: Annotated[list[str], Meta(description=(
+        "The reply topics this worker answers on besides the result topic (KAFKA_ALLOWED_REPLY_TOPICS)."
+    ))] | None = None
+    allowed_reply_topic_prefixes: Annotated[list[str], Meta(description=(
+        "The reply-topic prefixes it allows (KAFKA_ALLOWED_REPLY_TOPIC_PREFIXES): a client whose reply topic "
+        "matches neither list learns from these that its requests would be answered on the result topic. Absent "
+        "from workers that do not report them."))] | None = None

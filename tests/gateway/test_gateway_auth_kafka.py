@@ -283,3 +283,32 @@ async def test_a_keys_batch_is_its_own_and_runs_as_its_tenant(door):
     ids = {json.loads(line)["response"]["request_id"] for line in output.splitlines()}
     usage = await usage_of(kafka, ids)
     assert {usage[i].tenant for i in ids} == {"batcher"} and len(ids) == 3
+
+
+async def test_a_gateway_whose_reply_topic_the_workers_refuse_says_so_at_once(kafka_bootstrap, tmp_path):
+    """Workers that do not allow the gateway's reply prefix would answer on the result topic, which the gateway
+    never reads: its callers would wait out the request timeout. The workers' status reports say what they
+    allow, and the gateway answers 503 at once naming both settings."""
+    from worker.broker.topics import ensure_topics
+
+    kafka = settings_for(kafka_bootstrap)
+    await ensure_topics(kafka)
+    workers_kafka = kafka.model_copy(update={"allowed_reply_topic_prefixes": ["elsewhere."]})
+    settings = GatewaySettings(reply_topic_prefix=kafka.allowed_reply_topic_prefixes[0], data_dir=tmp_path)
+    async with running_worker(workers_kafka, worker_settings(), InstantEngine()):
+        async with RunningGateway(kafka, settings) as gateway:
+            client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.port}/v1", api_key="-", max_retries=0,
+                                        timeout=20)
+            started = time.monotonic()
+            async with asyncio.timeout(10):
+                while True:  # the first status report may come a moment after the gateway started
+                    try:
+                        await chat(client)
+                    except openai.APIStatusError as error:
+                        refused = error
+                        break
+                    await asyncio.sleep(0.2)
+            assert time.monotonic() - started < 10
+            assert refused.status_code == 503 and refused.code == "reply_topic_not_allowed"
+            assert "KAFKA_ALLOWED_REPLY_TOPIC_PREFIXES" in refused.message
+            assert "GATEWAY_REPLY_TOPIC_PREFIX" in refused.message

@@ -48,7 +48,11 @@ class LoadView:
 
 
 class StatusReporter:
-    def __init__(self, publisher: Publisher, metrics: WorkerMetrics, worker_id: str, status_topic: str) -> None:
+    def __init__(self, publisher: Publisher, metrics: WorkerMetrics, worker_id: str, status_topic: str,
+                 allowed_reply_topics: list[str] | None = None,
+                 allowed_reply_topic_prefixes: list[str] | None = None) -> None:
+        self.allowed_reply_topics = list(allowed_reply_topics or [])
+        self.allowed_reply_topic_prefixes = list(allowed_reply_topic_prefixes or [])
         self.publisher = publisher
         self.metrics = metrics
         self.worker_id = worker_id
@@ -90,6 +94,8 @@ class StatusReporter:
             for p in range(len(view.waiting_by_priority))
         ]
         return WorkerStatus(
+            allowed_reply_topics=self.allowed_reply_topics,
+            allowed_reply_topic_prefixes=self.allowed_reply_topic_prefixes,
             worker_id=self.worker_id,
             ts_ms=int(time.time() * 1000),
             num_waiting=sum(view.waiting_by_priority) + stats.num_waiting,

@@ -186,7 +186,8 @@ class Worker:
                              cancelled=self._cancel_of, tracing=self.tracing)
         self.load_control = LoadControl(Shedder(list(settings.max_queue_time_s), kafka.num_priorities),
                                         Backpressure.from_settings(settings, kafka.num_priorities), self.service)
-        self.reporter = StatusReporter(publisher, self.metrics, settings.worker_id, kafka.status_topic)
+        self.reporter = StatusReporter(publisher, self.metrics, settings.worker_id, kafka.status_topic,
+                                       kafka.allowed_reply_topics, kafka.allowed_reply_topic_prefixes)
         self.scale_signal = ScaleSignal(list(settings.max_queue_time_s), kafka.num_request_partitions)
         self.connected = True
 
