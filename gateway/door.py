@@ -208,10 +208,7 @@ class Door:
         gateway does not read, and the caller would wait for nothing). None when every reporting worker allows
         it, or none reports."""
         topic = self.reply_topic
-        refusing = [status for status in self.client.board.fresh(STATUS_MAX_AGE_S)
-                    if status.allowed_reply_topic_prefixes is not None
-                    and topic not in (status.allowed_reply_topics or [])
-                    and not any(topic.startswith(prefix) for prefix in status.allowed_reply_topic_prefixes)]
+        refusing = self.client.board.refusing_reply_topic(topic, STATUS_MAX_AGE_S)
         if not refusing:
             return None
         prefixes = sorted({prefix for status in refusing for prefix in status.allowed_reply_topic_prefixes})

@@ -70,6 +70,15 @@ class StatusBoard:
                 return f"worker {status.worker_id} paused partitions {paused}"
         return None
 
+    def refusing_reply_topic(self, topic: str, max_age_s: float, now_ms: float | None = None) -> list[WorkerStatus]:
+        """The fresh reports of workers that would not answer on `topic` (it is neither among the reply topics
+        nor under a prefix they report allowing): they answer such a request on their result topic instead.
+        Workers that report nothing about reply topics are left out."""
+        return [status for status in self.fresh(max_age_s, now_ms)
+                if status.allowed_reply_topic_prefixes is not None
+                and topic not in (status.allowed_reply_topics or [])
+                and not any(topic.startswith(prefix) for prefix in status.allowed_reply_topic_prefixes)]
+
     def _priority_of(self, partition: int) -> int | None:
         if not 0 <= partition < self.num_request_partitions:
             return None  # a worker configured with another layout; its partition numbers mean nothing here

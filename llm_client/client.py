@@ -249,6 +249,13 @@ class LLMClient:
             raise ClientError(f"request id {request.id} is already in flight on this client")
         if self.reply_topic is not None and request.reply_topic != self.reply_topic:
             request = msgspec.structs.replace(request, reply_topic=self.reply_topic)
+        if self.reply_topic is not None:
+            refusing = self.board.refusing_reply_topic(self.reply_topic, self.backoff.status_max_age_s)
+            if refusing:
+                # Answered on the result topic, which this client does not read: it would wait for nothing.
+                raise ClientError(
+                    f"worker {refusing[0].worker_id} does not answer on reply topic {self.reply_topic}: add it (or a "
+                    "prefix of it) to the workers' KAFKA_ALLOWED_REPLY_TOPICS / KAFKA_ALLOWED_REPLY_TOPIC_PREFIXES")
         if request.priority != priority:
             request = msgspec.structs.replace(request, priority=priority)
         deadline_at = self._deadline_at(request)

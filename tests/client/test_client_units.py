@@ -43,6 +43,18 @@ def test_congestion_rule_reads_shedding_and_paused_partitions_of_fresh_reports()
     assert board.latest["c"].paused_partitions == [1, 99]
 
 
+def test_the_board_names_workers_that_would_not_answer_on_a_reply_topic():
+    board = StatusBoard(6, 3)
+    board.update(status("old"))  # reports nothing about reply topics: never counted as refusing
+    assert board.refusing_reply_topic("llm.replies.gw-1", 5.0, NOW_MS) == []
+    board.update(WorkerStatus(worker_id="a", ts_ms=NOW_MS, allowed_reply_topic_prefixes=["llm.replies."]))
+    board.update(WorkerStatus(worker_id="b", ts_ms=NOW_MS, allowed_reply_topics=["mine"],
+                              allowed_reply_topic_prefixes=[]))
+    assert [w.worker_id for w in board.refusing_reply_topic("llm.replies.gw-1", 5.0, NOW_MS)] == ["b"]
+    assert [w.worker_id for w in board.refusing_reply_topic("mine", 5.0, NOW_MS)] == ["a"]
+    assert board.refusing_reply_topic("mine", 5.0, NOW_MS + 5_001) == []  # stale reports say nothing
+
+
 def test_delay_bound_doubles_up_to_its_cap():
     policy = BackoffPolicy(base_delay_s=0.1, max_delay_s=0.5)
     assert [policy.delay_bound(k) for k in range(5)] == [0.1, 0.2, 0.4, 0.5, 0.5]
