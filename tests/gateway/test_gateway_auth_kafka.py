@@ -312,3 +312,38 @@ async def test_a_gateway_whose_reply_topic_the_workers_refuse_says_so_at_once(ka
             assert refused.status_code == 503 and refused.code == "reply_topic_not_allowed"
             assert "KAFKA_ALLOWED_REPLY_TOPIC_PREFIXES" in refused.message
             assert "GATEWAY_REPLY_TOPIC_PREFIX" in refused.message
+
+
+async def test_a_really_shedding_worker_makes_the_gateway_answer_429_and_urgent_work_passes(kafka_bootstrap,
+                                                                                           tmp_path):
+    """No status record made by hand: a worker flooded with bulk work sheds priority 2 for real, reports it,
+    and the gateway refuses a `flex` request with 429 and Retry-After before producing it, while a `priority`
+    request is served."""
+    from schemas.request import GenerationRequest
+    from tests.transport.kafka_helpers import produce_requests
+    from worker.broker.topics import ensure_topics
+    from worker.engine.dynamic import DynamicEngine
+
+    kafka = settings_for(kafka_bootstrap)
+    await ensure_topics(kafka)
+    settings = worker_settings(max_engine_inflight=8, status_interval_s=0.2, max_queue_time_s=[60.0, 60.0, 0.5],
+                               drain_timeout_s=1.0)
+    engine = DynamicEngine(max_num_seqs=8, step_time_s=0.02, per_seq_s=0.0, prefill_s_per_token=0.0005,
+                           eos_probability=0.0)
+    bulk = [(2, GenerationRequest(id=f"bulk-{i}", prompt=f"bulk {i}", max_new_tokens=200)) for i in range(60)]
+    gateway_settings = GatewaySettings(reply_topic_prefix=kafka.allowed_reply_topic_prefixes[0], data_dir=tmp_path)
+    async with running_worker(kafka, settings, engine, max_num_seqs=8):
+        async with RunningGateway(kafka, gateway_settings) as gateway:
+            await produce_requests(kafka, bulk)
+            async with asyncio.timeout(20):
+                while gateway.gateway.door.refusal(2) is None:
+                    await asyncio.sleep(0.1)
+            client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.port}/v1", api_key="-", max_retries=0,
+                                        timeout=30)
+            before = gateway.gateway.num_requests
+            with pytest.raises(openai.RateLimitError) as limited:
+                await chat(client, service_tier="flex")
+            assert 1 <= int(limited.value.response.headers["retry-after"]) <= 60
+            assert gateway.gateway.num_requests == before  # refused before anything was produced
+            urgent = await chat(client, service_tier="priority")
+            assert urgent.choices[0].message.content
