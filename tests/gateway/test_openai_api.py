@@ -57,11 +57,13 @@ def test_service_tier_header_and_timeout_map_to_priority_and_timeout_ms():
     ({"n": 0}, 400, "n"),
     ({"temperature": 3}, 400, None),
     ({"top_logprobs": 2}, 400, "top_logprobs"),
-    ({"tools": [{"type": "function"}]}, 400, "tools"),
+    ({"tools": [{"type": "function"}]}, 400, "tools[0]"),
+    ({"functions": [{"name": "f"}]}, 400, "functions"),
     ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"service_tier": "gold"}, 400, "service_tier"),
     ({"response_format": {"type": "xml"}}, 400, "response_format"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
+    ({"messages": [{"role": "function", "content": "x"}]}, 400, "messages[0].role"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0]"),
     ({"max_tokens": "many"}, 400, "max_tokens"),
 ])
 def test_refusals_are_openai_errors(body, status, param):

@@ -10,7 +10,8 @@ import pytest
 from worker.tools.parse import ToolCallParser
 
 NAMES = frozenset({"get_weather", "get_time"})
-CALL_1 = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa}ris \\"x\\"", "days": [1, {"a": 2}]}}\n</tool_call>'
+CALL_1 = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa}ris \\"x\\"", "days": [1, {"a": 2}]}}\n'
+          '</tool_call>')
 CALL_2 = '<tool_call>\n{"arguments": {}, "name": "get_time"}\n</tool_call>'
 
 

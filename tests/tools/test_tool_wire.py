@@ -43,7 +43,8 @@ def test_a_tools_request_and_a_conversation_with_calls_and_results_decode():
     assert isinstance(decoded, GenerationRequest)
     assert decoded.forces_tool_call and decoded.effective_tool_choice.function.name == "get_weather"
     assert decoded.messages[1].tool_calls[0].function.arguments == '{"city": "Paris"}'
-    assert decoded.num_prompt_chars == len("Weather in Paris?") + len("get_weather") + len('{"city": "Paris"}') + len("18 C, sunny")
+    chars = ("Weather in Paris?", "get_weather", '{"city": "Paris"}', "18 C, sunny")
+    assert decoded.num_prompt_chars == sum(map(len, chars))
     assert decode_request(encode(decoded)) == decoded
     auto = decode_request(request(tools=[WEATHER]))
     assert auto.effective_tool_choice == "auto" and not auto.forces_tool_call
@@ -59,7 +60,8 @@ def test_a_tools_request_and_a_conversation_with_calls_and_results_decode():
         "type": "object", "properties": {"x": {"anyOf": []}}}}}]}, "anyOf must be a non-empty list"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"required": "x"}}}]},
      "required must be a list"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "object"}}]}, "Expected `object | null`, got `str`"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "object"}}]},
+     "Expected `object | null`, got `str`"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
      "tool_choice names 'get_time', which is not among the tools"),
     ({"tools": [WEATHER, WEATHER]}, "tool names must be unique: get_weather"),

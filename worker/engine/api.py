@@ -120,8 +120,11 @@ class EngineRequest:
     request_id: str
     """Unique inside one engine; the transport uses "<wire id>#<attempt>@<partition>:<offset>"."""
     prompt: str | None = None
-    messages: list[dict[str, str]] | None = None
-    """Chat messages [{"role": ..., "content": ...}], rendered with the model's chat template."""
+    messages: list[dict] | None = None
+    """Chat messages [{"role": ..., "content": ...}] (with tool_calls or tool_call_id where the wire has them),
+    rendered with the model's chat template (worker/tools/render.py)."""
+    tools: list[dict] | None = None
+    """The wire's tools, shown to the model with the messages; None: none shown."""
     prompt_token_ids: list[int] | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0
