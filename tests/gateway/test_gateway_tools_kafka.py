@@ -116,15 +116,18 @@ async def test_bad_tools_get_openai_errors_and_nothing_reaches_kafka(stack):  # 
 
 async def test_a_producer_on_the_wire_gets_the_calls_in_the_final(stack):  # noqa: F811
     kafka, _, _ = stack
-    good, bad = f"tools-{uuid.uuid4().hex[:8]}", f"tools-bad-{uuid.uuid4().hex[:8]}"
+    good, bad, kept = (f"tools-{what}-{uuid.uuid4().hex[:8]}" for what in ("good", "bad", "unkept"))
     # Written by hand, as a producer in another language would.
     record = {"id": good, "messages": ASK, "tools": [WEATHER, CLOCK], "tool_choice": NAMED, "max_new_tokens": 96,
               "stream": True}
     refused = {"id": bad, "messages": ASK, "tools": [WEATHER], "tool_choice": {"type": "function",
                                                                                 "function": {"name": "nope"}}}
+    # A schema of the right shape that the grammar library cannot keep (`not`): refused when its grammar compiles.
+    unkept = {"id": kept, "messages": ASK, "tool_choice": "required", "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"x": {"not": {"type": "string"}}}}}}]}
     async with Collector(kafka) as collector:
-        await produce(kafka, [(1, json.dumps(record).encode(), good), (1, json.dumps(refused).encode(), bad)])
-        await collector.wait_until(lambda r: r.finals.get(good) and r.finals.get(bad), 60, "both finals")
+        await produce(kafka, [(1, json.dumps(body).encode(), body["id"]) for body in (record, refused, unkept)])
+        await collector.wait_until(lambda r: all(r.finals.get(i) for i in (good, bad, kept)), 60, "three finals")
     final = collector.results.finals[good][0]
     assert (final.status, final.finish_reason, final.content) == ("completed", "tool_calls", "")
     [call] = final.tool_calls
@@ -136,3 +139,5 @@ async def test_a_producer_on_the_wire_gets_the_calls_in_the_final(stack):  # noq
     assert pieces[0].id == call.id and "".join(p.arguments for p in pieces) == call.function.arguments
     error = collector.results.finals[bad][0]
     assert (error.status, error.reason) == ("error", "invalid_request") and "tool_choice names" in error.message
+    error = collector.results.finals[kept][0]
+    assert (error.status, error.reason) == ("error", "invalid_request") and error.message.startswith("tools: ")

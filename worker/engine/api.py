@@ -48,6 +48,9 @@ class StructuredOutput:
     spec: str
     """The JSON Schema as JSON text, the regular expression, or the grammar. Equal specs share one compiled
     grammar."""
+    field: str = "response_format"
+    """The request field the format comes from (response_format, or tools for a forced call): a refusal names
+    it."""
 
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_KINDS:

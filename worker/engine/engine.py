@@ -190,7 +190,7 @@ class LLMEngine:
     def _start_constrained(self, req: Request, live: _Live, error: str | None) -> list[RequestOutput]:
         if error is not None:  # the format cannot be kept: the request ends before it runs
             return [RequestOutput(req.request_id, [], "", True, "error", "invalid_request",
-                                  f"response_format: {error}", arrival_time=req.arrival_time,
+                                  f"{req.sampling.structured.field}: {error}", arrival_time=req.arrival_time,
                                   finish_time=time.monotonic())]
         live.constrained = True
         self.scheduler.add_request(req)
@@ -371,7 +371,8 @@ class LLMEngine:
         if not request.status.finished:
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
         out = self._final(request)
-        out.finish_reason, out.error_code, out.error_message = "error", "invalid_request", f"response_format: {why}"
+        out.finish_reason, out.error_code = "error", "invalid_request"
+        out.error_message = f"{request.sampling.structured.field}: {why}"
         return out
 
     def _postprocess(self, update: RequestUpdate) -> RequestOutput:

@@ -72,7 +72,7 @@ def tool_call_output(req: GenerationRequest) -> StructuredOutput | None:
     functions = [(t.function.name, t.function.arguments_schema) for t in tools]
     # A named function is called once (OpenAI's meaning); `required` may call several when parallel.
     return StructuredOutput("grammar", tool_call_grammar(functions, parallel=req.parallel_tool_calls
-                                                         and not isinstance(choice, NamedToolChoice)))
+                                                         and not isinstance(choice, NamedToolChoice)), "tools")
 
 
 def engine_messages(req: GenerationRequest) -> list[dict] | None:
