@@ -127,7 +127,8 @@ async def test_a_producer_on_the_wire_gets_the_calls_in_the_final(stack):  # noq
         "name": "f", "parameters": {"type": "object", "properties": {"x": {"not": {"type": "string"}}}}}}]}
     async with Collector(kafka) as collector:
         await produce(kafka, [(1, json.dumps(body).encode(), body["id"]) for body in (record, refused, unkept)])
-        await collector.wait_until(lambda r: all(r.finals.get(i) for i in (good, bad, kept)), 60, "three finals")
+        await collector.wait_until(lambda r: all(r.finals.get(i) for i in (good, bad, kept))
+                                   and any(d.request_id == bad for d in r.dead_letters), 60, "finals, dead letter")
     final = collector.results.finals[good][0]
     assert (final.status, final.finish_reason, final.content) == ("completed", "tool_calls", "")
     [call] = final.tool_calls
@@ -139,5 +140,9 @@ async def test_a_producer_on_the_wire_gets_the_calls_in_the_final(stack):  # noq
     assert pieces[0].id == call.id and "".join(p.arguments for p in pieces) == call.function.arguments
     error = collector.results.finals[bad][0]
     assert (error.status, error.reason) == ("error", "invalid_request") and "tool_choice names" in error.message
+    # Refused at decode, it is set aside as every invalid record is; the one refused at compile decoded fine.
+    [dead] = [d for d in collector.results.dead_letters if d.request_id == bad]
+    assert dead.error_code == "invalid_request" and json.loads(dead.value) == refused
+    assert not any(d.request_id == kept for d in collector.results.dead_letters)
     error = collector.results.finals[kept][0]
     assert (error.status, error.reason) == ("error", "invalid_request") and error.message.startswith("tools: ")
