@@ -64,6 +64,8 @@ def test_smollm2s_template_renders_the_generic_format(smollm2_path):
 def test_a_template_with_tools_gets_them_and_the_calls_as_objects():
     template = "{% for t in tools %}{{ t.function.name }}{% endfor %}<tool_call>"
     assert template_renders_tools(template) and not template_renders_tools("{{ messages }}")
+    assert template_renders_tools({"default": "{{ messages }}", "tool_use": template})
+    assert not template_renders_tools({"default": "{{ messages }}"}) and not template_renders_tools(None)
     messages, tools = render_chat(HISTORY, [WEATHER], native=True)
     assert tools == [WEATHER] and messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris",
                                                                                               "unit": "C"}

@@ -23,8 +23,12 @@ SECTION_TAIL = ("</tools>\n\nFor each function call, return a json object with f
                 "<args-json-object>}\n</tool_call>")
 
 
-def template_renders_tools(chat_template: str | None) -> bool:
-    """Whether a chat template shows tools itself in the convention the worker parses."""
+def template_renders_tools(chat_template: str | dict[str, str] | None) -> bool:
+    """Whether a chat template shows tools itself in the convention the worker parses. A tokenizer with several
+    named templates (a dict) is read as the one transformers picks when given tools: `tool_use`, else
+    `default`."""
+    if isinstance(chat_template, dict):
+        chat_template = chat_template.get("tool_use") or chat_template.get("default")
     return bool(chat_template) and "tools" in chat_template and OPEN in chat_template
 
 

@@ -87,6 +87,7 @@ class RequestStream:
     """Parses tool calls out of the text when the request's tools may be called; fed what goes out in chunks,
     or the whole text at the end when none do."""
     tools_ended: bool = False
+    """The parser was told the output ended (its held-back text given out), which happens once."""
 
     @property
     def sends_chunks(self) -> bool:
