@@ -31,7 +31,7 @@ from gateway.files import ANONYMOUS, FRAMING_BYTES, FileStore, int_param
 from gateway.keys import KeyEntry, Keys
 from gateway.metrics import NO_KEY, UNAUTHENTICATED, GatewayMetrics
 from gateway.openai_api import (CHAT, COMPLETIONS, ApiError, Options, Tiers, TokenText, bad_request, chunk_body,
-                                completion_body, delta_choice, final_error, now_s, to_request)
+                                completion_body, delta_choice, final_error, now_s, to_request, tool_call_deltas)
 from aiokafka.errors import KafkaError
 
 from llm_client import ClientError, Delta, RequestHandle, RequestTimeout
@@ -330,11 +330,11 @@ class Gateway:
         started: set[int] = set()
         with_usage = options.include_usage
 
-        def piece(index: int, text: str, logprobs, finish_reason=None) -> dict:
+        def piece(index: int, text: str, logprobs, finish_reason=None, tool_calls=None) -> dict:
             first_of_index = index not in started
             started.add(index)
             choice = delta_choice(options, index, text, logprobs, self.tokens, first=first_of_index,
-                                  finish_reason=finish_reason)
+                                  finish_reason=finish_reason, tool_calls=tool_calls)
             return chunk_body(options, request_id, created, [choice], with_usage_field=with_usage)
 
         async def deltas():
@@ -347,6 +347,14 @@ class Gateway:
             if delta.restarted:  # a redelivery starts over: what was sent cannot be taken back
                 raise ApiError(500, "the request was served again after a worker failed; its stream restarted",
                                "server_error", "stream_restarted")
+            if options.tools:
+                # The worker's parse: content outside calls and the calls' pieces; text it holds back (a
+                # possible call opening) makes chunks with neither, which need not go out.
+                chunk = delta.chunk
+                calls = tool_call_deltas(chunk.tool_calls)
+                if chunk.content or calls or chunk.logprobs or delta.index not in started:
+                    yield piece(delta.index, chunk.content or "", chunk.logprobs, tool_calls=calls)
+                continue
             yield piece(delta.index, delta.text, delta.chunk.logprobs)
         final = await handle.result()
         if final.status != "completed":

@@ -9,6 +9,7 @@ JSON with its HTTP status; `final_error` says which status a final that is not `
 from __future__ import annotations
 
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -20,6 +21,7 @@ from schemas.decode import decode_request
 from schemas.limits import MAX_COMPLETIONS, MAX_TOP_LOGPROBS
 from schemas.request import GenerationRequest
 from schemas.result import FinalRecord, TokenLogprob, Usage
+from schemas.tools import ToolCallDelta
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -29,10 +31,12 @@ DEFAULT_MAX_TOKENS = 256
 """max_new_tokens of a request that names neither max_tokens nor max_completion_tokens."""
 MAX_STOP = 4
 """OpenAI's bound on stop sequences."""
-UNSUPPORTED_FIELDS = ("tools", "functions", "tool_choice", "function_call", "logit_bias", "audio", "prediction",
-                      "web_search_options", "suffix")
-"""Fields refused when set (non-null, non-empty): silently dropping them would answer another question."""
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+UNSUPPORTED_FIELDS = ("functions", "function_call", "logit_bias", "audio", "prediction", "web_search_options",
+                      "suffix")
+"""Fields refused when set (non-null, non-empty): silently dropping them would answer another question.
+`functions` and `function_call` are OpenAI's deprecated form of tools: their answers have another shape
+(message.function_call), so they are refused with a pointer to `tools` rather than mapped."""
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 @dataclass(slots=True)
@@ -68,6 +72,9 @@ class Options:
     logprobs: bool
     top_logprobs: int
     service_tier: str | None
+    tools: bool = False
+    """The answer may hold tool calls (tools given, tool_choice not none): content and calls come from the
+    worker's parse."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -145,10 +152,53 @@ def _messages(body: dict) -> list[dict]:
             raise bad_request("each message must be an object", f"messages[{i}]")
         role = ROLES.get(message.get("role"))
         if role is None:
-            raise bad_request(f"unsupported role {message.get('role')!r} (system, developer, user, assistant)",
-                              f"messages[{i}].role")
-        out.append({"role": role, "content": _content(message, i)})
+            raise bad_request(f"unsupported role {message.get('role')!r} (system, developer, user, assistant, "
+                              "tool)", f"messages[{i}].role")
+        tool_calls = message.get("tool_calls") if role == "assistant" else None
+        if tool_calls is not None and not isinstance(tool_calls, list):
+            raise bad_request("tool_calls must be a list", f"messages[{i}].tool_calls")
+        entry: dict[str, Any] = {"role": role}
+        if tool_calls:  # the wire checks each call's shape; content may then be null
+            entry["tool_calls"] = tool_calls
+            entry["content"] = None if message.get("content") in (None, "") else _content(message, i)
+        else:
+            entry["content"] = _content(message, i)
+        if role == "tool":
+            entry["tool_call_id"] = message.get("tool_call_id")
+        out.append(entry)
     return out
+
+
+def _tools(body: dict) -> dict:
+    """tools, tool_choice and parallel_tool_calls as the wire takes them; the decoder checks their contents."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    out: dict[str, Any] = {}
+    if tools not in (None, []):
+        if not isinstance(tools, list):
+            raise bad_request("tools must be a list", "tools")
+        out["tools"] = tools
+    if choice is not None and (tools not in (None, []) or choice != "none"):
+        out["tool_choice"] = choice
+    parallel = _opt(body, "parallel_tool_calls", bool)
+    if parallel is not None:
+        out["parallel_tool_calls"] = parallel
+    return out
+
+
+_AT_PATH = re.compile(r"at `\$\.((?:messages|tools|tool_choice)\b[^`]*)`")
+"""msgspec's path of the error, where it is a body field the wire takes as the body has it."""
+
+
+def _param_of(message: str) -> str | None:
+    """The body field a decoder message is about: the path msgspec gives, else a tool field it names."""
+    at = _AT_PATH.search(message)
+    if at is not None:
+        return at.group(1)
+    for name in ("tool_choice", "tools"):
+        if name in message:
+            return name
+    return None
 
 
 def _prompt(body: dict) -> dict:
@@ -265,6 +315,10 @@ def to_request(body: Any, endpoint: str, request_id: str, models: list[str], tie
     record: dict[str, Any] = {"id": request_id, "max_new_tokens": max_tokens, "sampling": sampling,
                               "stream": stream, "n": n, "priority": priority}
     record.update({"messages": _messages(body)} if endpoint == CHAT else _prompt(body))
+    if endpoint == CHAT:
+        record.update(_tools(body))
+    elif body.get("tools") not in (None, []):
+        raise bad_request("tools need /v1/chat/completions", "tools", "unsupported_parameter")
     if best_of is not None:
         record["best_of"] = best_of
     response_format = _response_format(body)
@@ -287,9 +341,9 @@ def to_request(body: Any, endpoint: str, request_id: str, models: list[str], tie
         record["cache_salt"] = cache_salt
     decoded = decode_request(msgspec.json.encode(record))
     if not isinstance(decoded, GenerationRequest):
-        raise bad_request(decoded.message, code=decoded.code)
+        raise bad_request(decoded.message, _param_of(decoded.message), code=decoded.code)
     options = Options(endpoint, model, stream, bool(stream_options.get("include_usage")), n, logprobs,
-                      top_logprobs, tier)
+                      top_logprobs, tier, decoded.effective_tool_choice != "none")
     return decoded, priority, options
 
 
@@ -388,7 +442,13 @@ def completion_body(options: Options, request_id: str, created: int, final: Fina
     for index, done in enumerate(completions):
         text = done.text or ""
         if options.endpoint == CHAT:
-            choice = {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
+            message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+            if options.tools and done.content is not None:
+                message["content"] = done.content
+            if done.tool_calls:
+                message["content"] = done.content or None
+                message["tool_calls"] = [msgspec.to_builtins(call) for call in done.tool_calls]
+            choice = {"index": index, "message": message,
                       "logprobs": chat_logprobs(tokens, done.logprobs) if options.logprobs else None}
         else:
             choice = {"index": index, "text": text,
@@ -414,12 +474,29 @@ def chunk_body(options: Options, request_id: str, created: int, choices: list[di
     return body
 
 
+def tool_call_deltas(pieces: list[ToolCallDelta] | None) -> list[dict]:
+    """A chunk's tool-call pieces as OpenAI's delta.tool_calls entries: the first of a call with its id, type and
+    name (arguments ""), the others with an arguments fragment."""
+    out = []
+    for piece in pieces or ():
+        if piece.id is not None:
+            out.append({"index": piece.index, "id": piece.id, "type": "function",
+                        "function": {"name": piece.name, "arguments": piece.arguments}})
+        else:
+            out.append({"index": piece.index, "function": {"arguments": piece.arguments}})
+    return out
+
+
 def delta_choice(options: Options, index: int, text: str, logprobs: list[TokenLogprob] | None,
-                 tokens: TokenText, *, first: bool = False, finish_reason: str | None = None) -> dict:
+                 tokens: TokenText, *, first: bool = False, finish_reason: str | None = None,
+                 tool_calls: list[dict] | None = None) -> dict:
     if options.endpoint == CHAT:
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
         if finish_reason is not None and not text and not first:
             delta = {}
+        if tool_calls:
+            delta["content"] = text or None
+            delta["tool_calls"] = tool_calls
         lp = chat_logprobs(tokens, logprobs) if options.logprobs and logprobs else None
         return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
     lp = text_logprobs(tokens, logprobs) if options.logprobs and logprobs else None

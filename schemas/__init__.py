@@ -43,6 +43,7 @@ from schemas.result import (
     Timings,
     Usage,
 )
+from schemas.tools import FunctionCall, FunctionSpec, NamedToolChoice, Tool, ToolCall, ToolCallDelta, ToolChoice
 from schemas.status import PriorityStatus, Throughput, WorkerStatus
 from schemas.usage import UsageRecord
 
@@ -56,12 +57,15 @@ __all__ = [
     "ERROR_REASONS",
     "FINISH_REASONS",
     "FinalRecord",
+    "FunctionCall",
+    "FunctionSpec",
     "GenerationRequest",
     "GrammarFormat",
     "JsonObjectFormat",
     "JsonSchemaFormat",
     "JsonSchemaSpec",
     "Limits",
+    "NamedToolChoice",
     "PriorityStatus",
     "REJECT_REASONS",
     "RegexFormat",
@@ -74,6 +78,10 @@ __all__ = [
     "TextFormat",
     "Throughput",
     "Timings",
+    "Tool",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolChoice",
     "Usage",
     "UsageRecord",
     "WorkerStatus",

@@ -115,6 +115,12 @@ def check_limits(request: GenerationRequest, limits: Limits = DEFAULT_LIMITS) ->
             f"response_format has {num_format_chars} chars, the limit is {limits.max_response_format_chars} "
             "(max_response_format_chars)",
         )
+    if request.tools is not None and len(request.tools) > limits.max_tools:
+        return refuse("too_large", f"{len(request.tools)} tools, the limit is {limits.max_tools}")
+    num_tools_chars = request.num_tools_chars
+    if num_tools_chars > limits.max_tools_chars:
+        return refuse("too_large", f"the tools have {num_tools_chars} chars as compact JSON, the limit is "
+                      f"{limits.max_tools_chars} (max_tools_chars)")
     if request.max_new_tokens > limits.max_new_tokens:
         return refuse("invalid_request", f"max_new_tokens {request.max_new_tokens} exceeds {limits.max_new_tokens}")
     sampling = request.sampling

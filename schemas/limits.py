@@ -59,6 +59,12 @@ class Limits:
     text the grammar compiler is given (its own limits bound the work; the worker's ENGINE_GRAMMAR_* settings).
     A 50,000-value enum of short strings (v0 ... v49999) is about 440,000."""
 
+    max_tools: int = 128
+    """Functions one request may offer (OpenAI's bound)."""
+    max_tools_chars: int = 200_000
+    """Characters of a request's tools as compact JSON: they are rendered into the prompt, and a forced call's
+    grammar is built from their schemas."""
+
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)

@@ -17,6 +17,7 @@ import msgspec
 from msgspec import Meta
 
 from schemas.limits import DEFAULT_LIMITS as _L
+from schemas.tools import NamedToolChoice, Tool, ToolCall, ToolChoice, parameters_problem
 from schemas.limits import (MAX_CACHE_SALT_CHARS, MAX_COMPLETIONS, MAX_ID_CHARS, MAX_INT32, MAX_SAFE_INT, MAX_SEED,
                             MAX_TENANT_CHARS, MAX_TOP_LOGPROBS, SCHEMA_VERSION)
 
@@ -52,10 +53,31 @@ class WireRecord(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
 
 
 class ChatMessage(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=False):
-    """One turn of a chat; the worker renders the list with the model's chat template."""
+    """One turn of a chat; the worker renders the list with the model's chat template (docs/wire-format.md, "Tool
+    calling", for how calls and their results are rendered)."""
 
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "user", "assistant", "tool"]
+    content: Annotated[str, Meta(description=(
+        "The turn's text; null only on an assistant turn that made tool_calls."))] | None = None
+    tool_calls: Annotated[list[ToolCall], Meta(min_length=1, description=(
+        "An assistant turn's calls, as a final record's tool_calls gave them."))] | None = None
+    tool_call_id: Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS, description=(
+        "A tool turn (the result of a call): the id of the call it answers."))] | None = None
+
+    def __post_init__(self) -> None:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"only an assistant message has tool_calls, not a {self.role} one")
+        if self.content is None and self.tool_calls is None:
+            raise ValueError(f"a {self.role} message needs content (null only beside tool_calls)")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message needs tool_call_id" if self.role == "tool"
+                             else f"only a tool message has tool_call_id, not a {self.role} one")
+
+    @property
+    def num_chars(self) -> int:
+        """Characters of its content and of its calls' names and arguments."""
+        calls = sum(len(c.function.name) + len(c.function.arguments) for c in self.tool_calls or ())
+        return len(self.content or "") + calls
 
 
 class SamplingSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=False):
@@ -297,6 +319,26 @@ class GenerationRequest(WireRecord, kw_only=True):
         | None
     ) = None
 
+    tools: (
+        Annotated[list[Tool], Meta(min_length=1, description=(
+            f"Functions the model may call (a chat request's only). Worker default limits: {_L.max_tools} tools, "
+            f"{_L.max_tools_chars} chars of them all as compact JSON. Names are unique; each `parameters` is a "
+            "JSON Schema of an object. See docs/wire-format.md, \"Tool calling\"."))]
+        | None
+    ) = None
+    tool_choice: (
+        Annotated[ToolChoice, Meta(description=(
+            "With tools: auto (the default: the model answers or calls, calls are parsed from its output), none "
+            "(tools are not shown to the model, nothing is parsed), required (the output is constrained to one "
+            "call or more of the tools, with arguments that satisfy their schemas), or {\"type\": \"function\", "
+            "\"function\": {\"name\": ...}} (constrained to one call of that function). A constrained call "
+            "cannot be combined with response_format."))]
+        | None
+    ) = None
+    parallel_tool_calls: Annotated[bool, Meta(description=(
+        "Whether one answer may hold several calls: with tool_choice required, false constrains it to exactly "
+        "one; with auto, false keeps only the first call parsed."))] = True
+
     tenant: (
         Annotated[TenantId, Meta(description=(
             "Who the request is for (a team, a customer). Within a priority, tenants share the worker fairly by "
@@ -329,6 +371,49 @@ class GenerationRequest(WireRecord, kw_only=True):
                              f"({self.max_new_tokens})")
         if self.best_of is not None and self.best_of < self.n:
             raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+        self._check_tools()
+
+    def _check_tools(self) -> None:
+        if self.tools is None:
+            if self.tool_choice is not None and self.tool_choice != "none":
+                raise ValueError("tool_choice needs tools")
+            return
+        if self.messages is None:
+            raise ValueError("tools need messages (a chat request)")
+        names = [tool.function.name for tool in self.tools]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"tool names must be unique: {', '.join(duplicates)} given more than once")
+        for i, tool in enumerate(self.tools):
+            if tool.function.parameters is not None:
+                problem = parameters_problem(tool.function.parameters)
+                if problem is not None:
+                    raise ValueError(f"tools[{i}] ({tool.function.name}): {problem}")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools "
+                             f"({', '.join(names)})")
+        if self.forces_tool_call and self.response_format is not None:
+            raise ValueError("response_format cannot be combined with tool_choice required or a named function: "
+                             "the output is then the call")
+
+    @property
+    def effective_tool_choice(self) -> ToolChoice:
+        """What the request's tools do: `none` without tools, `auto` where tool_choice is not given."""
+        if self.tools is None:
+            return "none"
+        return self.tool_choice if self.tool_choice is not None else "auto"
+
+    @property
+    def forces_tool_call(self) -> bool:
+        """The output is constrained to a call (tool_choice required or a named function)."""
+        return self.tools is not None and (self.tool_choice == "required"
+                                          or isinstance(self.tool_choice, NamedToolChoice))
+
+    @property
+    def num_tools_chars(self) -> int:
+        """Characters of the tools as compact JSON; 0 for none."""
+        return len(msgspec.json.encode(self.tools)) if self.tools else 0
 
     @property
     def routing_key(self) -> str:
@@ -365,6 +450,6 @@ class GenerationRequest(WireRecord, kw_only=True):
         if self.prompt is not None:
             return len(self.prompt)
         if self.messages is not None:
-            return sum(len(m.content) for m in self.messages)
+            return sum(m.num_chars for m in self.messages)
         return 0
 

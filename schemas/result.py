@@ -18,10 +18,12 @@ from msgspec import Meta
 
 from schemas.limits import MAX_COMPLETIONS, MAX_INT32, MAX_SAFE_INT
 from schemas.request import RequestId, TokenId, WireRecord
+from schemas.tools import ToolCall, ToolCallDelta
 
-FinishReason = Literal["stop", "length", "abort"]
-"""stop: EOS, a stop token or a stop string; length: max_new_tokens or the context end; abort: cancelled."""
-FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
+"""stop: EOS, a stop token or a stop string; length: max_new_tokens or the context end; abort: cancelled;
+tool_calls: the output ended (as for stop) and holds tool calls."""
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "tool_calls")
 
 REJECT_REASONS: tuple[str, ...] = ("deadline", "shed", "overloaded", "queue_full")
 """rejected: the request was valid but not served. deadline: it expired before it could start; shed: its
@@ -88,6 +90,12 @@ class StreamChunk(WireRecord, kw_only=True, tag_field="kind", tag="chunk"):
     logprobs: Annotated[
         list[TokenLogprob], Meta(description="With sampling.logprobs: one per token id, in the same order.")
     ] | None = None
+    content: Annotated[str, Meta(description=(
+        "Set when the request's tools may be called (tool_choice not none): the part of the text delta outside "
+        "tool calls. Text that may begin a call is held back until it is known not to."))] | None = None
+    tool_calls: Annotated[list[ToolCallDelta], Meta(description=(
+        "Pieces of the tool calls parsed so far (OpenAI's delta.tool_calls): joined by index they make the "
+        "final record's tool_calls."))] | None = None
 
 
 class Usage(msgspec.Struct, kw_only=True, frozen=True):
@@ -142,6 +150,11 @@ class FinalRecord(WireRecord, kw_only=True, tag_field="kind", tag="final"):
     num_chunks: Annotated[
         int, Meta(ge=0, le=MAX_SAFE_INT, description="Chunks sent in this attempt, so a client can tell it saw all.")
     ] = 0
+    content: Annotated[str, Meta(description=(
+        "Set when the request's tools may be called (tool_choice not none): the text outside tool calls, "
+        "trimmed; `text` keeps the whole output."))] | None = None
+    tool_calls: Annotated[list[ToolCall], Meta(description=(
+        "The calls the output holds, in order; finish_reason is then tool_calls."))] | None = None
     metadata: dict[str, str] | None = None
     worker_id: str = ""
     retry_after_ms: Annotated[int, Meta(ge=0, le=MAX_SAFE_INT, description=(

@@ -25,6 +25,9 @@ PURE_MODULES = (
     "worker.engine.scheduler_output",
     "worker.engine.batch_builder",
     "worker.model.step_batch",
+    "worker.tools.grammar",
+    "worker.tools.parse",
+    "worker.tools.render",
 )
 """Importing these, and whatever of ours they import in turn, pulls in nothing in HEAVY."""
 TORCH_OWNER = "worker.engine.engine"

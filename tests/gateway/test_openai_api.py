@@ -8,9 +8,12 @@ import json
 import pytest
 
 from gateway.batch_run import AnswerFile, parse_input
+import msgspec
+
 from gateway.openai_api import (CHAT, COMPLETIONS, ApiError, Tiers, TokenText, chat_logprobs, completion_body,
-                                final_error, text_logprobs, to_request)
+                                delta_choice, final_error, text_logprobs, to_request, tool_call_deltas)
 from schemas.result import FinalRecord, TokenLogprob, TopLogprob, Usage
+from schemas.tools import ToolCallDelta
 
 TIERS = Tiers(num_priorities=3, default_priority=1)
 MODELS = ["m"]
@@ -57,11 +60,13 @@ def test_service_tier_header_and_timeout_map_to_priority_and_timeout_ms():
     ({"n": 0}, 400, "n"),
     ({"temperature": 3}, 400, None),
     ({"top_logprobs": 2}, 400, "top_logprobs"),
-    ({"tools": [{"type": "function"}]}, 400, "tools"),
+    ({"tools": [{"type": "function"}]}, 400, "tools[0]"),
+    ({"functions": [{"name": "f"}]}, 400, "functions"),
     ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"service_tier": "gold"}, 400, "service_tier"),
     ({"response_format": {"type": "xml"}}, 400, "response_format"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
+    ({"messages": [{"role": "function", "content": "x"}]}, 400, "messages[0].role"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0]"),
     ({"max_tokens": "many"}, 400, "max_tokens"),
 ])
 def test_refusals_are_openai_errors(body, status, param):
@@ -135,3 +140,49 @@ async def test_answer_file_resumes_cuts_a_half_line_and_never_writes_twice(tmp_p
     assert [json.loads(x)["custom_id"] for x in path.read_text().splitlines()] == ["a", "b"]
     await again.close()
     assert [json.loads(x)["custom_id"] for x in path.read_text().splitlines()] == ["a", "b"]
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_tools_calls_and_results_reach_the_wire_and_answers_carry_calls():
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "sunny"}]}]
+    request, _, options = chat(messages=messages, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
+    assert request.forces_tool_call and not request.parallel_tool_calls and options.tools
+    assert request.messages[1].content is None and request.messages[2].tool_call_id == "call_1"
+    assert request.messages[2].content == "sunny"
+    # An empty tools list is no tools (as the SDKs send it); tool_choice none then goes too.
+    _, _, no_tools = chat(tools=[], tool_choice="none")
+    assert not no_tools.tools
+
+    call = {"id": "call_x", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    final = msgspec.convert({"kind": "final", "id": "r1", "status": "completed", "reason": "tool_calls",
+                             "finish_reason": "tool_calls", "text": "<tool_call>...", "content": "",
+                             "tool_calls": [call]}, FinalRecord)
+    choice = completion_body(options, "r1", 0, final, [final], TokenText())["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] is None and choice["message"]["tool_calls"] == [call]
+    pieces = [ToolCallDelta(index=0, id="call_x", name="get_weather"), ToolCallDelta(index=0, arguments='{"ci')]
+    delta = delta_choice(options, 0, "", None, TokenText(), tool_calls=tool_call_deltas(pieces))["delta"]
+    assert delta == {"content": None, "tool_calls": [
+        {"index": 0, "id": "call_x", "type": "function", "function": {"name": "get_weather", "arguments": ""}},
+        {"index": 0, "function": {"arguments": '{"ci'}}]}
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                            "properties": {"x": {"type": 7}}}}}]},
+     "tools", "parameters.properties.x.type"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "tool_choice names 'nope'"),
+    ({"function_call": "auto", "functions": [{"name": "f"}]}, "functions", "not supported"),
+])
+def test_bad_tools_are_refused_before_anything_is_produced(body, param, words):
+    with pytest.raises(ApiError) as info:
+        chat(**body)
+    assert info.value.status == 400 and info.value.param == param and words in info.value.message

@@ -7,7 +7,8 @@ import time
 
 from aiokafka import TopicPartition
 
-from schemas.request import GenerationRequest
+from schemas.request import ChatMessage, GenerationRequest
+from schemas.tools import FunctionSpec, Tool
 from worker.engine.api import RequestOutput
 from worker.transport.requests.answers import Answers
 from worker.transport.requests.local_queue import QueuedRequest
@@ -255,3 +256,42 @@ async def test_best_of_returns_the_n_completions_of_highest_cumulative_logprob_r
     assert publisher.chunks() == []
     publisher.ack_all()
     assert tracker.num_pending() == 0
+
+
+def tool_request(request_id: str, offset: int, stream: bool, tool_choice: str = "auto") -> QueuedRequest:
+    request = GenerationRequest(id=request_id, messages=[ChatMessage(role="user", content="Time in Paris?")],
+                                stream=stream, tool_choice=tool_choice,
+                                tools=[Tool(function=FunctionSpec(name="get_time"))])
+    return QueuedRequest(request=request, partition=TopicPartition(TOPIC, 0), offset=offset, priority=1, attempt=0,
+                         timestamp_ms=int(time.time() * 1000), deadline_ms=None, reply_topic="llm.results",
+                         num_prompt_tokens=1)
+
+
+async def test_tool_calls_are_parsed_into_chunks_and_the_final_streamed_or_not():
+    publisher, tracker = FakePublisher(), OffsetTracker()
+    streamer = make_streamer(publisher, tracker)
+    streamed, whole, off = tool_request("s", 0, True), tool_request("w", 1, False), tool_request("o", 2, True, "none")
+    deltas = ["On it.\n<tool", '_call>\n{"name": "get_time", "argu', 'ments": {"tz": "C', 'ET"}}\n</tool_call>']
+    for q in (streamed, whole, off):
+        tracker.track(q.partition, q.offset)
+        streamer.open(q)
+    for i, delta in enumerate(deltas):
+        last = i == len(deltas) - 1
+        await streamer.handle([RequestOutput(q.engine_id, [i], delta, finished=last, finish_reason="stop" if last
+                                             else None, num_prompt_tokens=1, num_output_tokens=1,
+                                             arrival_time=time.monotonic()) for q in (streamed, whole, off)])
+    finals = publisher.finals()
+    text = "".join(deltas)
+    for request_id in ("s", "w"):
+        final = finals[request_id]
+        assert (final.finish_reason, final.reason, final.text, final.content) == ("tool_calls", "tool_calls", text,
+                                                                                  "On it.")
+        [call] = final.tool_calls
+        assert (call.function.name, call.function.arguments) == ("get_time", '{"tz": "CET"}')
+    assert (finals["o"].finish_reason, finals["o"].tool_calls, finals["o"].content) == ("stop", None, None)
+    chunks = [c for c in publisher.chunks() if c.id == "s"]
+    assert "".join(c.text for c in chunks) == text and "".join(c.content for c in chunks) == "On it."
+    pieces = [p for c in chunks for p in c.tool_calls or ()]
+    assert pieces[0].id == finals["s"].tool_calls[0].id and pieces[0].name == "get_time"
+    assert "".join(p.arguments for p in pieces) == '{"tz": "CET"}'
+    assert all(c.content is None and c.tool_calls is None for c in publisher.chunks() if c.id == "o")

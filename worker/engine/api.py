@@ -48,6 +48,9 @@ class StructuredOutput:
     spec: str
     """The JSON Schema as JSON text, the regular expression, or the grammar. Equal specs share one compiled
     grammar."""
+    field: str = "response_format"
+    """The request field the format comes from (response_format, or tools for a forced call): a refusal names
+    it."""
 
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_KINDS:
@@ -120,8 +123,11 @@ class EngineRequest:
     request_id: str
     """Unique inside one engine; the transport uses "<wire id>#<attempt>@<partition>:<offset>"."""
     prompt: str | None = None
-    messages: list[dict[str, str]] | None = None
-    """Chat messages [{"role": ..., "content": ...}], rendered with the model's chat template."""
+    messages: list[dict] | None = None
+    """Chat messages [{"role": ..., "content": ...}] (with tool_calls or tool_call_id where the wire has them),
+    rendered with the model's chat template (worker/tools/render.py)."""
+    tools: list[dict] | None = None
+    """The wire's tools, shown to the model with the messages; None: none shown."""
     prompt_token_ids: list[int] | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0

@@ -28,6 +28,7 @@ from worker.model.structured.compile import GrammarLimits
 from worker.model.input import Launched, StepArrays
 from worker.model.step_batch import StepRequests
 from worker.model.structured.manager import StructuredOutputManager
+from worker.tools.render import render_chat, template_renders_tools
 from worker.model.runner import ModelRunner, make_runner
 from worker.model.sampler import RowSampling, Sampler
 from worker.model.token_mask import TokenMask
@@ -97,6 +98,8 @@ class LLMEngine:
         self.runner = runner or make_runner(self.settings)
         self.runner.reset()  # a shared runner may still hold rows of another engine's unfinished requests
         self.tokenizer = self.runner.tokenizer
+        self.native_tools = template_renders_tools(getattr(self.tokenizer, "chat_template", None))
+        """The model's template shows tools in the convention the worker parses; else the generic format."""
         self.scheduler = Scheduler(self.settings, self.runner.num_blocks, self.runner.max_model_len)
         self.sampler = Sampler()
         if str(getattr(self.runner, "device", "")) == "cpu":  # the draw runs in numpy there
@@ -132,7 +135,9 @@ class LLMEngine:
             if any(not 0 <= t < self.runner.vocab_size for t in token_ids):
                 raise InvalidRequest("invalid_request", f"token ids must lie in [0, {self.runner.vocab_size})")
         elif request.messages is not None:
-            text = self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False)
+            messages, tools = render_chat(request.messages, request.tools, self.native_tools)
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                      tokenize=False)
             token_ids = self.tokenizer(text, add_special_tokens=False).input_ids
         else:
             token_ids = self.tokenizer(request.prompt).input_ids
@@ -185,7 +190,7 @@ class LLMEngine:
     def _start_constrained(self, req: Request, live: _Live, error: str | None) -> list[RequestOutput]:
         if error is not None:  # the format cannot be kept: the request ends before it runs
             return [RequestOutput(req.request_id, [], "", True, "error", "invalid_request",
-                                  f"response_format: {error}", arrival_time=req.arrival_time,
+                                  f"{req.sampling.structured.field}: {error}", arrival_time=req.arrival_time,
                                   finish_time=time.monotonic())]
         live.constrained = True
         self.scheduler.add_request(req)
@@ -366,7 +371,8 @@ class LLMEngine:
         if not request.status.finished:
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
         out = self._final(request)
-        out.finish_reason, out.error_code, out.error_message = "error", "invalid_request", f"response_format: {why}"
+        out.finish_reason, out.error_code = "error", "invalid_request"
+        out.error_message = f"{request.sampling.structured.field}: {why}"
         return out
 
     def _postprocess(self, update: RequestUpdate) -> RequestOutput:

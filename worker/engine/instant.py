@@ -40,7 +40,8 @@ def _prompt_bytes(request: EngineRequest) -> bytes:
         return b",".join(str(t).encode() for t in request.prompt_token_ids)
     if request.prompt is not None:
         return request.prompt.encode("utf-8", "surrogatepass")
-    return "\n".join(f"{m['role']}:{m['content']}" for m in request.messages or []).encode("utf-8", "surrogatepass")
+    text = "\n".join(f"{m['role']}:{m.get('content') or ''}" for m in request.messages or [])
+    return text.encode("utf-8", "surrogatepass")
 
 
 def expected_text(request: EngineRequest, vocab_size: int = 49152) -> str:

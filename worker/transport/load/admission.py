@@ -46,13 +46,15 @@ class Verdict:
     """When waiting cures it (a quota): how long until the same request would be accepted."""
 
 
-def estimate_prompt_tokens(prompt: str | None, messages: list | None, prompt_token_ids: list[int] | None) -> int:
+def estimate_prompt_tokens(prompt: str | None, messages: list | None, prompt_token_ids: list[int] | None,
+                           tools_chars: int = 0) -> int:
     if prompt_token_ids is not None:
         return len(prompt_token_ids)
     if prompt is not None:
         return max(1, len(prompt) // CHARS_PER_TOKEN)
-    # Chat templates add a few tokens of framing per message.
-    return sum(max(1, len(m.content) // CHARS_PER_TOKEN) + 4 for m in messages or [])
+    # Chat templates add a few tokens of framing per message; tools are rendered into the prompt too.
+    return (sum(max(1, m.num_chars // CHARS_PER_TOKEN) + 4 for m in messages or [])
+            + tools_chars // CHARS_PER_TOKEN)
 
 
 DEADLINE_SAFETY_FACTOR = 1.2

@@ -17,7 +17,9 @@ from collections.abc import Callable
 
 import msgspec
 
-from schemas.request import GrammarFormat, JsonObjectFormat, JsonSchemaFormat, RegexFormat, ResponseFormat
+from schemas.request import (GenerationRequest, GrammarFormat, JsonObjectFormat, JsonSchemaFormat, RegexFormat,
+                             ResponseFormat)
+from schemas.tools import NamedToolChoice
 from worker.engine.api import EngineRequest, EngineStats, SamplingParams, StructuredOutput, fair_preempts
 from worker.transport.load.admission import Admission, Verdict
 from worker.transport.requests.answers import Answers
@@ -27,6 +29,7 @@ from worker.transport.requests.local_queue import LocalQueue, QueuedRequest
 from worker.transport.load.service_model import ServiceModel
 from worker.transport.requests.streamer import Streamer
 from worker.transport.load.tenant_book import TenantBook, cache_salt_of
+from worker.tools.grammar import tool_call_grammar
 
 
 SEED_STRIDE = 0x9E3779B97F4A7C15
@@ -58,6 +61,49 @@ def structured_output(response_format: ResponseFormat | None) -> StructuredOutpu
     return None
 
 
+def tool_call_output(req: GenerationRequest) -> StructuredOutput | None:
+    """The grammar of a forced tool call (tool_choice required or a named function); None otherwise."""
+    if not req.forces_tool_call:
+        return None
+    tools = req.tools or []
+    choice = req.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        tools = [t for t in tools if t.function.name == choice.function.name]
+    functions = [(t.function.name, t.function.arguments_schema) for t in tools]
+    # A named function is called once (OpenAI's meaning); `required` may call several when parallel.
+    return StructuredOutput("grammar", tool_call_grammar(functions, parallel=req.parallel_tool_calls
+                                                         and not isinstance(choice, NamedToolChoice)), "tools")
+
+
+def engine_messages(req: GenerationRequest) -> list[dict] | None:
+    """The chat messages as the engine renders them: role and content, with tool_calls or tool_call_id where
+    set."""
+    if req.messages is None:
+        return None
+    out = []
+    for m in req.messages:
+        message: dict = {"role": m.role, "content": m.content}
+        if m.tool_calls is not None:
+            message["tool_calls"] = msgspec.to_builtins(m.tool_calls)
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    return out
+
+
+def engine_tools(req: GenerationRequest) -> list[dict]:
+    """The tools as the prompt shows them: name, description where given, and the arguments' schema (a
+    function without parameters shows the empty object it is called with)."""
+    out = []
+    for tool in req.tools or ():
+        function: dict = {"name": tool.function.name}
+        if tool.function.description is not None:
+            function["description"] = tool.function.description
+        function["parameters"] = tool.function.arguments_schema
+        out.append({"type": "function", "function": function})
+    return out
+
+
 def to_engine_requests(queued: QueuedRequest, fair_tag: float = 0.0) -> list[EngineRequest]:
     """The engine's view of a wire request, one engine request per completion (n or best_of of them): sampling,
     priority, and times on the engine's monotonic clock. Completions after the first wait in the engine for
@@ -73,8 +119,10 @@ def to_engine_requests(queued: QueuedRequest, fair_tag: float = 0.0) -> list[Eng
     # When the client asked (the record's timestamp, bounded by the fetch time minus the allowed clock skew),
     # not when we fetched: a request that waited unread in Kafka keeps its place.
     arrival = now_mono - max(0.0, now_ms - queued.arrival_ms) / 1000.0
-    messages = [{"role": m.role, "content": m.content} for m in req.messages] if req.messages else None
-    structured = structured_output(req.response_format)
+    messages = engine_messages(req)
+    # tool_choice none: the model is not shown the tools (docs/wire-format.md, "Tool calling").
+    tools = engine_tools(req) if req.effective_tool_choice != "none" else None
+    structured = tool_call_output(req) or structured_output(req.response_format)
     cache_salt = cache_salt_of(queued.tenant, req.cache_salt)
     requests = []
     for index in range(num):
@@ -90,6 +138,7 @@ def to_engine_requests(queued: QueuedRequest, fair_tag: float = 0.0) -> list[Eng
             request_id=queued.completion_engine_id(index),
             prompt=req.prompt,
             messages=messages,
+            tools=tools,
             prompt_token_ids=list(req.prompt_token_ids) if req.prompt_token_ids is not None else None,
             sampling=sampling,
             priority=queued.priority,

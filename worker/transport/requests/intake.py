@@ -388,7 +388,8 @@ class Intake:
             request=req, partition=tp, offset=msg.offset, priority=priority, attempt=attempt,
             timestamp_ms=msg.timestamp, deadline_ms=req.deadline_at_ms(msg.timestamp),
             reply_topic=req.reply_topic or self.result_topic,
-            num_prompt_tokens=estimate_prompt_tokens(req.prompt, req.messages, req.prompt_token_ids),
+            num_prompt_tokens=estimate_prompt_tokens(req.prompt, req.messages, req.prompt_token_ids,
+                                                     req.num_tools_chars),
             arrival_ms=max(float(msg.timestamp), now_ms - self.max_clock_skew_ms),
             tenant=req.tenant if req.tenant is not None else DEFAULT_TENANT,
         )

@@ -12,6 +12,7 @@ import time
 import msgspec
 
 from schemas.result import FinalRecord, Timings, TokenLogprob, Usage
+from schemas.tools import ToolCall
 from worker.engine.api import RequestOutput
 
 REJECTED_FINISH = {"deadline": "deadline"}
@@ -31,13 +32,15 @@ def final_for_output(
     request_id: str, attempt: int, timestamp_ms: int, metadata: dict[str, str] | None, out: RequestOutput,
     token_ids: list[int], text: str, num_chunks: int, worker_id: str,
     predicted: tuple[float | None, float | None] = (None, None), logprobs: list[TokenLogprob] | None = None,
-    cancelled: str | None = None,
+    cancelled: str | None = None, content: str | None = None, tool_calls: list[ToolCall] | None = None,
 ) -> FinalRecord:
     """The final record of a request the engine finished (completed, rejected on deadline, or error);
     `token_ids` and `text` are everything it generated, `num_chunks` the chunk records sent before it,
     `predicted` the intake's predicted queue time and completion time (ms from the record's timestamp), `logprobs`
     (when the request asked) one per token id. `cancelled`: the producer's reason ('' for none) when its request
-    was cancelled: an `abort` then ends it `cancelled`, with its output so far."""
+    was cancelled: an `abort` then ends it `cancelled`, with its output so far. `content` and `tool_calls`: what
+    the tool-call parser made of the text, when the request's tools may be called; a completed output that ended
+    (stop) with calls finishes `tool_calls`."""
     now_mono, now_ms = time.monotonic(), time.time() * 1000.0
     first_token_ms = epoch_ms(out.first_token_time, now_mono, now_ms)
     finish_ms = epoch_ms(out.finish_time, now_mono, now_ms) or now_ms
@@ -60,6 +63,8 @@ def final_for_output(
         message = cancel_message(cancelled, f"after {len(token_ids)} output tokens; the text so far is included")
     elif reason in ("stop", "length", "abort"):
         status, finish_reason, message = "completed", reason, ""
+        if reason == "stop" and tool_calls:
+            reason = finish_reason = "tool_calls"
     elif reason in REJECTED_FINISH:
         status, reason, finish_reason = "rejected", REJECTED_FINISH[reason], None
         message = (f"deadline passed after {len(token_ids)} output tokens; generation stopped, the text so far is "
@@ -81,6 +86,8 @@ def final_for_output(
         text=text if with_output else None,
         token_ids=list(token_ids) if with_output else None,
         logprobs=list(logprobs) if with_output and logprobs is not None else None,
+        content=content if with_output else None,
+        tool_calls=tool_calls if with_output else None,
         num_chunks=num_chunks,
         metadata=metadata,
         worker_id=worker_id,

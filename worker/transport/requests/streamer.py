@@ -25,6 +25,7 @@ import msgspec
 
 from schemas.decode import encode
 from schemas.result import FinalRecord, StreamChunk, TokenLogprob, TopLogprob
+from schemas.tools import FunctionCall, ToolCall, ToolCallDelta
 from worker.engine.api import RequestOutput
 from worker.transport.requests.answers import Answers
 from worker.transport.requests.local_queue import QueuedRequest
@@ -34,6 +35,7 @@ from worker.transport.kafka.publisher import Publisher
 from worker.transport.requests.records import final_for_output, group_final
 from worker.transport.load.service_model import ServiceModel
 from worker.transport.load.tenant_book import TenantBook
+from worker.tools.parse import CallPiece, ToolCallParser
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,11 @@ class RequestStream:
     replay_diverged: bool = False
     cancel_reason: str | None = None
     """Set when its producer cancelled it (Streamer.cancel): the engine's abort then ends it `cancelled`."""
+    tools: ToolCallParser | None = None
+    """Parses tool calls out of the text when the request's tools may be called; fed what goes out in chunks,
+    or the whole text at the end when none do."""
+    tools_ended: bool = False
+    """The parser was told the output ended (its held-back text given out), which happens once."""
 
     @property
     def sends_chunks(self) -> bool:
@@ -141,9 +148,34 @@ class RequestStream:
             TopLogprob(token_id=t, logprob=v) for t, v in zip(lp.top_token_ids, lp.top_logprobs)])
             for lp in out.new_logprobs[skip:]]
 
-    def take_chunk(self, now: float) -> StreamChunk | None:
-        """The tokens since the last chunk as one StreamChunk; None when there is nothing new."""
-        if self.num_unsent_tokens == 0 and not self.unsent_text:
+    def end_tools(self) -> tuple[str, list[CallPiece]]:
+        """Ends the parser's input once (the output is complete)."""
+        if self.tools is None or self.tools_ended:
+            return "", []
+        self.tools_ended = True
+        return self.tools.finish()
+
+    def parsed_tool_calls(self) -> tuple[str | None, list[ToolCall] | None]:
+        """(content, tool_calls) for the final record: the whole text is parsed when no chunk was."""
+        if self.tools is None:
+            return None, None
+        if not self.sends_chunks:
+            self.tools.feed("".join(self.text_parts))
+        self.end_tools()
+        calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+                 for c in self.tools.calls]
+        return self.tools.content, calls or None
+
+    def take_chunk(self, now: float, last: bool = False) -> StreamChunk | None:
+        """The tokens since the last chunk as one StreamChunk; None when there is nothing new. `last`: the
+        output has ended, so the tool-call parser gives out what it held back."""
+        content, pieces = None, None
+        if self.tools is not None:
+            content, pieces = self.tools.feed("".join(self.unsent_text))
+            if last:
+                more, rest = self.end_tools()
+                content, pieces = content + more, pieces + rest
+        if self.num_unsent_tokens == 0 and not self.unsent_text and not content and not pieces:
             return None
         chunk = StreamChunk(
             id=self.queued.request.id,
@@ -154,12 +186,21 @@ class RequestStream:
             text="".join(self.unsent_text),
             logprobs=None if self.logprobs is None or not self.logprobs_asked
             else self.logprobs[len(self.logprobs) - self.num_unsent_tokens:],
+            content=content,
+            tool_calls=[ToolCallDelta(index=p.index, id=p.id, name=p.name, arguments=p.arguments)
+                        for p in pieces] if pieces else None,
         )
         self.seq += 1
         self.num_unsent_tokens = 0
         self.unsent_text = []
         self.last_flush = now
         return chunk
+
+
+def _tool_parser(request) -> ToolCallParser | None:
+    if request.effective_tool_choice == "none":
+        return None
+    return ToolCallParser(frozenset(t.function.name for t in request.tools), request.parallel_tool_calls)
 
 
 class Streamer:
@@ -195,13 +236,13 @@ class Streamer:
         num = request.num_completions
         if num == 1:
             logprobs = [] if request.sampling.logprobs else None
-            self.streams[queued.engine_id] = RequestStream(queued, logprobs=logprobs)
+            self.streams[queued.engine_id] = RequestStream(queued, logprobs=logprobs, tools=_tool_parser(request))
         else:
             group = CompletionGroup(queued, [None] * num, [0.0] * num)
             for index in range(num):
                 logprobs = [] if request.sampling.logprobs or group.ranked else None
-                self.streams[queued.completion_engine_id(index)] = RequestStream(queued, index, group,
-                                                                                 logprobs=logprobs)
+                self.streams[queued.completion_engine_id(index)] = RequestStream(
+                    queued, index, group, logprobs=logprobs, tools=_tool_parser(request))
         self.num_open_by_priority[queued.priority] += num
 
     def close_where(self, predicate: Callable[[QueuedRequest], bool]) -> list[str]:
@@ -276,8 +317,8 @@ class Streamer:
                 self._finish(stream, out, now)
         await self.publisher.wait_room()
 
-    def _send_chunk(self, stream: RequestStream, now: float) -> None:
-        chunk = stream.take_chunk(now)
+    def _send_chunk(self, stream: RequestStream, now: float, last: bool = False) -> None:
+        chunk = stream.take_chunk(now, last)
         if chunk is not None:
             self.publisher.publish_nowait(stream.queued.reply_topic, chunk.id.encode(), encode(chunk))
 
@@ -295,12 +336,14 @@ class Streamer:
                 "the engine failed on a step this request was in; it was run again from the start, and the "
                 "tokens it produced differ from those already streamed"))
         if stream.sends_chunks:
-            self._send_chunk(stream, now)
+            self._send_chunk(stream, now, last=True)
+        content, tool_calls = stream.parsed_tool_calls()
         final = final_for_output(
             queued.request.id, queued.attempt, queued.timestamp_ms, queued.request.metadata, out,
             stream.token_ids, "".join(stream.text_parts), stream.seq, self.worker_id,
             logprobs=stream.logprobs if stream.logprobs_asked else None,
             predicted=(queued.predicted_queue_ms, queued.predicted_e2e_ms), cancelled=stream.cancel_reason,
+            content=content, tool_calls=tool_calls,
         )
         self.num_output_tokens += len(stream.token_ids)
         if queued.trace is not None:

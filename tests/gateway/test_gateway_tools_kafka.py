@@ -1,0 +1,148 @@
+"""Tool calling through the official `openai` package, a real broker, a real worker (the tiny random Llama: a
+forced call's grammar makes its output a valid call whatever the weights) and the gateway; and the same calls
+for a producer that writes the wire record to Kafka itself."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import jsonschema
+import openai
+import pytest
+
+from tests.client.helpers import read_topic
+from tests.gateway.test_gateway_kafka import MODEL, stack  # noqa: F401 (a fixture)
+from tests.transport.kafka_helpers import Collector, produce
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+WEATHER_PARAMS = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["C", "F"]},
+    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "unit", "days"], "additionalProperties": False}
+TIME_PARAMS = {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET", "PST"]}}, "required": ["tz"],
+               "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                             "parameters": WEATHER_PARAMS}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "description": "The time in a zone",
+                                           "parameters": TIME_PARAMS}}
+SCHEMAS = {"get_weather": WEATHER_PARAMS, "get_time": TIME_PARAMS}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def check_call(call) -> dict:
+    assert call.type == "function" and call.id.startswith("call_")
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, SCHEMAS[call.function.name])
+    return arguments
+
+
+async def test_a_named_call_validates_and_streams_to_the_same_call(stack):  # noqa: F811
+    _, _, gateway = stack
+    client = gateway.client()
+    answer = await client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, CLOCK],
+                                                  tool_choice=NAMED, temperature=0, max_tokens=96)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    check_call(call)
+
+    stream = await client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, CLOCK],
+                                                  tool_choice=NAMED, temperature=0, max_tokens=96, stream=True)
+    calls: dict[int, dict] = {}
+    finish = []
+    async for chunk in stream:
+        for piece in chunk.choices[0].delta.tool_calls or ():
+            entry = calls.setdefault(piece.index, {"id": None, "name": None, "arguments": ""})
+            if piece.id is not None:
+                assert entry["id"] is None and piece.function.name
+                entry.update(id=piece.id, name=piece.function.name)
+            entry["arguments"] += piece.function.arguments or ""
+        assert not chunk.choices[0].delta.content
+        finish.append(chunk.choices[0].finish_reason)
+    assert finish[-1] == "tool_calls" and list(calls) == [0]
+    # Greedy: the same call (ids are drawn per answer).
+    assert (calls[0]["name"], calls[0]["arguments"]) == (call.function.name, call.function.arguments)
+    assert calls[0]["id"].startswith("call_")
+
+
+async def test_required_with_two_tools_then_a_second_turn_with_the_result(stack):  # noqa: F811
+    _, _, gateway = stack
+    client = gateway.client()
+    first = await client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, CLOCK],
+                                                 tool_choice="required", parallel_tool_calls=False, temperature=0,
+                                                 max_tokens=96)
+    message = first.choices[0].message
+    assert first.choices[0].finish_reason == "tool_calls" and len(message.tool_calls) == 1
+    [call] = message.tool_calls
+    assert call.function.name in SCHEMAS
+    check_call(call)
+
+    history = [*ASK, message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18})}]
+    second = await client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER, CLOCK],
+                                                  tool_choice="none", temperature=0, max_tokens=6)
+    assert second.choices[0].finish_reason in ("stop", "length") and second.choices[0].message.tool_calls is None
+    assert isinstance(second.choices[0].message.content, str)
+    # The call and its result are rendered into the prompt: each turn of the history adds to it (tool_choice none
+    # shows no tools in any of the three).
+    prompts = []
+    for turns in (history[:1], history[:2]):
+        shorter = await client.chat.completions.create(model=MODEL, messages=turns, tools=[WEATHER, CLOCK],
+                                                       tool_choice="none", temperature=0, max_tokens=1)
+        prompts.append(shorter.usage.prompt_tokens)
+    call_tokens = len(call.function.arguments) // 4
+    assert prompts[0] + call_tokens < prompts[1] < second.usage.prompt_tokens
+
+
+async def test_bad_tools_get_openai_errors_and_nothing_reaches_kafka(stack):  # noqa: F811
+    kafka, _, gateway = stack
+    client = gateway.client()
+    before = len(await read_topic(kafka, kafka.request_topic, 10_000, timeout_s=2))
+    bad_schema = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "strin"}}}}}
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(model=MODEL, messages=ASK, tools=[bad_schema])
+    assert info.value.param == "tools" and "parameters.properties.x.type" in info.value.message
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],
+                                             tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert info.value.param == "tool_choice" and info.value.code == "invalid_request"
+    assert len(await read_topic(kafka, kafka.request_topic, 10_000, timeout_s=2)) == before
+
+
+async def test_a_producer_on_the_wire_gets_the_calls_in_the_final(stack):  # noqa: F811
+    kafka, _, _ = stack
+    good, bad, kept = (f"tools-{what}-{uuid.uuid4().hex[:8]}" for what in ("good", "bad", "unkept"))
+    # Written by hand, as a producer in another language would.
+    record = {"id": good, "messages": ASK, "tools": [WEATHER, CLOCK], "tool_choice": NAMED, "max_new_tokens": 96,
+              "stream": True}
+    refused = {"id": bad, "messages": ASK, "tools": [WEATHER], "tool_choice": {"type": "function",
+                                                                                "function": {"name": "nope"}}}
+    # A schema of the right shape that the grammar library cannot keep (`not`): refused when its grammar compiles.
+    unkept = {"id": kept, "messages": ASK, "tool_choice": "required", "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"x": {"not": {"type": "string"}}}}}}]}
+    async with Collector(kafka) as collector:
+        await produce(kafka, [(1, json.dumps(body).encode(), body["id"]) for body in (record, refused, unkept)])
+        await collector.wait_until(lambda r: all(r.finals.get(i) for i in (good, bad, kept))
+                                   and any(d.request_id == bad for d in r.dead_letters), 60, "finals, dead letter")
+    final = collector.results.finals[good][0]
+    assert (final.status, final.finish_reason, final.content) == ("completed", "tool_calls", "")
+    [call] = final.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMS)
+    assert final.text.startswith("<tool_call>\n") and final.text.endswith("\n</tool_call>")
+    chunks = collector.results.chunks[(good, final.attempt)]
+    pieces = [p for c in chunks for p in c.tool_calls or ()]
+    assert pieces[0].id == call.id and "".join(p.arguments for p in pieces) == call.function.arguments
+    error = collector.results.finals[bad][0]
+    assert (error.status, error.reason) == ("error", "invalid_request") and "tool_choice names" in error.message
+    # Refused at decode, it is set aside as every invalid record is; the one refused at compile decoded fine.
+    [dead] = [d for d in collector.results.dead_letters if d.request_id == bad]
+    assert dead.error_code == "invalid_request" and json.loads(dead.value) == refused
+    assert not any(d.request_id == kept for d in collector.results.dead_letters)
+    error = collector.results.finals[kept][0]
+    assert (error.status, error.reason) == ("error", "invalid_request") and error.message.startswith("tools: ")
