@@ -318,7 +318,9 @@ class Responses:
                 await asyncio.sleep(refused[1])
             request = msgspec.structs.replace(wire, id=state["request_id"])
             state["status"] = "in_progress"
-            await self._publish(state)
+            # Not waited for: the terminal state, written after it on the same partition, is; a restart that
+            # finds `queued` resumes it the same way.
+            await self._publish(state, wait=False)
             handle = await self.door.submit(request, priority)
             self._handles[response_id] = handle
             try:
