@@ -8,6 +8,7 @@ terminal event, including across an endpoint down for a while."""
 from __future__ import annotations
 
 import asyncio
+import json
 import types
 import uuid
 from collections import Counter
@@ -329,3 +330,36 @@ async def test_bad_input_gets_openai_errors_and_nothing_is_produced(stack):
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
     assert len(await read_topic(kafka, kafka.request_topic, 100_000, timeout_s=2)) == requests_before
     assert len(await read_topic(kafka, stack.topic, 100_000, timeout_s=2)) == states_before
+
+
+async def test_a_response_past_its_retention_is_deleted_everywhere(stack, tmp_path):
+    short = settings_for(stack.prefix, tmp_path / "short", stack.topic, None, response_retention_s=2.0)
+    async with RunningGateway(stack.kafka, short) as gateway:
+        client = gateway.client()
+        response = await client.responses.create(model=MODEL, input="Short-lived", background=True,
+                                                 max_output_tokens=10)
+        assert (await poll(client, response.id)).status == "completed"
+        await asyncio.sleep(2.5)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(response.id)
+        # The sweeper's tombstone reaches the other instance too: its copy is gone.
+        async with asyncio.timeout(10):
+            while response.id in stack.gateway.gateway.responses._states:
+                await asyncio.sleep(0.1)
+
+
+async def test_a_batch_that_ends_sends_its_signed_event(stack):
+    client = stack.gateway.client()
+    lines = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": MODEL, "messages": [{"role": "user", "content": f"Count to {i}"}], "max_tokens": 4}}
+             for i in range(3)]
+    uploaded = await client.files.create(file=("in.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()),
+                                         purpose="batch")
+    batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                        completion_window="24h")
+    async with asyncio.timeout(60):
+        while (batch := await client.batches.retrieve(batch.id)).status not in ("completed", "failed", "cancelled"):
+            await asyncio.sleep(0.2)
+    assert batch.status == "completed"
+    await stack.receiver.wait_for({batch.id})
+    assert stack.receiver.terminal(batch.id) == ["batch.completed"]
