@@ -321,7 +321,10 @@ class Responses:
             # Not waited for: the terminal state, written after it on the same partition, is; a restart that
             # finds `queued` resumes it the same way.
             await self._publish(state, wait=False)
-            handle = await self.door.submit(request, priority)
+            # No caller waits on it: a background request may queue behind interactive work for as long as the
+            # response is kept (its own timeout, when it has one, still ends it sooner).
+            wait_s = None if request.timeout_ms is not None else self.settings.response_retention_s
+            handle = await self.door.submit(request, priority, wait_s=wait_s)
             self._handles[response_id] = handle
             try:
                 if response_id in self._cancelled:
