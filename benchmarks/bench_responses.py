@@ -8,7 +8,8 @@ and in this process a load generator (lean asyncio HTTP/1.1 keep-alive connectio
 1. Floor: `--n` `POST /v1/responses` with `background: true` at `--rate` a second (paced, on `--connections`
    connections); then every id polled with `GET /v1/responses/{id}` until it has ended. Reported: the rate
    reached, the POST latencies, how many were queued, retrievable and ended (by status), the time until the
-   last ended and until the last webhook event came, and the responses with no event or more than one.
+   last ended and until the last webhook event came, the responses with no event or more than one, and the
+   CPU milliseconds per response of each process (the bench process is the load generator and the receiver).
 2. Endpoint down: the receiver closes its port, `--down-n` background responses are made and end, the port
    stays closed for `--down-s` seconds in all, then opens; every event must come (none twice), and the time
    from the port opening to the last event is reported.
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import openai
 
-from benchmarks.bench_gateway import settings, spawn, wait_healthy
+from benchmarks.bench_gateway import cpu_s, settings, spawn, wait_healthy
 from benchmarks.broker_target import start_broker
 from gateway.webhooks import new_secret
 from worker.broker.local import free_ports
@@ -213,6 +214,9 @@ async def main(args) -> dict:
         result: dict = {"loadavg_before": Path("/proc/loadavg").read_text().split()[:3], "cpus": os.cpu_count(),
                         "n": args.n, "rate": args.rate}
 
+        pids = {"gateway": gateway.pid, "worker": worker.pid, "broker": target.broker.status().pid,
+                "bench": os.getpid()}
+        cpu_before = {name: cpu_s(pid) for name, pid in pids.items()}
         started = time.monotonic()
         floor = await submit(port, args.n, args.rate, args.connections, "floor")
         ids = floor.pop("ids")
@@ -220,6 +224,9 @@ async def main(args) -> dict:
         floor["seconds_to_all_ended"] = round(time.monotonic() - started, 2)
         last = await wait_events(receiver, ids, args.timeout_s)
         floor["seconds_to_all_events"] = round(last - started, 2) if last else None
+        # CPU per response until every event came: its POST, run, polls (once it is ended, one each), event.
+        floor["cpu_ms_per_response"] = {name: round(1000 * (cpu_s(pid) - cpu_before[name]) / max(1, len(ids)), 3)
+                                        for name, pid in pids.items()}
         await asyncio.sleep(2.0)  # a duplicate would come now
         floor.update(event_counts(receiver, ids))
         result["floor"] = floor

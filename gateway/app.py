@@ -33,7 +33,7 @@ from gateway.metrics import NO_KEY, UNAUTHENTICATED, GatewayMetrics
 from gateway.openai_api import (CHAT, COMPLETIONS, ApiError, Options, Tiers, TokenText, bad_request, chunk_body,
                                 completion_body, delta_choice, final_error, now_s, to_request)
 from gateway.responses import Responses
-from gateway.responses_api import StreamEvents, new_response_id, outcome, response_object, to_wire
+from gateway.responses_api import RESPONSES, StreamEvents, new_response_id, outcome, response_object, to_wire
 from gateway.webhooks import Webhooks, configuration_error
 from aiokafka.errors import KafkaError
 
@@ -165,7 +165,7 @@ class Gateway:
         routed = Starlette(routes=routes, lifespan=self.lifespan,
                            exception_handlers={ApiError: self._on_api_error, 404: self._on_not_found,
                                                405: self._on_not_allowed, Exception: self._on_error})
-        generate = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS}
+        generate = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS, RESPONSES: RESPONSES}
 
         async def app(scope, receive, send) -> None:
             if scope["type"] != "http":
@@ -183,14 +183,16 @@ class Gateway:
                 await error_response(error)(scope, receive, send)
                 return
             scope.setdefault("state", {})["caller"] = caller
-            # The two generation routes skip Starlette's middleware and router: at a thousand requests a
-            # second, its layers of wrapped send and receive callables cost more than the route itself.
+            # The generation routes skip Starlette's middleware and router: at a thousand requests a second,
+            # its layers of wrapped send and receive callables cost more than the route itself.
             endpoint = generate.get(path)
             if endpoint is None or scope["method"] != "POST":
                 await routed(scope, receive, _counting(send, self.metrics, caller.label, _route(path)))
                 return
             try:
-                response = await self._generate(Request(scope, receive, send), endpoint)
+                request = Request(scope, receive, send)
+                response = await (self.create_response(request) if endpoint == RESPONSES
+                                  else self._generate(request, endpoint))
             except ApiError as error:
                 if error.status == 403:  # a key asking for what it may not have: worth a line, by key id
                     log.warning("API key %s refused: %s", caller.label, error.message)
@@ -466,7 +468,6 @@ class Gateway:
         response_id = new_response_id()
         background = body.get("background") is True
         if background and caller.key is not None and not caller.key.background:
-            log.warning("API key %s refused: background responses not allowed", caller.label)
             raise ApiError(403, "this API key may not create background responses", code="background_not_allowed",
                            param="background")
         request_id = f"{response_id}.0" if background else f"{self.door.instance_id}-{os.urandom(8).hex()}"

@@ -109,6 +109,8 @@ class Webhooks:
         self._disk = ThreadPoolExecutor(1, thread_name_prefix="webhooks")
         self._tasks: list[asyncio.Task] = []
         self._sending: set[asyncio.Task] = set()
+        self._failing: set[str] = set()
+        """URLs whose last attempt failed: the first success brings their waiting events forward."""
         self.num_delivered = 0
         self.num_failed_attempts = 0
         self.num_dropped = 0
@@ -230,7 +232,10 @@ class Webhooks:
             self._events.pop(name, None)
             self.metrics.pending.set(len(self._events))
             await asyncio.get_running_loop().run_in_executor(self._disk, self._mark_sent, name)
-            self._bring_forward(entry["url"])
+            if entry["url"] in self._failing:
+                self._failing.discard(entry["url"])
+                log.info("webhook endpoint %s answers again; %d events waiting", entry["url"], len(self._events))
+                self._bring_forward(entry["url"])
             return
         self.metrics.attempts.labels(entry["type"], "failed").inc()
         self.num_failed_attempts += 1
@@ -246,8 +251,10 @@ class Webhooks:
             self.metrics.pending.set(len(self._events))
             await asyncio.get_running_loop().run_in_executor(self._disk, self._discard, name)
             return
-        if entry["attempts"] == 1:
-            log.info("webhook event %s to %s failed (%s); retrying with backoff", event_id, entry["url"], error)
+        if entry["url"] not in self._failing:  # a line when an endpoint starts failing, not one per event
+            self._failing.add(entry["url"])
+            log.warning("webhook event %s to %s failed (%s); its events are retried with backoff for up to %.0f s "
+                        "(GATEWAY_WEBHOOK_RETRY_S)", event_id, entry["url"], error, self.settings.webhook_retry_s)
         backoff = min(self.settings.webhook_backoff_max_s,
                       self.settings.webhook_backoff_initial_s * 2 ** (entry["attempts"] - 1))
         heapq.heappush(self._due, _Due(now + backoff * random.uniform(0.8, 1.0), name))
