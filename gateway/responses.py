@@ -31,7 +31,7 @@ from pathlib import Path
 import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import TopicAlreadyExistsError, for_code
+from aiokafka.errors import KafkaError, TopicAlreadyExistsError, for_code
 
 from gateway.door import Door
 from gateway.files import not_found
@@ -330,11 +330,11 @@ class Responses:
             state["status"] = "in_progress"
             # Not waited for: the terminal state, written after it on the same partition, is; a restart that
             # finds `queued` resumes it the same way.
-            await self._publish(state, wait=False)
+            await self._until_sent(lambda: self._publish(state, wait=False))
             # No caller waits on it: a background request may queue behind interactive work for as long as the
             # response is kept (its own timeout, when it has one, still ends it sooner).
             wait_s = None if request.timeout_ms is not None else self.settings.response_retention_s
-            handle = await self.door.submit(request, priority, wait_s=wait_s)
+            handle = await self._until_sent(lambda: self.door.submit(request, priority, wait_s=wait_s))
             self._handles[response_id] = handle
             try:
                 if response_id in self._cancelled:
@@ -363,9 +363,24 @@ class Responses:
         state.update(status=status, ended_at=now, wire=None, response=response_object(
             response_id, state["created_at"], options, status=status, text=text, usage=usage, error=error,
             incomplete_details=incomplete, completed_at=now if status == "completed" else None))
-        await self._publish(state)
+        await self._until_sent(lambda: self._publish(state))
         self.num_finished += 1
         await self._notify(state)
+
+    async def _until_sent(self, send):
+        """`send()`, again while Kafka does not take it: a broker away for a while delays a background response
+        rather than failing it (its caller is not waiting on an answer)."""
+        backoff_s = 0.5
+        while True:
+            try:
+                return await send()
+            except (KafkaError, ClientError) as exc:
+                if isinstance(exc, RequestTimeout):
+                    raise
+                log.warning("background responses: Kafka did not take a record (%r); again in %.1f s", exc,
+                            backoff_s)
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, 30.0)
 
     async def _notify(self, state: dict) -> None:
         await self.webhooks.emit(f"evt_{state['id'][5:]}", f"response.{state['status']}", state["id"],
