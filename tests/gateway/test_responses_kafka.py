@@ -199,44 +199,54 @@ async def test_a_running_background_response_is_cancelled(stack):
 
 async def test_another_instance_answers_polls_and_keys_own_their_responses(stack, tmp_path):
     first = stack.gateway.client()
-    data_dir = tmp_path / "second"
-    data_dir.mkdir()
     entries, keys = [], {}
     for name, background in (("alice", True), ("bob", True), ("interactive", False)):
         ident, key = new_key()
         entries.append(KeyEntry(id=ident, sha256=digest(key), tenant=name, background=background))
         keys[name] = key
-    write_keys(data_dir / "keys.json", entries)
-    second_settings = settings_for(stack.prefix, data_dir, stack.topic, None)
-    async with RunningGateway(stack.kafka, second_settings) as second:
-        def as_key(name: str) -> openai.AsyncOpenAI:
-            return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{second.port}/v1", api_key=keys[name],
+    for folder in ("second", "third"):  # two instances with the same keys, each with its own data folder
+        (tmp_path / folder).mkdir()
+        write_keys(tmp_path / folder / "keys.json", entries)
+    async with RunningGateway(stack.kafka, settings_for(stack.prefix, tmp_path / "second", stack.topic, None)) \
+            as second, \
+            RunningGateway(stack.kafka, settings_for(stack.prefix, tmp_path / "third", stack.topic, None)) as third:
+        def as_key(name: str, gateway: RunningGateway = second) -> openai.AsyncOpenAI:
+            return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.port}/v1", api_key=keys[name],
                                       max_retries=0)
 
-        # Made on the first instance, polled on the second at once: it reads the topic to its end first.
-        mine = await first.responses.create(model=MODEL, input="Poll me elsewhere", background=True,
-                                            max_output_tokens=30)
-        open_second = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{second.port}/v1", api_key=keys["alice"],
-                                         max_retries=0)
-        with pytest.raises(openai.NotFoundError):  # the first gateway has no keys: its owner is `anonymous`
-            await open_second.responses.retrieve(mine.id)
-
+        # Made on the second instance, polled on the third at once: it reads the topic to its end first.
         alices = await as_key("alice").responses.create(model=MODEL, input="Alice's", background=True,
                                                         max_output_tokens=30)
-        seen = await as_key("alice").responses.retrieve(alices.id)
-        assert seen.id == alices.id
+        seen = await as_key("alice", third).responses.retrieve(alices.id)
+        assert seen.id == alices.id and seen.status in ("queued", "in_progress", "completed")
+        done = await poll(as_key("alice", third), alices.id)
+        assert done.status == "completed" and done.output_text
+        assert (await as_key("alice").responses.retrieve(alices.id)).output_text == done.output_text
+        # Owned by alice's key: another key, and the open gateway (owner `anonymous`), are told it does not exist.
+        for other in (as_key("bob"), as_key("bob", third), first):
+            with pytest.raises(openai.NotFoundError):
+                await other.responses.retrieve(alices.id)
+            with pytest.raises(openai.NotFoundError):
+                await other.responses.cancel(alices.id)
+        mine = await first.responses.create(model=MODEL, input="Anonymous", background=True, max_output_tokens=30)
         with pytest.raises(openai.NotFoundError):
-            await as_key("bob").responses.retrieve(alices.id)
-        with pytest.raises(openai.NotFoundError):
-            await first.responses.retrieve(alices.id)
+            await as_key("alice", third).responses.retrieve(mine.id)
+
         with pytest.raises(openai.PermissionDeniedError) as refused:
             await as_key("interactive").responses.create(model=MODEL, input="x", background=True)
         assert refused.value.code == "background_not_allowed"
         # Not in the background, the same key is served.
         answer = await as_key("interactive").responses.create(model=MODEL, input="x", max_output_tokens=5)
         assert answer.status == "completed"
-        done = await poll(as_key("alice"), alices.id)
-        assert done.status == "completed"
+        # Deleted on the third instance: gone on the second too.
+        await as_key("alice", third).responses.delete(alices.id)
+        async with asyncio.timeout(5):
+            while True:
+                try:
+                    await as_key("alice").responses.retrieve(alices.id)
+                except openai.NotFoundError:
+                    break
+                await asyncio.sleep(0.05)
     assert (await poll(first, mine.id)).status == "completed"
 
 
