@@ -248,7 +248,12 @@ class Gateway:
         return Response(self.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
     async def health(self, request: Request) -> JSONResponse:
-        return JSONResponse({"status": "ok", "reply_topic": self.door.reply_topic})
+        body = {"status": "ok", "reply_topic": self.door.reply_topic}
+        if self.webhooks.enabled:  # a failing endpoint shows here as well as in /metrics and the log
+            hooks = self.webhooks
+            body["webhooks"] = {"pending": hooks.num_pending, "delivered": hooks.num_delivered,
+                                "failed_attempts": hooks.num_failed_attempts, "dropped": hooks.num_dropped}
+        return JSONResponse(body)
 
     # -- bodies -----------------------------------------------------------------------------------------
     async def _body(self, request: Request, limit: int) -> bytes:

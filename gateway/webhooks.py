@@ -186,6 +186,10 @@ class Webhooks:
         await asyncio.gather(*self._tasks, *self._sending, return_exceptions=True)
         await asyncio.to_thread(self._disk.shutdown)
 
+    @property
+    def num_pending(self) -> int:
+        return len(self._events)
+
     async def drained(self, timeout_s: float) -> bool:
         """True once no event waits (tests and the benchmark)."""
         deadline = time.monotonic() + timeout_s

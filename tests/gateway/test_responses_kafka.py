@@ -303,8 +303,10 @@ async def test_an_endpoint_down_for_a_while_gets_every_event_once_it_is_back(sta
         await asyncio.sleep(3.0)  # down for a while: attempts back off to the 1 s bound
         async with httpx.AsyncClient() as http:
             metrics = (await http.get(f"http://127.0.0.1:{stack.gateway.port}/metrics")).text
-        assert 'llm_gateway_webhook_attempts_total{outcome="failed",type="response.completed"}' in metrics
-        assert "llm_gateway_webhook_pending 5.0" in metrics
+            assert 'llm_gateway_webhook_attempts_total{outcome="failed",type="response.completed"}' in metrics
+            assert "llm_gateway_webhook_pending 5.0" in metrics
+            health = (await http.get(f"http://127.0.0.1:{stack.gateway.port}/health")).json()
+            assert health["webhooks"]["pending"] == 5 and health["webhooks"]["failed_attempts"] >= 10
     finally:
         await stack.receiver.up()
     ids = {r.id for r in created}
