@@ -32,6 +32,9 @@ from gateway.keys import KeyEntry, Keys
 from gateway.metrics import NO_KEY, UNAUTHENTICATED, GatewayMetrics
 from gateway.openai_api import (CHAT, COMPLETIONS, ApiError, Options, Tiers, TokenText, bad_request, chunk_body,
                                 completion_body, delta_choice, final_error, now_s, to_request, tool_call_deltas)
+from gateway.responses import Responses
+from gateway.responses_api import RESPONSES, StreamEvents, new_response_id, outcome, response_object, to_wire
+from gateway.webhooks import Webhooks, configuration_error
 from aiokafka.errors import KafkaError
 
 from llm_client import ClientError, Delta, RequestHandle, RequestTimeout
@@ -108,6 +111,12 @@ class Gateway:
         self.num_requests = 0
         self.keys = Keys(settings.keys_path)
         self.metrics = GatewayMetrics()
+        refusal = configuration_error(settings)
+        if refusal is not None:
+            raise ValueError(refusal)
+        self.webhooks = Webhooks(settings, settings.data_dir, self.metrics.registry)
+        self.batches.notify = self._batch_ended
+        self.responses = Responses(door, settings.data_dir, self.webhooks)
         self.keys.load()  # a bad keys file stops the start, with its path and what is wrong
 
     # -- lifecycle --------------------------------------------------------------------------------------
@@ -115,7 +124,9 @@ class Gateway:
     async def lifespan(self, app: Starlette):
         await self.door.start()
         self.keys.start()
+        await self.webhooks.start()
         await self.files.load()
+        await self.responses.start()
         await self.batches.load()
         sweeper = asyncio.create_task(self.files.sweep_every(self.door.settings.file_sweep_interval_s))
         try:
@@ -124,6 +135,8 @@ class Gateway:
             sweeper.cancel()
             await asyncio.gather(sweeper, return_exceptions=True)
             await self.batches.stop()
+            await self.responses.stop()
+            await self.webhooks.stop()
             await self.keys.stop()
             await self.door.stop()
 
@@ -142,13 +155,17 @@ class Gateway:
             Route("/v1/batches", self.list_batches, methods=["GET"]),
             Route("/v1/batches/{batch_id}", self.get_batch, methods=["GET"]),
             Route("/v1/batches/{batch_id}/cancel", self.cancel_batch, methods=["POST"]),
+            Route("/v1/responses", self.create_response, methods=["POST"]),
+            Route("/v1/responses/{response_id}", self.get_response, methods=["GET"]),
+            Route("/v1/responses/{response_id}", self.delete_response, methods=["DELETE"]),
+            Route("/v1/responses/{response_id}/cancel", self.cancel_response, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
         ]
         routed = Starlette(routes=routes, lifespan=self.lifespan,
                            exception_handlers={ApiError: self._on_api_error, 404: self._on_not_found,
                                                405: self._on_not_allowed, Exception: self._on_error})
-        generate = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS}
+        generate = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS, RESPONSES: RESPONSES}
 
         async def app(scope, receive, send) -> None:
             if scope["type"] != "http":
@@ -166,14 +183,16 @@ class Gateway:
                 await error_response(error)(scope, receive, send)
                 return
             scope.setdefault("state", {})["caller"] = caller
-            # The two generation routes skip Starlette's middleware and router: at a thousand requests a
-            # second, its layers of wrapped send and receive callables cost more than the route itself.
+            # The generation routes skip Starlette's middleware and router: at a thousand requests a second,
+            # its layers of wrapped send and receive callables cost more than the route itself.
             endpoint = generate.get(path)
             if endpoint is None or scope["method"] != "POST":
                 await routed(scope, receive, _counting(send, self.metrics, caller.label, _route(path)))
                 return
             try:
-                response = await self._generate(Request(scope, receive, send), endpoint)
+                request = Request(scope, receive, send)
+                response = await (self.create_response(request) if endpoint == RESPONSES
+                                  else self._generate(request, endpoint))
             except ApiError as error:
                 if error.status == 403:  # a key asking for what it may not have: worth a line, by key id
                     log.warning("API key %s refused: %s", caller.label, error.message)
@@ -229,7 +248,12 @@ class Gateway:
         return Response(self.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
     async def health(self, request: Request) -> JSONResponse:
-        return JSONResponse({"status": "ok", "reply_topic": self.door.reply_topic})
+        body = {"status": "ok", "reply_topic": self.door.reply_topic}
+        if self.webhooks.enabled:  # a failing endpoint shows here as well as in /metrics and the log
+            hooks = self.webhooks
+            body["webhooks"] = {"pending": hooks.num_pending, "delivered": hooks.num_delivered,
+                                "failed_attempts": hooks.num_failed_attempts, "dropped": hooks.num_dropped}
+        return JSONResponse(body)
 
     # -- bodies -----------------------------------------------------------------------------------------
     async def _body(self, request: Request, limit: int) -> bytes:
@@ -317,6 +341,23 @@ class Gateway:
         finally:
             if not handed_over:
                 watch.stop()
+
+    async def _submit(self, request: Request, wire, priority: int) -> RequestHandle:
+        """Sends a foreground request: 429 while its priority is refused, 503 when Kafka does not take it."""
+        refused = self.door.refusal(priority)
+        if refused is not None:
+            why, retry_s = refused
+            raise ApiError(429, f"priority {priority} is congested ({why}); retry after {retry_s} s",
+                           "rate_limit_error", "rate_limit_exceeded", headers={"Retry-After": str(retry_s)})
+        self.num_requests += 1
+        try:
+            async with asyncio.timeout(self.door.settings.submit_timeout_s):
+                return await self.door.submit(wire, priority, headers=trace_headers(request.scope))
+        except TimeoutError:
+            self.door.client.cancel_later(wire.id, "not taken by Kafka in time")
+            raise ApiError(503, f"Kafka did not take the request within {self.door.settings.submit_timeout_s:g} s; "
+                           "retry later", "server_error", "service_unavailable",
+                           headers={"Retry-After": str(OUTAGE_RETRY_S)}) from None
 
     def _retry_after(self, priority: int) -> float:
         refused = self.door.refusal(priority)
@@ -430,10 +471,103 @@ class Gateway:
     async def cancel_batch(self, request: Request) -> JSONResponse:
         return JSONResponse(await self.batches.cancel(request.path_params["batch_id"], self._owner(request)))
 
+    async def _batch_ended(self, batch: dict) -> None:
+        status = batch["status"]
+        await self.webhooks.emit(f"evt_{batch['id'][6:]}", f"batch.{status}", batch["id"],
+                                 batch.get(f"{status}_at"))
+
+    # -- responses --------------------------------------------------------------------------------------
+    async def create_response(self, request: Request) -> Response:
+        body = await self._json(request)
+        caller = caller_of(request)
+        headers = request.headers
+        response_id = new_response_id()
+        background = body.get("background") is True
+        if background and caller.key is not None and not caller.key.background:
+            raise ApiError(403, "this API key may not create background responses", code="background_not_allowed",
+                           param="background")
+        request_id = f"{response_id}.0" if background else f"{self.door.instance_id}-{os.urandom(8).hex()}"
+        tenant = caller.tenant(headers.get("x-tenant"))
+        wire, priority, options = to_wire(
+            body, request_id, self.models, self.tiers, priority_header=headers.get("x-priority"),
+            timeout_header=headers.get("x-timeout-ms"), tenant=tenant, session_header=headers.get("x-session-id"),
+            most_urgent=caller.most_urgent)
+        if background:
+            return JSONResponse(await self.responses.create(response_id, wire, priority, options, caller.owner,
+                                                            tenant))
+        handle = await self._submit(request, wire, priority)
+        watch = Disconnect(request)
+        handed_over = False
+        try:
+            try:
+                first = await _first_record(handle)
+            except asyncio.CancelledError:
+                if not watch.gone:
+                    raise
+                asyncio.current_task().uncancel()
+                await handle.cancel("client disconnected")
+                return Response(status_code=499)
+            except BaseException:
+                watch.stop()
+                await handle.cancel("client disconnected") if not handle.done else None
+                raise
+            if isinstance(first, FinalRecord) and first.status not in ("completed", "cancelled"):
+                raise final_error(first, self._retry_after(priority))
+            if not options.stream:
+                watch.stop()
+                final = await handle.result()
+                self.metrics.used(caller.label, final.usage.prompt_tokens, final.usage.completion_tokens)
+                done = (await handle.completions())[0]
+                status, error, incomplete = outcome(final, done.finish_reason)
+                now = now_s()
+                return JSONResponse(response_object(response_id, now, options, status=status, text=done.text or "",
+                                                    usage=final.usage, error=error, incomplete_details=incomplete,
+                                                    completed_at=now if status == "completed" else None))
+            handed_over = True
+            return ResponseEventStream(self._response_events(handle, response_id, options, first, caller.label),
+                                       watch, handle)
+        finally:
+            if not handed_over:
+                watch.stop()
+
+    async def _response_events(self, handle: RequestHandle, response_id: str, options, first,
+                               key_label: str) -> AsyncIterator[dict]:
+        events = StreamEvents(response_id, options)
+        for event in events.start():
+            yield event
+        try:
+            if isinstance(first, Delta):
+                yield events.delta(first.text)
+            async for delta in handle.stream():
+                if delta.restarted:
+                    raise ApiError(500, "the request was served again after a worker failed; its stream restarted",
+                                   "server_error", "stream_restarted")
+                yield events.delta(delta.text)
+            final = await handle.result()
+        except ApiError as error:
+            yield events.error(error)
+            return
+        except RequestTimeout as exc:
+            yield events.error(ApiError(504, str(exc), "timeout", "gateway_timeout"))
+            return
+        self.metrics.used(key_label, final.usage.prompt_tokens, final.usage.completion_tokens)
+        finish_reason = (await handle.completions())[0].finish_reason if final.status == "completed" else None
+        for event in events.finish(final, finish_reason):
+            yield event
+
+    async def get_response(self, request: Request) -> JSONResponse:
+        return JSONResponse(await self.responses.get(request.path_params["response_id"], self._owner(request)))
+
+    async def cancel_response(self, request: Request) -> JSONResponse:
+        return JSONResponse(await self.responses.cancel(request.path_params["response_id"], self._owner(request)))
+
+    async def delete_response(self, request: Request) -> JSONResponse:
+        return JSONResponse(await self.responses.delete(request.path_params["response_id"], self._owner(request)))
+
 
 def _route(path: str) -> str:
     """A bounded label for a path: ids in it are dropped (/v1/files/file-abc/content -> /v1/files/content)."""
-    parts = [p for p in path.split("/") if p and not p.startswith(("file-", "batch_", "batch-"))]
+    parts = [p for p in path.split("/") if p and not p.startswith(("file-", "batch_", "batch-", "resp_"))]
     return "/" + "/".join(parts[:3])
 
 
@@ -551,4 +685,20 @@ class SSEResponse(Response):
             body = ApiError(504, str(exc), "timeout", "gateway_timeout").body()
             frames.append(b"data: " + encode(body) + b"\n\n")
         frames.append(b"data: [DONE]\n\n")
+        await send({"type": "http.response.body", "body": b"".join(frames), "more_body": False})
+
+
+class ResponseEventStream(SSEResponse):
+    """The Responses API's server-sent events: each named by its type (`event: response.output_text.delta`), and
+    no `[DONE]` at the end (the terminal event says the stream is over)."""
+
+    async def _send_all(self, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        encode = msgspec.json.encode
+        frames: list[bytes] = []
+        async for event in self.events:
+            frames.append(b"event: " + event["type"].encode() + b"\ndata: " + encode(event) + b"\n\n")
+            if not self.handle.done:
+                await send({"type": "http.response.body", "body": b"".join(frames), "more_body": True})
+                frames.clear()
         await send({"type": "http.response.body", "body": b"".join(frames), "more_body": False})

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -63,6 +63,8 @@ class BatchJobs:
         self._tasks: dict[str, asyncio.Task] = {}
         self._disk = ThreadPoolExecutor(1, thread_name_prefix="batch-objects")
         self._pending_saves: set[asyncio.Future] = set()
+        self.notify: Callable[[dict], Awaitable[None]] | None = None
+        """Told of each batch that ends (completed, failed, cancelled), once its state is saved: webhooks."""
 
     # -- disk -------------------------------------------------------------------------------------------
     def _dir(self, batch_id: str) -> Path:
@@ -240,6 +242,7 @@ class BatchJobs:
             batch.update(status="failed", failed_at=int(self.clock()),
                          errors={"object": "list", "data": [{"code": "internal", "message": str(exc)}]})
             await self._save(batch)
+            await self._notify(batch)
         finally:
             self._runners.pop(batch["id"], None)
             for answers in (output, errors):
@@ -266,6 +269,14 @@ class BatchJobs:
                                                                 owner, expires_in))["id"]
         batch.update(status=status, **{f"{status}_at": now})
         await self._save(batch)
+        await self._notify(batch)
+
+    async def _notify(self, batch: dict) -> None:
+        if self.notify is not None:
+            try:
+                await self.notify(batch)
+            except Exception:  # the batch has ended whatever its event does
+                log.exception("batch %s: its webhook event could not be queued", batch["id"])
 
     async def stop(self) -> None:
         for task in self._tasks.values():

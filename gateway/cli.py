@@ -28,6 +28,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add.add_argument("--trusted", action="store_true",
                      help="may name another tenant with X-Tenant (an upstream that authenticates its users)")
     add.add_argument("--requests-per-minute", type=int, default=0, help="rate limit (0: none)")
+    add.add_argument("--no-background", action="store_true",
+                     help="may not create background responses (POST /v1/responses with background: true)")
     add.add_argument("--name", default="", help="a note for `list`")
     keys_sub.add_parser("list", help="ids, tenants and limits (never the keys)")
     revoke = keys_sub.add_parser("revoke", help="remove a key by its id")
@@ -88,6 +90,7 @@ def run_keys(args: argparse.Namespace, settings: GatewaySettings) -> int:
         ident, key = new_key()
         entries.append(KeyEntry(id=ident, sha256=digest(key), tenant=args.tenant, most_urgent=most_urgent,
                                 trusted=args.trusted, requests_per_minute=args.requests_per_minute,
+                                background=not args.no_background,
                                 name=args.name, created_at=int(time.time())))
         write_keys(path, entries)
         print(key)
@@ -118,7 +121,9 @@ def run(args: argparse.Namespace) -> int:
     updates = {k: v for k, v in (("host", args.host), ("port", args.port), ("instance_id", args.instance_id))
                if v is not None}
     settings = settings.model_copy(update=updates)
-    refusal = open_bind_refusal(settings)
+    from gateway.webhooks import configuration_error
+
+    refusal = open_bind_refusal(settings) or configuration_error(settings)
     if refusal is not None:
         print(refusal, file=sys.stderr)
         return 2

@@ -49,6 +49,9 @@ class KeyEntry(msgspec.Struct, kw_only=True, omit_defaults=True):
     """May name another tenant (X-Tenant): for an upstream that authenticates its own users."""
     requests_per_minute: int = 0
     """Requests a minute (generation, files, batches); 0: no limit."""
+    background: bool = True
+    """May create background responses (`background: true`): work that runs after the caller has gone and that
+    the gateway keeps, so an operator can keep a key to interactive requests."""
     name: str = ""
     created_at: int = 0
 

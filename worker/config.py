@@ -481,6 +481,37 @@ class GatewaySettings(BaseSettings):
     """Without keys, allow a non-loopback address: a proxy in front authenticates callers and sets X-Tenant."""
     submit_timeout_s: float = Field(10.0, gt=0)
     """Longest a request waits for Kafka to take it; then 503 with Retry-After (a broker outage)."""
+    responses_topic: str = "llm.responses"
+    """Compacted topic of background responses' states, keyed by response id: every gateway instance reads it
+    whole, so any instance answers a poll for any response. Created at start when missing."""
+    responses_topic_partitions: int = Field(4, ge=1, le=256)
+    """Partitions of `responses_topic` when the gateway creates it."""
+    response_retention_s: float = Field(30 * 24 * 3600.0, gt=0)
+    """How long a background response stays retrievable after it was created; then it is deleted (a tombstone on
+    `responses_topic`)."""
+    background_concurrency: int = Field(1024, ge=1)
+    """Background responses of one instance in flight at once; the rest stay `queued` (in Kafka's compacted
+    topic, not in memory only)."""
+    webhook_urls: list[str] = []
+    """Endpoints that receive signed webhook events (response.* and batch.*); empty: none are sent. Each URL's
+    host must be in `webhook_allowed_hosts`."""
+    webhook_secret: str = ""
+    """The signing secret, `whsec_` + base64 of the key (Standard Webhooks, as OpenAI issues them); required
+    when `webhook_urls` is set."""
+    webhook_allowed_hosts: list[str] = []
+    """Host names (or addresses) webhook URLs may point at; a URL with another host stops the start."""
+    webhook_retry_s: float = Field(3 * 24 * 3600.0, gt=0)
+    """How long an event is retried (exponential backoff) before it is dropped and counted; the queue is on disk,
+    so a restart or an endpoint down for less than this loses nothing."""
+    webhook_backoff_initial_s: float = Field(1.0, gt=0)
+    """First wait after a failed delivery; it doubles per failure, up to `webhook_backoff_max_s`."""
+    webhook_backoff_max_s: float = Field(300.0, gt=0)
+    """Longest wait between two attempts of one event (an endpoint that comes back gets every event at once:
+    a delivery that succeeds brings the others of its URL forward)."""
+    webhook_timeout_s: float = Field(10.0, gt=0)
+    """Longest one delivery may take (connect, send, answer)."""
+    webhook_concurrency: int = Field(16, ge=1)
+    """Deliveries in flight at once."""
 
     @property
     def keys_path(self) -> Path:

@@ -170,6 +170,16 @@ async def test_json_schema_answer_validates(stack):
     jsonschema.validate(json.loads(answer.choices[0].message.content), SCHEMA)
 
 
+async def test_a_response_in_json_schema_format_validates(stack):
+    _, _, gateway = stack
+    answer = await gateway.client().responses.create(
+        model=MODEL, input="Give a name.", instructions="Answer in JSON.", max_output_tokens=60, temperature=0.7,
+        text={"format": {"type": "json_schema", "name": "person", "schema": SCHEMA, "strict": True}})
+    assert answer.status == "completed" and answer.output[0].content[0].type == "output_text"
+    jsonschema.validate(json.loads(answer.output_text), SCHEMA)
+    assert answer.usage.output_tokens > 0 and answer.text.format.type == "json_schema"
+
+
 async def test_bad_input_gets_openai_errors_and_nothing_reaches_kafka(stack):
     kafka, settings, gateway = stack
     client = gateway.client()

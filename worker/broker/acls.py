@@ -9,7 +9,8 @@ withdrawn through the admin API by a super user.
   and READ consumer groups whose names start with `client-` (for readers of results that commit offsets).
   As a gateway, on the allowed reply prefixes: CREATE, DESCRIBE, READ and DELETE its reply topics (it makes
   one per instance and sweeps those of crashed instances) and READ the groups of the same names (their
-  heartbeats).
+  heartbeats); on the background responses' topic (GATEWAY_RESPONSES_TOPIC): CREATE (the first gateway makes
+  it), DESCRIBE, READ and WRITE (every instance reads all of it and writes the states of what it runs).
 
 Consuming with a group needs READ on the group too; the worker's control reader and the example client read
 without a group. Every name is taken from KafkaSettings.
@@ -19,7 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from worker.config import KafkaSettings
+from worker.config import GatewaySettings, KafkaSettings
+
+RESPONSES_TOPIC = GatewaySettings.model_fields["responses_topic"].default
 
 # Kafka's protocol codes (org.apache.kafka.common.resource.ResourceType, acl.AclOperation, acl.AclPermissionType,
 # resource.PatternType).
@@ -60,7 +63,7 @@ def worker_acls(kafka: KafkaSettings, principal: str = "worker") -> list[Acl]:
     ]
 
 
-def client_acls(kafka: KafkaSettings, principal: str = "client") -> list[Acl]:
+def client_acls(kafka: KafkaSettings, principal: str = "client", responses_topic: str = RESPONSES_TOPIC) -> list[Acl]:
     return [
         Acl(principal, "TOPIC", kafka.request_topic, "WRITE"),
         Acl(principal, "TOPIC", kafka.control_topic, "WRITE"),
@@ -70,6 +73,7 @@ def client_acls(kafka: KafkaSettings, principal: str = "client") -> list[Acl]:
         *(Acl(principal, kind, prefix, op, "PREFIXED") for prefix in kafka.allowed_reply_topic_prefixes
           for kind, op in (("TOPIC", "CREATE"), ("TOPIC", "DESCRIBE"), ("TOPIC", "READ"), ("TOPIC", "DELETE"),
                            ("GROUP", "READ"))),
+        *(Acl(principal, "TOPIC", responses_topic, op) for op in ("CREATE", "DESCRIBE", "READ", "WRITE")),
     ]
 
 
