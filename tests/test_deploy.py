@@ -210,7 +210,8 @@ def test_gateway_settings_agree_with_the_workers_and_its_pod() -> None:
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert gateway.keys_path.parent == Path(mounts["keys"]) and "secret" in volumes["keys"]
     assert gateway.data_dir == Path(mounts["data"])
-    assert volumes["data"]["persistentVolumeClaim"]["claimName"] == _gateway("PersistentVolumeClaim")["metadata"]["name"]
+    claim = _gateway("PersistentVolumeClaim")["metadata"]["name"]
+    assert volumes["data"]["persistentVolumeClaim"]["claimName"] == claim
     # One pod at a time on a ReadWriteOnce volume.
     assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
     # Probes and the Service reach the port it listens on; the Service selects its pods.

@@ -109,9 +109,12 @@ def wait_for(what: str, predicate, timeout_s: float, interval_s: float = 2.0):
         time.sleep(interval_s)
 
 
-def containers(service: str) -> list[dict]:
-    out = run(["podman", "ps", "-a", "--format", "json", "--filter", f"label=io.podman.compose.project={PROJECT}",
-               "--filter", f"label=com.docker.compose.service={service}"], capture=True, quiet=True).stdout
+def containers(service: str | None = None) -> list[dict]:
+    """The project's containers, of one service or all."""
+    filters = ["--filter", f"label=io.podman.compose.project={PROJECT}"]
+    if service is not None:
+        filters += ["--filter", f"label=com.docker.compose.service={service}"]
+    out = run(["podman", "ps", "-a", "--format", "json", *filters], capture=True, quiet=True).stdout
     return json.loads(out or "[]")
 
 
@@ -169,13 +172,23 @@ def ensure_podman() -> None:
 
 
 def start_broker(files: list[str]) -> None:
-    compose("up", "-d", "kafka", files=files)
+    compose("up", "-d", "kafka", files=files, timeout=300)
     (kafka,) = wait_for("the kafka container", lambda: running("kafka"), 60)
     # podman runs health checks from systemd timers; without systemd nothing runs them, so run compose's own
     # health check command here until it passes.
     wait_for("kafka's health check", lambda: run(["podman", "healthcheck", "run", kafka], check=False,
                                                  capture=True, quiet=True).returncode == 0, 180, 3)
     say(f"{kafka} is healthy")
+
+
+def tear_down(files: list[str], grace_s: int) -> None:
+    """`down -v`, then whatever it missed: podman-compose stops only the replicas its current scale names."""
+    compose("down", "-v", "-t", str(grace_s), files=files, check=False)
+    left = [name_of(c) for c in containers()]
+    if left:
+        say(f"`down` left {left}; removing them (SIGTERM, {grace_s} s grace)")
+        run(["podman", "rm", "-f", "-t", str(grace_s), *left], check=False)
+        compose("down", "-v", "-t", str(grace_s), files=files, check=False)
 
 
 def add_gateway_key(files: list[str]) -> str:
@@ -195,12 +208,17 @@ def worker_ready(name: str) -> bool:
 
 
 def start_stack(files: list[str], workers: int) -> None:
-    compose("up", "-d", "--scale", f"worker={workers}", files=files)
-    code = wait_for("the topics job to finish", lambda: exited_with("topics") is not None or None, 180)
+    # One service group at a time, each waited for here: podman 4.3 cannot wait for a health check (podman-compose
+    # skips that condition), and it fails to start a container whose dependency has dependencies of its own
+    # ("generating dependency graph ... not found in input list"), so the dependencies are not handed to it
+    # (--no-deps). Docker Compose does this ordering itself from depends_on.
+    compose("up", "-d", "--no-deps", "topics", files=files, timeout=300)
+    wait_for("the topics job to finish", lambda: exited_with("topics") is not None or None, 180)
     code = exited_with("topics")
     if code != 0:
         raise CheckFailed(f"the topics job exited {code}:\n{logs(name_of(containers('topics')[0]), 50)}")
     say("the topics job exited 0")
+    compose("up", "-d", "--no-deps", "--scale", f"worker={workers}", "worker", "gateway", files=files, timeout=300)
     names = wait_for(f"{workers} running workers", lambda: (r := running("worker")) and len(r) == workers and r,
                      120)
     for name in names:
@@ -210,8 +228,9 @@ def start_stack(files: list[str], workers: int) -> None:
         raise CheckFailed("worker-gpu started without its profile")
 
 
-def check_producer() -> None:
-    code = wait_for("the producer's demo request", lambda: exited_with("producer") is not None or None, 300, 3)
+def check_producer(files: list[str]) -> None:
+    compose("up", "-d", "--no-deps", "producer", files=files, timeout=300)
+    wait_for("the producer's demo request", lambda: exited_with("producer") is not None or None, 300, 3)
     code = exited_with("producer")
     out = logs(name_of(containers("producer")[0]), 40)
     print("    producer output:\n" + "\n".join("      " + line for line in out.strip().splitlines()))
@@ -241,6 +260,38 @@ def check_gateway(key: str) -> None:
         raise CheckFailed("the gateway's answer is empty")
 
 
+async def scale_to_one(files: list[str]) -> list[str]:
+    """`up --scale worker=1`, in a process of its own so that the client keeps reading answers meanwhile."""
+    cmd = [str(PODMAN_COMPOSE), "-p", PROJECT, *sum((["-f", f] for f in files), []), "up", "-d", "--no-deps",
+           "--scale", "worker=1", "worker"]
+    say("$ " + " ".join(cmd))
+    proc = await asyncio.create_subprocess_exec(*cmd, cwd=ROOT)
+    if await asyncio.wait_for(proc.wait(), 300) != 0:
+        raise CheckFailed(f"`up --scale worker=1` exited {proc.returncode}")
+    left = running("worker")
+    if len(left) > 1:
+        # podman-compose creates the replicas a scale asks for but leaves extra ones running; stop the last one as
+        # Docker Compose's scale-down does: SIGTERM, then SIGKILL after the service's stop_grace_period.
+        extra = sorted(left)[-1]
+        grace = compose_services(files)["worker"]["stop_grace_period"].removesuffix("s")
+        say(f"podman-compose left {left} running; stopping {extra} as compose's scale-down does (SIGTERM, "
+            f"{grace} s grace)")
+        stop = await asyncio.create_subprocess_exec("podman", "stop", "-t", grace, extra)
+        await stop.wait()
+        await (await asyncio.create_subprocess_exec("podman", "rm", extra)).wait()
+    return running("worker")
+
+
+def compose_services(files: list[str]) -> dict[str, dict]:
+    import yaml
+
+    services: dict[str, dict] = {}
+    for f in files:
+        for name, spec in yaml.safe_load((ROOT / f).read_text())["services"].items():
+            services.setdefault(name, {}).update(spec)
+    return services
+
+
 async def scale_down_under_load(files: list[str], num_requests: int, max_new_tokens: int) -> dict:
     from aiokafka import AIOKafkaConsumer
 
@@ -262,16 +313,10 @@ async def scale_down_under_load(files: list[str], num_requests: int, max_new_tok
         say(f"submitted {num_requests} requests; letting both workers start on them")
         await asyncio.sleep(5)
         before = running("worker")
-        # What `up --scale worker=1` does to the second replica: SIGTERM, then SIGKILL after stop_grace_period.
-        # Run as its own process so the client keeps reading answers meanwhile.
-        scale = await asyncio.create_subprocess_exec(
-            str(PODMAN_COMPOSE), "-p", PROJECT, *sum((["-f", f] for f in files), []), "up", "-d", "--scale",
-            "worker=1", cwd=ROOT)
-        say(f"scaling 2 -> 1 while requests are in flight ({client.num_in_flight()} not answered yet)")
-        finals = await asyncio.gather(*(h.result() for h in handles), return_exceptions=True)
-        await scale.wait()
-        after = running("worker")
-        say(f"workers before {before}, after {after}; `up --scale worker=1` exited {scale.returncode}")
+        say(f"scaling 2 -> 1 while requests are in flight ({client.num_in_flight} not answered yet)")
+        finals, after = await asyncio.gather(
+            asyncio.gather(*(h.result() for h in handles), return_exceptions=True), scale_to_one(files))
+        say(f"workers before {before}, after {after}")
         failures = [f for f in finals if isinstance(f, BaseException)]
         if failures:
             raise CheckFailed(f"{len(failures)} requests raised in the client, e.g. {failures[0]!r}")
@@ -327,17 +372,19 @@ def main() -> int:
             if args.registry:
                 compose("build", files=files)
             else:
+                # The wheelhouse is filled by this interpreter's pip unless PYTHON names another 3.11.
+                os.environ.setdefault("PYTHON", sys.executable)
                 run(["bash", "deploy/containers/build_images.sh"])
             cc = run(["podman", "run", "--rm", "kafka-llm-worker:cuda", "cc", "--version"], capture=True)
             say(f"the GPU image has a C compiler for Triton: {cc.stdout.splitlines()[0]}")
         with Step("3. remove what a previous run left"):
-            compose("down", "-v", "-t", "5", files=files, check=False)
+            tear_down(files, grace_s=5)
         with Step("4. broker up and healthy; a gateway key"):
             start_broker(files)
             key = add_gateway_key(files)
         with Step("5. topics job, 2 workers, gateway, producer: the demo request"):
             start_stack(files, workers=2)
-            check_producer()
+            check_producer(files)
         with Step("6. the gateway through the openai client"):
             check_gateway(key)
         with Step("7. scale 2 -> 1 workers with requests in flight"):
@@ -352,7 +399,7 @@ def main() -> int:
     finally:
         if not args.keep:
             with Step("8. down, volumes removed"):
-                compose("down", "-v", "-t", "70", files=files, check=False)
+                tear_down(files, grace_s=70)
     print("\ntimings:")
     for title, took in _timings:
         print(f"  {took:7.1f} s  {title}")
