@@ -222,7 +222,7 @@ def start_stack(files: list[str], workers: int) -> None:
     names = wait_for(f"{workers} running workers", lambda: (r := running("worker")) and len(r) == workers and r,
                      120)
     for name in names:
-        wait_for(f"{name} ready (/ready: model loaded, group joined)", lambda n=name: worker_ready(n), 300, 3)
+        wait_for(f"{name} ready (/ready: model loaded, group joined)", lambda n=name: worker_ready(n), 600, 3)
         say(f"{name} is ready")
     if containers("worker-gpu"):
         raise CheckFailed("worker-gpu started without its profile")
@@ -232,7 +232,8 @@ def check_producer(files: list[str]) -> None:
     compose("up", "-d", "--no-deps", "producer", files=files, timeout=300)
     wait_for("the producer's demo request", lambda: exited_with("producer") is not None or None, 300, 3)
     code = exited_with("producer")
-    out = logs(name_of(containers("producer")[0]), 40)
+    # All of it: podman 4.3's `logs --tail` misorders the partial lines a streamed answer is written in.
+    out = logs(name_of(containers("producer")[0]), -1)
     print("    producer output:\n" + "\n".join("      " + line for line in out.strip().splitlines()))
     if code != 0:
         raise CheckFailed(f"the producer exited {code}")
@@ -321,9 +322,16 @@ async def scale_down_under_load(files: list[str], num_requests: int, max_new_tok
         if failures:
             raise CheckFailed(f"{len(failures)} requests raised in the client, e.g. {failures[0]!r}")
         statuses: dict[str, int] = {}
+        by_worker: dict[str, int] = {}
         for final in finals:
             statuses[final.status] = statuses.get(final.status, 0) + 1
-        say(f"client saw {len(finals)} finals: {statuses}")
+            by_worker[final.worker_id] = by_worker.get(final.worker_id, 0) + 1
+        # A final's attempt is the group generation in which its worker fetched the request: those of the
+        # generation after the scale-down were moved from the stopped worker.
+        attempts: dict[int, int] = {}
+        for final in finals:
+            attempts[final.attempt] = attempts.get(final.attempt, 0) + 1
+        say(f"client saw {len(finals)} finals: {statuses}; by worker {by_worker}; by attempt {attempts}")
 
     # Every final ever committed to the result topic for these ids, read from its start.
     consumer = AIOKafkaConsumer(kafka.result_topic, **kafka.client_kwargs(), group_id=None,
@@ -332,8 +340,19 @@ async def scale_down_under_load(files: list[str], num_requests: int, max_new_tok
     await consumer.start()
     counts: dict[str, int] = dict.fromkeys(ids, 0)
     try:
-        end = await consumer.end_offsets(list(consumer.assignment()))
-        while any(await consumer.position(tp) < offset for tp, offset in end.items()):
+        # Without a group the consumer assigns itself every partition once it has the topic's metadata.
+        deadline = time.monotonic() + 30
+        while not consumer.assignment():
+            if time.monotonic() > deadline:
+                raise CheckFailed(f"no partitions of {kafka.result_topic} assigned")
+            await asyncio.sleep(0.2)
+        partitions = sorted(consumer.assignment())
+        await consumer.seek_to_beginning(*partitions)
+        end = await consumer.end_offsets(partitions)
+        while True:
+            positions = [await consumer.position(tp) for tp in partitions]
+            if all(pos >= end[tp] for pos, tp in zip(positions, partitions)):
+                break
             for messages in (await consumer.getmany(timeout_ms=500)).values():
                 for m in messages:
                     record = decode_result(m.value)
@@ -360,7 +379,7 @@ def main() -> int:
     parser.add_argument("--registry", action="store_true",
                         help="use compose.yaml's registry images (apache/kafka, python:3.11-slim) as they are")
     parser.add_argument("--keep", action="store_true", help="leave the stack running at the end")
-    parser.add_argument("--requests", type=int, default=12, help="requests in flight while scaling down")
+    parser.add_argument("--requests", type=int, default=20, help="requests in flight while scaling down")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     args = parser.parse_args()
     files = ["compose.yaml"] if args.registry else ["compose.yaml", "compose.local.yaml"]
