@@ -7,11 +7,13 @@ Steps, each printed with its duration:
      (sandboxes that refuse rlimits and cgroup controllers need it), and podman-compose from PyPI in a venv
      of its own (Debian 12's podman-compose 1.0.3 ignores profiles and --scale).
   2. images: deploy/containers/build_images.sh (Debian base, wheelhouse, Kafka jars, images), unless --registry
-     (then compose.yaml's own images: apache/kafka and python:3.11-slim from the registry).
+     (then compose.yaml's own images, built from apache/kafka and python:3.11-slim: for hosts that reach a
+     registry; not the path the check was run on without one). The GPU image must have a C compiler.
   3. a previous run's containers and volumes are removed: the check may run twice.
   4. the broker, until compose's health check passes; a gateway API key on the gateway's volume.
-  5. the topics job, two workers, the gateway and the example producer (`up -d --scale worker=2`); the
-     producer's demo request must be answered by the real model.
+  5. the topics job (exit 0), two workers (`--scale worker=2`, each until /ready), the gateway, then the
+     example producer, whose demo request the real model must answer. Each group is started with `up -d
+     --no-deps` in depends_on order (podman 4.3 can do neither health conditions nor nested --requires).
   6. the gateway answers a chat completion through the official `openai` client with that key.
   7. 2 -> 1 workers with requests in flight: every request gets exactly one final (read_committed read of the
      result topic from its start), none is lost.
@@ -389,7 +391,7 @@ def main() -> int:
             ensure_podman()
         with Step("2. images"):
             if args.registry:
-                compose("build", files=files)
+                compose("--profile", "gpu", "build", files=files)
             else:
                 # The wheelhouse is filled by this interpreter's pip unless PYTHON names another 3.11.
                 os.environ.setdefault("PYTHON", sys.executable)
