@@ -4,7 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALL_STAMP := $(VENV)/.install-stamp
 
-.PHONY: setup jars model promtool test test-fast broker-start broker-stop broker-status bench bench-overload bench-sim demo
+.PHONY: setup jars model promtool test test-fast broker-start broker-stop broker-status bench bench-overload bench-sim demo \
+	compose-check
 
 setup: $(INSTALL_STAMP) jars model promtool
 
@@ -79,3 +80,12 @@ bench-sim: setup
 # Stops all it started at the end or on Ctrl-C. A few minutes on a 2-core CPU.
 demo: setup
 	$(BIN)/llm-worker demo
+
+# ---- containers ----------------------------------------------------------------------------------------
+# compose.yaml for real with podman: installs and configures podman when missing (root), builds the images from
+# Debian's packages, PyPI and Maven Central (deploy/containers/build_images.sh), brings up the broker, topics,
+# two workers, the gateway and the producer, answers the demo request and a gateway call, scales 2 -> 1 workers
+# with requests in flight, tears down. Not in `make test`: the first run builds ~7 GB images (docs/deployment.md
+# has its timings). Safe to run twice.
+compose-check: $(INSTALL_STAMP)
+	PYTHON=$(abspath $(BIN)/python) $(BIN)/python deploy/containers/compose_check.py $(COMPOSE_CHECK_ARGS)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import re
+import tomllib
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -13,12 +16,10 @@ from pydantic_settings import BaseSettings
 
 import worker.config
 from worker.cli import SUBCOMMANDS
-from worker.config import KafkaSettings
+from worker.config import GatewaySettings, KafkaSettings
 
 ROOT = Path(__file__).resolve().parent.parent
-CLIENT_SERVICES = ("topics", "worker", "worker-gpu", "producer")
-# Subcommands compose runs that the CLI does not register yet; once registered, their flags are parsed below.
-PENDING_SUBCOMMANDS = {"serve", "generate"}
+CLIENT_SERVICES = ("topics", "worker", "worker-gpu", "gateway", "producer")
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def test_all_services_exist(services: dict[str, dict]) -> None:
 @pytest.mark.parametrize("service", CLIENT_SERVICES)
 def test_env_names_are_real_settings_fields(services: dict[str, dict], service: str) -> None:
     by_prefix = _settings_by_prefix()
-    assert {"KAFKA_", "ENGINE_", "WORKER_", "LLM_WORKER_"} <= set(by_prefix)
+    assert {"KAFKA_", "ENGINE_", "WORKER_", "LLM_WORKER_", "GATEWAY_"} <= set(by_prefix)
     for name in services[service]["environment"]:
         # Longest prefix first: LLM_WORKER_ must not be read as a WORKER_ setting.
         prefix = max((p for p in by_prefix if name.startswith(p)), key=len, default=None)
@@ -114,23 +115,141 @@ def test_broker_advertises_what_clients_bootstrap_from(services: dict[str, dict]
     assert services["topics"]["depends_on"]["kafka"]["condition"] == "service_healthy"
 
 
+def _commands() -> dict[str, str]:
+    """`llm-worker` subcommand -> module: the worker's own and those pyproject.toml registers (the clients')."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    registered = project["entry-points"]["llm_worker.commands"]
+    return {**{name: module for name, (module, _) in SUBCOMMANDS.items()},
+            **{name: target.split(":")[0] for name, target in registered.items()}}
+
+
 @pytest.mark.parametrize("service", CLIENT_SERVICES)
 def test_commands_are_cli_subcommands_with_valid_flags(services: dict[str, dict], service: str) -> None:
     program, subcommand, *rest = services[service]["command"]
     assert program == "llm-worker"
-    if subcommand not in SUBCOMMANDS:
-        assert subcommand in PENDING_SUBCOMMANDS, f"{service}: unknown subcommand {subcommand}"
-        return
-    module = importlib.import_module(SUBCOMMANDS[subcommand][0])
+    commands = _commands()
+    assert subcommand in commands, f"{service}: unknown subcommand {subcommand}"
+    module = importlib.import_module(commands[subcommand])
     parser = argparse.ArgumentParser(prog=f"llm-worker {subcommand}")
     module.configure_parser(parser)
     parser.parse_args(rest)  # exits (SystemExit) on an unknown flag
 
 
+def _dockerfile_lines(path: Path) -> list[str]:
+    """Instructions with their continuation lines joined."""
+    return [line.strip() for line in path.read_text().replace("\\\n", " ").splitlines()]
+
+
 def test_dockerfile_builds_the_worker_with_its_model() -> None:
-    lines = [line.strip() for line in (ROOT / "Dockerfile").read_text().splitlines()]
-    assert "FROM python:3.11-slim" in lines
-    assert any(line.startswith("RUN llm-worker model pull") for line in lines)
-    assert any("pip install" in line and "." in line for line in lines)
+    lines = _dockerfile_lines(ROOT / "Dockerfile")
+    # A slim Python image by default; any Debian-like base (the registry-free build) by argument.
+    assert "ARG BASE_IMAGE=python:3.11-slim" in lines and "FROM ${BASE_IMAGE}" in lines
+    assert any(line.startswith("RUN") and "llm-worker model pull" in line for line in lines)
+    assert any("pip install --no-deps ." in line for line in lines)
     ignored = (ROOT / ".dockerignore").read_text().split()
-    assert ".venv/" in ignored and ".git/" in ignored
+    assert ".venv/" in ignored and ".git/" in ignored and "deploy/containers/kafka/libs/" in ignored
+
+
+def test_image_installs_every_extra_its_commands_need() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    # `llm-worker model pull` (model), traces (otel) and `llm-worker gateway` (gateway).
+    for extra in ("model", "otel", "gateway"):
+        assert f"x['{extra}']" in text, extra
+
+
+def test_gpu_image_gets_a_c_compiler(services: dict[str, dict]) -> None:
+    assert services["worker-gpu"]["build"]["args"]["WITH_C_COMPILER"]
+    assert "worker-gpu" not in services["worker"].get("build", {}).get("args", {})
+    assert "WITH_C_COMPILER" not in services["worker"]["build"]["args"]
+    lines = _dockerfile_lines(ROOT / "Dockerfile")
+    (install,) = [line for line in lines if "WITH_C_COMPILER" in line and line.startswith("RUN")]
+    assert "gcc" in install and "libc6-dev" in install
+
+
+def test_scale_advice_matches_the_partitions(services: dict[str, dict]) -> None:
+    per_priority = int(services["worker"]["environment"]["KAFKA_PARTITIONS_PER_PRIORITY"])
+    text = (ROOT / "compose.yaml").read_text() + (ROOT / "docs" / "deployment.md").read_text()
+    advised = [int(n) for n in re.findall(r"--scale worker=(\d+)", text)]
+    assert advised and all(n <= per_priority for n in advised), advised
+
+
+def test_gateway_service(services: dict[str, dict]) -> None:
+    gateway = services["gateway"]
+    assert gateway["command"][:2] == ["llm-worker", "gateway"]
+    env = gateway["environment"]
+    settings = GatewaySettings(**{k.removeprefix("GATEWAY_").lower(): v for k, v in env.items()
+                                  if k.startswith("GATEWAY_")})
+    # Its data (batches, keys) is on a named volume, at the path the gateway uses.
+    mounts = dict(volume.split(":")[:2] for volume in gateway["volumes"])
+    assert mounts[next(iter(mounts))] == str(settings.data_dir)
+    assert next(iter(mounts)) in yaml.safe_load((ROOT / "compose.yaml").read_text())["volumes"]
+    # Published on the port it listens on; it listens beyond loopback, so it needs keys, which compose does
+    # not waive.
+    assert any(port.endswith(f":{settings.port}") for port in gateway["ports"])
+    assert settings.host == "0.0.0.0" and not settings.behind_auth_proxy
+    assert gateway["depends_on"]["topics"]["condition"] == "service_completed_successfully"
+
+
+@pytest.mark.parametrize("service", ["worker", "worker-gpu"])
+def test_workers_allow_the_gateways_reply_topics(
+    services: dict[str, dict], service: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in KafkaSettings.model_fields:
+        monkeypatch.delenv(f"KAFKA_{name.upper()}", raising=False)
+    for name, value in services[service]["environment"].items():
+        monkeypatch.setenv(name, str(value))
+    prefix = GatewaySettings().reply_topic_prefix
+    gateway_env = services["gateway"]["environment"]
+    prefix = gateway_env.get("GATEWAY_REPLY_TOPIC_PREFIX", prefix)
+    assert any(prefix.startswith(p) for p in KafkaSettings().allowed_reply_topic_prefixes)
+
+
+def test_local_override_only_swaps_images() -> None:
+    base = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
+    local = yaml.safe_load((ROOT / "compose.local.yaml").read_text())["services"]
+    assert set(local) <= set(base)
+    for name, spec in local.items():
+        assert set(spec) <= {"image", "build"}, name
+    # Every worker-image service builds the same way: one image for all of them.
+    worker_builds = {str(spec["build"]) for name, spec in local.items() if name != "kafka"}
+    assert len(worker_builds) == 1
+    assert (ROOT / local["kafka"]["build"]["context"] / "Dockerfile").is_file()
+
+
+def test_kafka_image_jars_match_the_local_broker() -> None:
+    ns = {"m": "http://maven.apache.org/POM/4.0.0"}
+
+    def properties(path: Path) -> dict[str, str]:
+        root = ET.parse(path).getroot()
+        return {child.tag.split("}")[1]: child.text for child in root.find("m:properties", ns)}
+
+    image = properties(ROOT / "deploy" / "containers" / "kafka" / "pom.xml")
+    broker = properties(ROOT / "worker" / "broker" / "pom.xml")
+    assert image["kafka.version"] == broker["kafka.version"]
+    assert image["log4j.version"] == broker["log4j.version"]
+    services = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
+    local = yaml.safe_load((ROOT / "compose.local.yaml").read_text())["services"]
+    assert services["kafka"]["image"].endswith(":" + image["kafka.version"])
+    assert local["kafka"]["image"].endswith(":" + image["kafka.version"])
+
+
+def test_kafka_image_reads_the_official_images_variables(tmp_path: Path) -> None:
+    import os
+    import shutil
+    import subprocess
+
+    if shutil.which("sh") is None:
+        pytest.skip("no POSIX shell")
+    script = (ROOT / "deploy" / "containers" / "kafka" / "entrypoint.sh").read_text()
+    # Only the property conversion: stop before Java runs.
+    script = script.replace("/opt/kafka/config", str(tmp_path)).split('CLASSPATH="/opt/kafka/libs/*"')[0]
+    env = {"PATH": os.environ["PATH"], "CLUSTER_ID": "x", "KAFKA_NODE_ID": "1",
+           "KAFKA_LISTENER_SECURITY_PROTOCOL_MAP": "A:PLAINTEXT,B:SSL", "KAFKA_HEAP_OPTS": "-Xmx1g",
+           "KAFKA_SASL_MECHANISM_INTER__BROKER_PROTOCOL": "PLAIN", "KAFKA_A___B": "c=d"}
+    subprocess.run(["sh", "-c", script], env=env, check=True)
+    lines = (tmp_path / "server.properties").read_text().splitlines()
+    assert "node.id=1" in lines
+    assert "listener.security.protocol.map=A:PLAINTEXT,B:SSL" in lines
+    assert "sasl.mechanism.inter_broker.protocol=PLAIN" in lines
+    assert "a-b=c=d" in lines
+    assert not any(line.startswith("heap") for line in lines)

@@ -167,3 +167,57 @@ def test_the_readiness_endpoint_follows_the_worker() -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def _gateway(kind: str) -> dict:
+    (doc,) = [d for d in _docs("gateway.yaml") if d["kind"] == kind]
+    return doc
+
+
+def test_gateway_manifests_match_the_kubernetes_schemas() -> None:
+    docs = _docs("gateway.yaml")
+    assert {d["kind"] for d in docs} == {"PersistentVolumeClaim", "Deployment", "Service"}
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_gateway_settings_agree_with_the_workers_and_its_pod() -> None:
+    from worker.config import GatewaySettings, KafkaSettings
+
+    by_prefix = _settings_by_prefix()
+    deployment = _gateway("Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = _env(container)
+    assert container["command"] == ["llm-worker", "gateway"]
+    for name in env:
+        prefix = max((p for p in by_prefix if name.startswith(p)), key=len, default=None)
+        assert prefix in ("KAFKA_", "GATEWAY_"), name
+        assert name[len(prefix):].lower() in by_prefix[prefix].model_fields, name
+    gateway = GatewaySettings(**{k.removeprefix("GATEWAY_").lower(): v for k, v in env.items()
+                                 if k.startswith("GATEWAY_")})
+    # A client of the workers' topics: the same names and the same partition layout (worker.yaml).
+    worker_env = _env(_worker_container())
+    for name, value in env.items():
+        if name.startswith("KAFKA_"):
+            assert worker_env[name] == value, name
+    # The workers answer on the gateway's reply topics only if their allowed prefixes cover it.
+    assert "KAFKA_ALLOWED_REPLY_TOPIC_PREFIXES" not in worker_env
+    assert any(gateway.reply_topic_prefix.startswith(p) for p in KafkaSettings().allowed_reply_topic_prefixes)
+    # It listens beyond loopback, so keys are required; they come from the Secret, mounted where it reads them.
+    assert gateway.host == "0.0.0.0" and not gateway.behind_auth_proxy
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert gateway.keys_path.parent == Path(mounts["keys"]) and "secret" in volumes["keys"]
+    assert gateway.data_dir == Path(mounts["data"])
+    claim = _gateway("PersistentVolumeClaim")["metadata"]["name"]
+    assert volumes["data"]["persistentVolumeClaim"]["claimName"] == claim
+    # One pod at a time on a ReadWriteOnce volume.
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+    # Probes and the Service reach the port it listens on; the Service selects its pods.
+    assert {"name": "http", "containerPort": gateway.port} in container["ports"]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert pod["securityContext"]["runAsUser"] == 10001  # the image's user (Dockerfile)
+    service = _gateway("Service")
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    assert service["spec"]["ports"][0]["targetPort"] == "http"

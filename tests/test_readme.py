@@ -11,7 +11,8 @@ from worker.config_cli import TABLE_BEGIN, TABLE_DOC, TABLE_END, settings_table
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
-CODE_FOLDERS = ("worker", "schemas", "kernels", "llm_client", "producer_examples", "benchmarks", "tests")
+CODE_FOLDERS = ("worker", "schemas", "kernels", "llm_client", "producer_examples", "gateway", "benchmarks", "tests",
+                "deploy")
 PENDING_PAGES = {"docs/structured-output.md", "docs/memory.md"}
 """Pages the README and docs/ link to that the work on structured output and on memory is writing; a link to
 one of them may lead nowhere until it lands (every other link must resolve)."""
