@@ -3,6 +3,8 @@ per priority) is refused with the setting's name; the shipped compose file passe
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import subprocess
 import sys
@@ -35,6 +37,7 @@ def _check(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.slow
 def test_the_shipped_compose_file_passes_and_a_bad_override_fails(tmp_path):
     shipped = _check("--compose", str(REPO / "compose.yaml"))
     assert shipped.returncode == 0, shipped.stderr

@@ -189,6 +189,7 @@ def test_transport_speaks_to_the_engine_only_through_its_api():
     assert violations(transport, ("worker.model", "kernels", "torch", "llguidance")) == []
 
 
+@pytest.mark.slow
 def test_the_worker_never_names_its_clients():
     """No import of the client side from worker/, and no module name of it in a string either (an importlib
     call is an import all the same): client commands reach `llm-worker` through the `llm_worker.commands`

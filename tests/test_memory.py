@@ -117,6 +117,7 @@ def test_each_thread_of_a_worker_gets_an_arena_of_its_own_at_the_default_cap():
     assert int(out.stdout) == 41
 
 
+@pytest.mark.slow
 def test_an_engine_process_sets_up_its_own_allocator_as_the_worker_does():
     # mallopt's settings belong to the process that calls it: an engine in a process of its own
     # (WORKER_ENGINE_PROCESS) allocates the engine's native memory, so it needs them too, and a trim of its own.
@@ -178,6 +179,7 @@ def test_a_fixed_mmap_threshold_keeps_freed_temporaries_out_of_the_heap(mode):
     assert (kept > 30 * MB) == (mode == "dynamic"), kept
 
 
+@pytest.mark.slow
 def test_the_workers_tokenizer_keeps_no_word_cache(smollm2_path):
     """Prompts that each carry a new word (an id, a number): the tokenizer as transformers loads it keeps
     every such word until its cache holds 10,000 (native memory, held for good); the worker's keeps none."""

@@ -2,6 +2,8 @@
 every file and `Class.method` the text names exists, every relative link leads somewhere, and the README
 names the test command CI runs."""
 
+import pytest
+
 import ast
 import re
 from pathlib import Path
@@ -76,6 +78,7 @@ FILE_NAME = re.compile(r"`([\w./-]+\.(?:py|sh))`")
 CLASS_MEMBER = re.compile(r"`([A-Z][a-z]\w*)\.(_?[a-z]\w*)(?:\(\))?`")
 
 
+@pytest.mark.slow
 def test_every_file_and_class_member_named_exists() -> None:
     """Every `file.py` (or `.sh`) the README or docs/ names exists: a full path as written, a bare name anywhere
     in the code folders. Every `Class.method` is defined on a class of that name in the code folders."""
@@ -93,6 +96,7 @@ def test_every_file_and_class_member_named_exists() -> None:
     assert not missing, missing
 
 
+@pytest.mark.slow
 def test_the_name_check_can_fail() -> None:
     classes = class_members()
     assert "fetch_once" in classes["Intake"] and "no_such_method" not in classes["Intake"]

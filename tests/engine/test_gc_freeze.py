@@ -3,6 +3,8 @@ full collections during steps no longer walk the model's and tokenizer's objects
 
 from __future__ import annotations
 
+import pytest
+
 import gc
 from collections import deque
 
@@ -19,6 +21,7 @@ def test_startup_objects_leave_the_collectors_generations_and_later_ones_do_not(
         gc.unfreeze()
 
 
+@pytest.mark.slow
 def test_garbage_cycles_made_after_the_freeze_do_not_wait_for_a_quarter_of_the_frozen_heap():
     """Cycles that outlive the young generations (a request's state held for a while, then dropped) reach the
     oldest one; a full collection must come for them at the usual pace (every tenth collection of the middle

@@ -245,6 +245,7 @@ RandomOperations.TestCase.settings = settings(
 test_random_operations_hypothesis = RandomOperations.TestCase
 
 
+@pytest.mark.slow
 def test_a_request_that_left_the_queue_is_not_kept_until_its_deadline():
     """A deadline an hour away must not keep a finished request (its tokens, its block table) for an hour: a
     worker at 100 requests/s would hold 360,000 of them."""

@@ -37,6 +37,7 @@ def requests() -> list[EngineRequest]:
                           sampling=SAMPLINGS[i % len(SAMPLINGS)]) for i in range(6)]
 
 
+@pytest.mark.slow
 def test_requests_complete_with_the_simulations_tokens_in_any_batch(tiny_model_path):
     waits: list[float] = []
     engine = sim_engine(tiny_model_path, waits)
@@ -62,6 +63,7 @@ def test_requests_complete_with_the_simulations_tokens_in_any_batch(tiny_model_p
     assert engine.runner.inputs.num_rows_in_use == 0  # every request's input row was released
 
 
+@pytest.mark.slow
 def test_preemption_on_the_simulated_device_keeps_outputs(tiny_model_path):
     # 12 blocks of 16 tokens cannot hold six requests at once: some are preempted and recomputed.
     tight_engine = sim_engine(tiny_model_path, num_kv_blocks=12)

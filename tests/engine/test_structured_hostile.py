@@ -164,6 +164,7 @@ def test_a_length_end_past_a_limit_is_an_error(manager):
     assert "doesn't satisfy" in manager.check_end(request_id, encode(manager, "1x"))
 
 
+@pytest.mark.slow
 def test_a_compile_past_the_budget_is_refused_and_gives_its_slot_to_the_next(tiny_model_path: Path):
     from transformers import AutoTokenizer
 
@@ -199,6 +200,7 @@ def spin(release: threading.Event) -> None:
         pass
 
 
+@pytest.mark.slow
 def test_a_compile_starved_of_cpu_is_refused_for_a_while_only(tiny_model_path: Path, monkeypatch):
     # The budget counts the compile's CPU: one that gets none (a machine busy with other work) is refused after
     # WALL_FACTOR budgets of wall time with a message that says so, and the same spec is compiled again later.

@@ -162,6 +162,7 @@ def test_smollm2_50_requests_over_5_schemas_all_validate(smollm2_path: Path):
     print(f"50 structured requests on SmolLM2 in {elapsed:.1f} s, {engine.num_steps} steps")
 
 
+@pytest.mark.slow
 def test_closing_the_engine_stops_its_grammar_judges(tiny_model_path: Path, monkeypatch):
     from tests.model.test_grammar import judges_gone
 
@@ -180,6 +181,7 @@ def test_closing_the_engine_stops_its_grammar_judges(tiny_model_path: Path, monk
     engine.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cache_size, compiled_again", [(2, 1), (4, 0)])
 def test_a_format_is_compiled_again_once_more_than_the_cache_size_came_after_it(tiny_model_path: Path, cache_size,
                                                                                compiled_again):

@@ -117,6 +117,7 @@ def _cli(*args: str, home) -> subprocess.CompletedProcess:
                           text=True, timeout=60)
 
 
+@pytest.mark.slow
 def test_the_keys_cli_prints_a_key_once_lists_and_revokes(tmp_path):
     made = _cli("keys", "add", "--tenant", "acme", "--most-urgent", "2", "--requests-per-minute", "60",
                 "--name", "ci", home=tmp_path)

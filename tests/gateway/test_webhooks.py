@@ -3,6 +3,8 @@ verified with the openai SDK; an event past the retry bound dropped and counted.
 
 from __future__ import annotations
 
+import pytest
+
 import asyncio
 
 import openai
@@ -48,6 +50,7 @@ def settings(endpoint: Endpoint, **kw) -> GatewaySettings:
                            webhook_backoff_max_s=0.2, **kw)
 
 
+@pytest.mark.slow
 async def test_events_survive_a_restart_and_each_is_delivered_once(tmp_path):
     endpoint = Endpoint()
     await endpoint.up()

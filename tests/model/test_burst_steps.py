@@ -15,6 +15,7 @@ from worker.model.runner import ModelRunner
     {"dtype": "bfloat16"},
     {"max_num_seqs": 4, "max_num_batched_tokens": 64, "num_kv_blocks": 8, "max_model_len": 100},
 ])
+@pytest.mark.slow
 def test_burst_steps_fit_the_limits_and_leave_no_trace(tiny_model_path, overrides):
     settings = tiny_settings(**overrides)
     runner = ModelRunner(tiny_model_path, settings)

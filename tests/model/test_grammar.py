@@ -100,6 +100,7 @@ def test_compile_threads_start_with_the_compiler_and_a_finished_compiler_leaves_
     assert not _grammar_threads() & started
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(memory.native_heap() is None, reason="needs glibc >= 2.33 (mallinfo2)")
 def test_a_flood_of_distinct_schemas_leaves_the_native_heap_where_it_was(tokenizer):
     # Each schema names a property of its own, as a client that puts a request's id in its format would. The
@@ -229,12 +230,14 @@ def patient(tokenizer) -> GrammarCompiler:
     ("json_schema", json.dumps(RECURSIVE_THROUGH_ONE_OF), "ENGINE_GRAMMAR_STEP_MAX_ITEMS=50000"),
     ("json_schema", '{"type": "integer", "minimum": 5, "maximum": 3}', "minimum (5) is greater than maximum (3)"),
 ])
+@pytest.mark.slow
 def test_what_the_library_can_tell_in_advance_is_refused_at_compile_time(patient, kind, spec, message):
     result = compiled(patient, kind, spec)
     assert result.matcher is None and message in result.error, result.error
     assert "<non-verbose/>" not in result.error and "<state>" not in result.error
 
 
+@pytest.mark.slow
 def test_formats_that_can_run_pass_the_probe(patient, tokenizer):
     # A JSON Schema pattern is unanchored (ECMA-262): any string containing the 5,000 letters matches, so a
     # length-cut output may be any string prefix. Anchored, only x and y may follow the quote.
@@ -315,6 +318,7 @@ def test_a_refusal_on_a_cut_limit_is_judged_in_a_process_at_the_full_limits(pati
     assert patient.num_judged == before + 1
 
 
+@pytest.mark.slow
 def test_a_grammar_the_judge_passes_is_built_here_at_the_full_limits(tokenizer, monkeypatch):
 
     # So that an ordinary enum is past the first pass.
@@ -329,6 +333,7 @@ def test_a_grammar_the_judge_passes_is_built_here_at_the_full_limits(tokenizer, 
         compiler.close()
 
 
+@pytest.mark.slow
 def test_a_judge_past_the_cpu_budget_is_killed_and_the_next_grammar_gets_a_fresh_one(tokenizer, monkeypatch):
     import worker.model.structured.judge as grammar_judge
 
@@ -391,6 +396,7 @@ def judges_gone(pids: list[int], timeout: float = 10.0) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_closing_the_compiler_stops_its_judges_at_once(tokenizer, monkeypatch):
     # A judge holds about 100 MB; it must not outlive the compiler (an engine's close closes it).
 
@@ -406,6 +412,7 @@ def test_closing_the_compiler_stops_its_judges_at_once(tokenizer, monkeypatch):
     assert busy.result(timeout=10).error is not None
 
 
+@pytest.mark.slow
 def test_a_dropped_compiler_stops_its_judges(tokenizer, monkeypatch):
     import gc
 
@@ -429,6 +436,7 @@ def judge_cpu_seconds(pid: int) -> float:
     return _cpu_seconds(pid)
 
 
+@pytest.mark.slow
 def test_while_the_engine_is_busy_a_judge_takes_only_its_share_and_finishes_once_it_is_idle(tokenizer,
                                                                                               monkeypatch):
     import time

@@ -92,6 +92,7 @@ def test_lark_grammars_are_left_to_the_library():
     assert screen("grammar", 'start: /a{1000000}/') is None
 
 
+@pytest.mark.slow
 def test_what_the_screen_refuses_the_library_refuses_too(tiny_model_path: Path):
     """The screen only makes refusals cheaper: each schema it finds endless, llguidance alone refuses too, at
     compile time where every document is forced into the cycle, else once the output has entered it (the

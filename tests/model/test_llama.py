@@ -34,6 +34,7 @@ def test_runner_exposes_model_facts(runner):
     assert runner.kv_caches[0][0].shape == (64, BLOCK, 2, 64)  # GQA: 2 KV heads of dim 64
 
 
+@pytest.mark.slow
 def test_single_prompt_prefill_all_positions(runner, hf_model):
     prompt = random_tokens(13, seed=1)
     # Non-contiguous, unordered blocks: the block table, not the cache order, defines the sequence.

@@ -78,6 +78,7 @@ def test_the_grammar_uses_the_structured_output_json_options():
     assert JSON_OPTIONS == STRUCTURED
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", [False, True])
 def test_every_output_the_grammar_admits_is_a_valid_call(smollm2_path, parallel):
     import llguidance

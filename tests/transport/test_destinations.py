@@ -4,6 +4,8 @@ against a real broker in test_destinations_kafka.py."""
 
 from __future__ import annotations
 
+import pytest
+
 import asyncio
 
 from aiokafka.errors import KafkaConnectionError
@@ -70,6 +72,7 @@ async def test_a_missing_topic_becomes_unavailable_after_the_wait_and_is_recheck
     assert (await resolved(destinations, "gone")).available
 
 
+@pytest.mark.slow
 async def test_no_answer_from_any_broker_declares_nothing():
     probe = Probe(set())
     probe.broker_away = True
@@ -84,6 +87,7 @@ async def test_no_answer_from_any_broker_declares_nothing():
     assert destinations.state("t").available
 
 
+@pytest.mark.slow
 async def test_one_lookup_at_a_time_per_topic():
     probe = Probe(set())
     destinations = Destinations(probe, wait_s=0.3)

@@ -423,6 +423,7 @@ async def test_stopping_the_thread_closes_its_engine_once(fail, caplog):
     assert ("engine.close() failed" in caplog.text) == fail
 
 
+@pytest.mark.slow
 async def test_stopping_the_thread_ends_its_engines_grammar_judges(tiny_model_path, monkeypatch):
     """The outcome: after a worker's engine thread stops, no judge process of its engine is left running."""
     import json

@@ -164,6 +164,7 @@ async def run_lane(lanes: FinalLanes, lane: Lane, body) -> None:
         await asyncio.gather(lane.task, return_exceptions=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(3))
 async def test_out_of_order_finals_are_answered_once_whenever_the_worker_dies(seed):
     rng = random.Random(seed)
