@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 INSTALL_STAMP := $(VENV)/.install-stamp
 
 .PHONY: setup jars model promtool test test-fast broker-start broker-stop broker-status bench bench-overload bench-sim demo \
-	compose-check
+	compose-check packaging-check
 
 setup: $(INSTALL_STAMP) jars model promtool
 
@@ -89,3 +89,8 @@ demo: setup
 # has its timings). Safe to run twice.
 compose-check: $(INSTALL_STAMP)
 	PYTHON=$(abspath $(BIN)/python) $(BIN)/python deploy/containers/compose_check.py $(COMPOSE_CHECK_ARGS)
+
+# A fresh venv installs the gateway extra from this checkout and runs `llm-worker gateway --help`
+# (deploy/packaging_check.sh): from the wheelhouse compose-check fills when it is there, else from PyPI.
+packaging-check:
+	bash deploy/packaging_check.sh
