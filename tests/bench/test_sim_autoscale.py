@@ -10,16 +10,16 @@ from benchmarks.sim_autoscale import Scenario, simulate
 
 @pytest.mark.parametrize("budgets, follow_s", [
     # Shipped: half the load is the unbounded bulk priority, whose backlog asks for nothing; only the arrival
-    # rate (a 10 s window) and the bounded priorities' backlog move the estimate.
+    # rate (a 20 s window) and the bounded priorities' backlog move the estimate.
     (None, 25.0),
     # Every priority bounded: the backlog built during the step pushes the estimate up sooner.
-    ((10.0, 30.0, 60.0), 15.0),
+    ((10.0, 30.0, 60.0), 20.0),
 ])
 def test_the_estimate_follows_a_load_step_and_the_fleet_keeps_the_budgets(budgets, follow_s):
     scenario = Scenario() if budgets is None else Scenario(budgets_s=budgets)
     summary = simulate(scenario)["summary"]
     assert summary["step_up_estimate_90pct_s"] < follow_s
-    assert summary["step_down_estimate_110pct_s"] < 15.0
+    assert summary["step_down_estimate_110pct_s"] < 25.0  # the arrival window is 20 s
     assert summary["steady_high_median_error"] < 0.1
     assert summary["steady_after_median_error"] < 0.15
     # The step triples the load on 2 workers; 6 are ready a load time (60 s), the scale-up window (30 s) and at
@@ -74,10 +74,10 @@ def _alert_fires(estimates: list[float], workers: int, tmp_path) -> bool:
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_on_the_shipped_budgets_a_steady_load_below_capacity_neither_scales_nor_alerts(tmp_path, seed):
-    """1,000 tokens/s on 2 workers of 1,000 (half their capacity): the autoscaler keeps 2 and the backlog alert
-    stays quiet for 12 minutes. (At 1,200 tokens/s, 60 % of capacity, a burst of Poisson arrivals lifts the
-    10 s estimate past 2.2 now and then, and the HPA adds a worker: 4 seeds of 10; docs/fleet.md.)"""
-    result = simulate(Scenario(phases=steady(1000.0), duration_s=720.0, seed=seed))
+    """1,200 tokens/s on 2 workers of 1,000 (60 % of their capacity, 75 % of the 80 % target): the autoscaler
+    keeps 2 and the backlog alert stays quiet for 12 minutes. (With a 10 s arrival window, Poisson bursts lifted
+    the estimate past the HPA's tolerance now and then here and added a worker: 4 seeds of 10.)"""
+    result = simulate(Scenario(phases=steady(1200.0), duration_s=720.0, seed=seed))
     assert max(result["series"]["replicas"]) == 2
     assert not _alert_fires(_estimates_every(result, 15.0), 2, tmp_path)
 

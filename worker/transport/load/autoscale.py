@@ -30,9 +30,10 @@ TARGET_UTILIZATION = 0.8
 at its full capacity has queues that grow with every burst (its waits climb steeply past ~80 % busy), and the
 capacity is itself an estimate."""
 
-ARRIVAL_WINDOW_S = 10.0
-"""The offered load is measured over this window: long enough to span many engine steps and status ticks,
-short enough that a load step shows within a few seconds (simulated in benchmarks/sim_autoscale.py)."""
+ARRIVAL_WINDOW_S = 20.0
+"""The offered load is measured over this window: long enough that the Poisson noise of a few requests a second
+does not ask for a worker a steady load below capacity does not need (a 10 s window did, at 60 % of capacity,
+now and then), short enough that a load step shows within seconds (benchmarks/sim_autoscale.py)."""
 
 
 def workers_needed(backlog_tokens: list[float], budgets_s: list[float], arrival_tokens_per_s: float,
