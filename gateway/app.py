@@ -33,7 +33,8 @@ from gateway.metrics import NO_KEY, UNAUTHENTICATED, GatewayMetrics
 from gateway.openai_api import (CHAT, COMPLETIONS, ApiError, Options, Tiers, TokenText, bad_request, chunk_body,
                                 completion_body, delta_choice, final_error, now_s, to_request, tool_call_deltas)
 from gateway.responses import Responses
-from gateway.responses_api import RESPONSES, StreamEvents, new_response_id, outcome, response_object, to_wire
+from gateway.responses_api import (RESPONSES, StreamEvents, answer_of, new_response_id, outcome, response_object,
+                                   to_wire)
 from gateway.webhooks import Webhooks, configuration_error
 from aiokafka.errors import KafkaError
 
@@ -519,10 +520,12 @@ class Gateway:
                 self.metrics.used(caller.label, final.usage.prompt_tokens, final.usage.completion_tokens)
                 done = (await handle.completions())[0]
                 status, error, incomplete = outcome(final, done.finish_reason)
+                text, calls = answer_of(done, final, options)
                 now = now_s()
-                return JSONResponse(response_object(response_id, now, options, status=status, text=done.text or "",
+                return JSONResponse(response_object(response_id, now, options, status=status, text=text,
                                                     usage=final.usage, error=error, incomplete_details=incomplete,
-                                                    completed_at=now if status == "completed" else None))
+                                                    completed_at=now if status == "completed" else None,
+                                                    tool_calls=calls))
             handed_over = True
             return ResponseEventStream(self._response_events(handle, response_id, options, first, caller.label),
                                        watch, handle)
@@ -536,13 +539,17 @@ class Gateway:
         for event in events.start():
             yield event
         try:
-            if isinstance(first, Delta):
-                yield events.delta(first.text)
+            def text_of(delta: Delta) -> str:  # with tools, the worker's content outside the calls
+                return (delta.chunk.content or "") if options.may_call else delta.text
+
+            if isinstance(first, Delta) and text_of(first):
+                yield events.delta(text_of(first))
             async for delta in handle.stream():
                 if delta.restarted:
                     raise ApiError(500, "the request was served again after a worker failed; its stream restarted",
                                    "server_error", "stream_restarted")
-                yield events.delta(delta.text)
+                if text_of(delta):
+                    yield events.delta(text_of(delta))
             final = await handle.result()
         except ApiError as error:
             yield events.error(error)
@@ -551,8 +558,9 @@ class Gateway:
             yield events.error(ApiError(504, str(exc), "timeout", "gateway_timeout"))
             return
         self.metrics.used(key_label, final.usage.prompt_tokens, final.usage.completion_tokens)
-        finish_reason = (await handle.completions())[0].finish_reason if final.status == "completed" else None
-        for event in events.finish(final, finish_reason):
+        done = (await handle.completions())[0] if final.status == "completed" else None
+        _, calls = answer_of(done, final, options)
+        for event in events.finish(final, done.finish_reason if done is not None else None, calls):
             yield event
 
     async def get_response(self, request: Request) -> JSONResponse:

@@ -36,7 +36,7 @@ from aiokafka.errors import KafkaError, TopicAlreadyExistsError, for_code
 from gateway.door import Door
 from gateway.files import not_found
 from gateway.openai_api import ApiError
-from gateway.responses_api import TERMINAL, ResponseOptions, outcome, response_object
+from gateway.responses_api import TERMINAL, ResponseOptions, answer_of, outcome, response_object
 from gateway.webhooks import Webhooks
 from llm_client import ClientError, RequestTimeout
 from schemas.decode import decode_request
@@ -303,7 +303,7 @@ class Responses:
                 state["attempt"] += 1
                 state["request_id"] = f"{response_id}.{state['attempt']}"
             try:
-                final, text, finish_reason = await self._send(state)
+                final, done, finish_reason = await self._send(state)
             except asyncio.CancelledError:
                 raise
             except (RequestTimeout, ClientError, TimeoutError) as exc:
@@ -316,7 +316,9 @@ class Responses:
         status, error, incomplete = outcome(final, finish_reason)
         if response_id in self._cancelled and status == "failed":
             status, error = "cancelled", None
-        await self._end(state, status, text=text, usage=final.usage, error=error, incomplete=incomplete)
+        text, calls = answer_of(done, final, ResponseOptions.from_json(state["options"]))
+        await self._end(state, status, text=text, usage=final.usage, error=error, incomplete=incomplete,
+                        tool_calls=calls)
 
     async def _send(self, state: dict):
         """Sends the request (again while it is shed) and waits for its answer: (final, text, finish_reason)."""
@@ -349,11 +351,10 @@ class Responses:
                 await asyncio.sleep(max(1.0, (final.retry_after_ms or 1000) / 1000))
                 continue
             first = completions[0] if completions else None
-            return final, (first.text or "") if first is not None else (final.text or ""), \
-                first.finish_reason if first is not None else final.finish_reason
+            return final, first, first.finish_reason if first is not None else final.finish_reason
 
     async def _end(self, state: dict, status: str, *, text: str | None = None, usage=None, error: dict | None = None,
-                   incomplete: dict | None = None) -> None:
+                   incomplete: dict | None = None, tool_calls: list[dict] | None = None) -> None:
         response_id = state["id"]
         self._cancelled.discard(response_id)
         if response_id not in self._states:
@@ -362,7 +363,8 @@ class Responses:
         options = ResponseOptions.from_json(state["options"])
         state.update(status=status, ended_at=now, wire=None, response=response_object(
             response_id, state["created_at"], options, status=status, text=text, usage=usage, error=error,
-            incomplete_details=incomplete, completed_at=now if status == "completed" else None))
+            incomplete_details=incomplete, completed_at=now if status == "completed" else None,
+            tool_calls=tool_calls))
         await self._until_sent(lambda: self._publish(state))
         self.num_finished += 1
         await self._notify(state)

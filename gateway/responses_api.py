@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from gateway.openai_api import CHAT, ApiError, Tiers, bad_request, final_error, to_request
 from schemas.request import GenerationRequest
@@ -20,9 +22,9 @@ from schemas.result import FinalRecord, Usage
 
 RESPONSES = "/v1/responses"
 TERMINAL = ("completed", "failed", "cancelled", "incomplete")
-UNSUPPORTED_FIELDS = ("tools", "previous_response_id", "conversation", "prompt", "include", "top_logprobs")
-"""Refused when set (non-null, non-empty): tools need tool calling on the chat path and function_call output
-items; the others need stored conversations, reusable prompts or logprobs in output items."""
+UNSUPPORTED_FIELDS = ("previous_response_id", "conversation", "prompt", "include", "top_logprobs")
+"""Refused when set (non-null, non-empty): they need stored conversations, reusable prompts or logprobs in
+output items."""
 INPUT_TEXT_PARTS = ("input_text", "output_text", "text")
 ROLES = ("system", "developer", "user", "assistant")
 
@@ -66,8 +68,25 @@ def messages_of(body: dict) -> list[dict]:
         if not isinstance(item, dict):
             raise bad_request("each input item must be an object", f"input[{i}]")
         kind = item.get("type", "message")
+        if kind == "function_call":  # a call the model made earlier: consecutive ones are one assistant turn
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            last = messages[-1] if messages else None
+            if last is not None and last.get("role") == "assistant" and last.get("tool_calls") and \
+                    not last.get("content"):
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            continue
+        if kind == "function_call_output":
+            output = item.get("output")
+            if not isinstance(output, str):
+                raise bad_request("output must be a string", f"input[{i}].output")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
+            continue
         if kind != "message":
-            raise bad_request(f"input items of type {kind!r} are not supported (messages only)", f"input[{i}].type")
+            raise bad_request(f"input items of type {kind!r} are not supported (message, function_call, "
+                              "function_call_output)", f"input[{i}].type")
         role = item.get("role")
         if role not in ROLES:
             raise bad_request(f"unsupported role {role!r} ({', '.join(ROLES)})", f"input[{i}].role")
@@ -114,6 +133,15 @@ class ResponseOptions:
     metadata: dict
     service_tier: str | None
     text: dict
+    tools: list = field(default_factory=list)
+    """As the request gave them (Responses' flat function tools), echoed in the response object."""
+    tool_choice: Any = "auto"
+    parallel_tool_calls: bool = True
+
+    @property
+    def may_call(self) -> bool:
+        """Whether the answer may hold function calls: its text is then the worker's content outside them."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     def to_json(self) -> dict:
         return {f: getattr(self, f) for f in self.__slots__}
@@ -132,9 +160,8 @@ def to_wire(body: Any, request_id: str, models: list[str], tiers: Tiers, *, prio
     for name in UNSUPPORTED_FIELDS:
         if body.get(name) not in (None, [], {}, "", 0):
             raise bad_request(f"{name} is not supported by this gateway", name, "unsupported_parameter")
-    if body.get("tool_choice") not in (None, "auto", "none"):
-        raise bad_request("tool_choice needs tools, which are not supported by this gateway", "tool_choice",
-                          "unsupported_parameter")
+    tools = chat_tools(body.get("tools"))
+    tool_choice = chat_tool_choice(body.get("tool_choice"))
     if body.get("truncation") not in (None, "disabled", "auto"):
         raise bad_request("truncation must be 'disabled' or 'auto'", "truncation")
     background = body.get("background")
@@ -158,6 +185,12 @@ def to_wire(body: Any, request_id: str, models: list[str], tiers: Tiers, *, prio
             chat[name] = body[name]
     if max_output_tokens is not None:
         chat["max_completion_tokens"] = max_output_tokens
+    if tools:
+        chat["tools"] = tools
+    if tool_choice is not None and (tools or tool_choice != "none"):
+        chat["tool_choice"] = tool_choice
+    if isinstance(body.get("parallel_tool_calls"), bool):
+        chat["parallel_tool_calls"] = body["parallel_tool_calls"]
     response_format = text_format(body)
     if response_format is not None:
         chat["response_format"] = response_format
@@ -175,14 +208,66 @@ def to_wire(body: Any, request_id: str, models: list[str], tiers: Tiers, *, prio
             error.param = "text.format"
         elif error.param and error.param.startswith("messages"):
             error.param = "input"
+        elif error.param and error.param.startswith("tools["):  # tools[0].function.parameters -> tools[0]...
+            error.param = error.param.replace(".function", "", 1)
         raise
     fmt = body.get("text", {}).get("format") if isinstance(body.get("text"), dict) else None
     options = ResponseOptions(
         model=chat_options.model, stream=bool(stream), background=bool(background), store=bool(background)
         if store is None else store, instructions=body.get("instructions"), max_output_tokens=max_output_tokens,
         temperature=wire.sampling.temperature, top_p=wire.sampling.top_p, metadata=dict(body.get("metadata") or {}),
-        service_tier=chat_options.service_tier, text={"format": fmt or {"type": "text"}})
+        service_tier=chat_options.service_tier, text={"format": fmt or {"type": "text"}},
+        tools=list(body.get("tools") or []), tool_choice=body.get("tool_choice") or "auto",
+        parallel_tool_calls=body.get("parallel_tool_calls") is not False)
     return wire, priority, options
+
+
+def chat_tools(tools: Any) -> list[dict]:
+    """Responses' function tools ({"type": "function", "name", "description", "parameters", "strict"}) as chat's
+    ({"type": "function", "function": {...}}); the wire's decoder checks names and schemas."""
+    if tools in (None, []):
+        return []
+    if not isinstance(tools, list):
+        raise bad_request("tools must be a list", "tools")
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+            raise bad_request(f"tools of type {kind!r} are not supported (function only)", f"tools[{i}].type",
+                              "unsupported_parameter")
+        function = {"name": tool.get("name")}
+        for name in ("description", "parameters"):
+            if tool.get(name) is not None:
+                function[name] = tool[name]
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def chat_tool_choice(choice: Any) -> Any:
+    """Responses' tool_choice ({"type": "function", "name"} for a named one) as chat's."""
+    if choice is None or choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    raise bad_request("tool_choice must be auto, none, required or {\"type\": \"function\", \"name\": ...}",
+                      "tool_choice")
+
+
+def answer_of(done: FinalRecord | None, final: FinalRecord,
+              options: ResponseOptions) -> tuple[str | None, list[dict]]:
+    """(output text, function calls) of a request that ended with `final`, `done` its completion's final: with
+    tools, the text is the worker's content outside the calls (None, no message item, when there is none)."""
+    record = done if done is not None else final
+    if not options.may_call:
+        return record.text or "", []
+    calls = [msgspec.to_builtins(call) for call in record.tool_calls or []]
+    text = record.content if record.content is not None else (record.text or "")
+    return (text or None) if calls else text, calls
+
+
+def function_call_item(response_id: str, position: int, call: dict, status: str = "completed") -> dict:
+    return {"id": f"fc_{response_id[5:]}_{position}", "type": "function_call", "call_id": call["id"],
+            "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
 
 
 # -- answers -------------------------------------------------------------------------------------------------
@@ -219,17 +304,20 @@ def outcome(final: FinalRecord, finish_reason: str | None) -> tuple[str, dict | 
 def response_object(response_id: str, created_at: int, options: ResponseOptions, *, status: str,
                     text: str | None = None, item_id: str | None = None, usage: Usage | dict | None = None,
                     error: dict | None = None, incomplete_details: dict | None = None,
-                    completed_at: int | None = None) -> dict:
-    output = [] if text is None else [message_item(item_id or f"msg_{response_id[5:]}", text,
-                                                   "completed" if status == "completed" else "incomplete")]
+                    completed_at: int | None = None, tool_calls: list[dict] | None = None) -> dict:
+    output = [] if text is None else [
+        message_item(item_id or f"msg_{response_id[5:]}", text, "completed" if status == "completed" else "incomplete")]
+    output += [function_call_item(response_id, i, call) for i, call in enumerate(tool_calls or [])]
     return {
         "id": response_id, "object": "response", "created_at": created_at, "status": status,
         "background": options.background, "completed_at": completed_at, "error": error,
         "incomplete_details": incomplete_details, "instructions": options.instructions,
         "max_output_tokens": options.max_output_tokens, "model": options.model, "output": output,
-        "parallel_tool_calls": True, "previous_response_id": None, "reasoning": {"effort": None, "summary": None},
+        "parallel_tool_calls": options.parallel_tool_calls, "previous_response_id": None,
+        "reasoning": {"effort": None, "summary": None},
         "service_tier": options.service_tier or "default", "store": options.store,
-        "temperature": options.temperature, "text": options.text, "tool_choice": "auto", "tools": [],
+        "temperature": options.temperature, "text": options.text, "tool_choice": options.tool_choice,
+        "tools": options.tools,
         "top_p": options.top_p, "truncation": "disabled",
         "usage": usage if isinstance(usage, dict) or usage is None else usage_of(usage),
         "user": None, "metadata": options.metadata,
@@ -272,19 +360,32 @@ class StreamEvents:
         return self._event("response.output_text.delta", item_id=self.item_id, output_index=0, content_index=0,
                            delta=text, logprobs=[])
 
-    def finish(self, final: FinalRecord, finish_reason: str | None) -> list[dict]:
+    def finish(self, final: FinalRecord, finish_reason: str | None,
+               tool_calls: list[dict] | None = None) -> list[dict]:
+        """The closing events; `tool_calls`: the answer's function calls, each an output item after the message
+        (its arguments in one delta: the worker parses a call whole before it is known to be one)."""
         text = "".join(self.text)
         status, error, incomplete = outcome(final, finish_reason)
         item = message_item(self.item_id, text, "completed" if status == "completed" else "incomplete")
         response = self._response(status, text=text, item_id=self.item_id, usage=final.usage, error=error,
-                                  incomplete_details=incomplete,
+                                  incomplete_details=incomplete, tool_calls=tool_calls,
                                   completed_at=int(time.time()) if status == "completed" else None)
-        return [self._event("response.output_text.done", item_id=self.item_id, output_index=0, content_index=0,
-                            text=text, logprobs=[]),
-                self._event("response.content_part.done", item_id=self.item_id, output_index=0, content_index=0,
-                            part=item["content"][0]),
-                self._event("response.output_item.done", output_index=0, item=item),
-                self._event(f"response.{status}", response=response)]
+        events = [self._event("response.output_text.done", item_id=self.item_id, output_index=0, content_index=0,
+                              text=text, logprobs=[]),
+                  self._event("response.content_part.done", item_id=self.item_id, output_index=0, content_index=0,
+                              part=item["content"][0]),
+                  self._event("response.output_item.done", output_index=0, item=item)]
+        for i, call in enumerate(tool_calls or []):
+            done = function_call_item(self.response_id, i, call)
+            added = {**done, "arguments": "", "status": "in_progress"}
+            index = i + 1
+            events += [self._event("response.output_item.added", output_index=index, item=added),
+                       self._event("response.function_call_arguments.delta", item_id=done["id"], output_index=index,
+                                   delta=done["arguments"]),
+                       self._event("response.function_call_arguments.done", item_id=done["id"], output_index=index,
+                                   name=done["name"], arguments=done["arguments"]),
+                       self._event("response.output_item.done", output_index=index, item=done)]
+        return [*events, self._event(f"response.{status}", response=response)]
 
     def error(self, error: ApiError) -> dict:
         return self._event("error", code=error.code, message=error.message, param=error.param)

@@ -146,3 +146,45 @@ async def test_a_producer_on_the_wire_gets_the_calls_in_the_final(stack):  # noq
     assert not any(d.request_id == kept for d in collector.results.dead_letters)
     error = collector.results.finals[kept][0]
     assert (error.status, error.reason) == ("error", "invalid_request") and error.message.startswith("tools: ")
+
+
+RESPONSES_WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+                     "parameters": WEATHER_PARAMS}
+
+
+async def test_the_responses_api_calls_a_function_streams_it_and_takes_its_output(stack):  # noqa: F811
+    """The same forced call through `client.responses`: a function_call output item whose arguments validate,
+    the streamed events carrying the same arguments, and a second turn with the call and its output."""
+    _, _, gateway = stack
+    client = gateway.client()
+    answer = await client.responses.create(model=MODEL, input="What is the weather in Paris?",
+                                           tools=[RESPONSES_WEATHER], temperature=0, max_output_tokens=96,
+                                           tool_choice={"type": "function", "name": "get_weather"})
+    assert answer.status == "completed"
+    [call] = [item for item in answer.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), WEATHER_PARAMS)
+    assert answer.tools[0].name == "get_weather"
+
+    stream = await client.responses.create(model=MODEL, input="What is the weather in Paris?",
+                                           tools=[RESPONSES_WEATHER], temperature=0, max_output_tokens=96,
+                                           tool_choice={"type": "function", "name": "get_weather"}, stream=True)
+    events = [event async for event in stream]
+    [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert done.arguments == call.arguments  # greedy: the same call
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].type == "response.completed"
+
+    second = await client.responses.create(
+        model=MODEL, temperature=0, max_output_tokens=8, tools=[RESPONSES_WEATHER], tool_choice="none",
+        input=[{"role": "user", "content": "What is the weather in Paris?"},
+               {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id, "output": '{"temp_c": 21}'}])
+    assert second.status in ("completed", "incomplete") and second.output[0].type == "message"
+    alone = await client.responses.create(model=MODEL, temperature=0, max_output_tokens=8, tools=[RESPONSES_WEATHER],
+                                          tool_choice="none", input="What is the weather in Paris?")
+    assert second.usage.input_tokens > alone.usage.input_tokens + 10  # the call and its output were in the prompt
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.responses.create(model=MODEL, input="hi", tools=[{"type": "web_search"}])
+    assert refused.value.code == "unsupported_parameter"

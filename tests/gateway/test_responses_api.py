@@ -48,9 +48,12 @@ def test_input_instructions_format_and_sampling_reach_the_wire_request():
 
 @pytest.mark.parametrize("body, param, status", [
     ({"input": ""}, "input", 400),
-    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].type", 400),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]}, "input[0].output", 400),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type", 400),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", 400),
-    ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools", 400),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type", 400),
+    ({"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "file_search"}},
+     "tool_choice", 400),
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", 400),
     ({"input": "x", "background": True, "stream": True}, "stream", 400),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", 400),
@@ -65,6 +68,30 @@ def test_bad_input_is_refused_in_openais_shape(body, param, status):
     assert info.value.status == status
     if param is not None:
         assert info.value.param == param, info.value
+
+
+def test_function_tools_and_call_items_become_the_chat_path_s_tools_and_turns():
+    params = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    request, _, options = wire({
+        "input": [{"role": "user", "content": "Weather in Paris?"},
+                  {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+                   "arguments": '{"city":"Paris"}'},
+                  {"type": "function_call_output", "call_id": "call_1", "output": "21 C"}],
+        "tools": [{"type": "function", "name": "get_weather", "description": "d", "parameters": params,
+                   "strict": True}],
+        "tool_choice": {"type": "function", "name": "get_weather"}, "parallel_tool_calls": False})
+    assert [t.function.name for t in request.tools] == ["get_weather"]
+    assert request.tool_choice.function.name == "get_weather" and request.parallel_tool_calls is False
+    assert [m.role for m in request.messages] == ["user", "assistant", "tool"]
+    assert request.messages[1].tool_calls[0].id == "call_1" and request.messages[2].tool_call_id == "call_1"
+    assert options.may_call and options.tools[0]["name"] == "get_weather"
+    call = {"id": "call_9", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}
+    body = response_object("resp_" + "0" * 32, 0, options, status="completed", text=None, tool_calls=[call])
+    assert [item["type"] for item in body["output"]] == ["function_call"]
+    assert body["output"][0]["call_id"] == "call_9" and body["tool_choice"] == {"type": "function",
+                                                                                 "name": "get_weather"}
+    # The SDK reads it as its own Response model.
+    assert openai.types.responses.Response.model_validate(body).output[0].arguments == '{"city":"Oslo"}'
 
 
 def test_outcome_and_the_stream_events():

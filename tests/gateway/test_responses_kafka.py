@@ -329,9 +329,12 @@ async def test_bad_input_gets_openai_errors_and_nothing_is_produced(stack):
                                       background=True)
     assert info.value.param == "input[0].type"
     with pytest.raises(openai.BadRequestError) as info:
+        await client.responses.create(model=MODEL, input="x", tools=[{"type": "web_search"}])
+    assert info.value.code == "unsupported_parameter" and info.value.param == "tools[0].type"
+    with pytest.raises(openai.BadRequestError) as info:  # a function's parameters that are no object schema
         await client.responses.create(model=MODEL, input="x", tools=[{"type": "function", "name": "f",
-                                                                       "parameters": {}, "strict": True}])
-    assert info.value.code == "unsupported_parameter" and info.value.param == "tools"
+                                                                       "parameters": {"type": "string"}}])
+    assert info.value.param.startswith("tools") and "type \"object\"" in info.value.message
     with pytest.raises(openai.BadRequestError):
         await client.responses.create(model=MODEL, input="x", temperature=5, background=True)
     async with httpx.AsyncClient() as http:
