@@ -317,18 +317,9 @@ class Gateway:
         watch = Disconnect(request)
         handed_over = False
         try:
-            try:
-                first = await _first_record(handle)
-            except asyncio.CancelledError:
-                if not watch.gone:
-                    raise
-                asyncio.current_task().uncancel()  # the client went away before anything came
-                await handle.cancel("client disconnected")
+            first = await _first_or_gone(handle, watch)
+            if first is None:
                 return Response(status_code=499)
-            except BaseException:
-                watch.stop()
-                await handle.cancel("client disconnected") if not handle.done else None
-                raise
             if isinstance(first, FinalRecord) and first.status != "completed":
                 raise final_error(first, self._retry_after(priority))
             if not options.stream:
@@ -500,18 +491,9 @@ class Gateway:
         watch = Disconnect(request)
         handed_over = False
         try:
-            try:
-                first = await _first_record(handle)
-            except asyncio.CancelledError:
-                if not watch.gone:
-                    raise
-                asyncio.current_task().uncancel()
-                await handle.cancel("client disconnected")
+            first = await _first_or_gone(handle, watch)
+            if first is None:
                 return Response(status_code=499)
-            except BaseException:
-                watch.stop()
-                await handle.cancel("client disconnected") if not handle.done else None
-                raise
             if isinstance(first, FinalRecord) and first.status not in ("completed", "cancelled"):
                 raise final_error(first, self._retry_after(priority))
             if not options.stream:
@@ -636,6 +618,23 @@ class Disconnect:
         the response is complete, and that must not cancel anything."""
         self.armed = False
         self.watcher.cancel()
+
+
+async def _first_or_gone(handle: RequestHandle, watch: Disconnect):
+    """The first chunk or the final, or None when the client went away before either came (its request is then
+    cancelled). Any other failure cancels the request too, and is raised."""
+    try:
+        return await _first_record(handle)
+    except asyncio.CancelledError:
+        if not watch.gone:
+            raise
+        asyncio.current_task().uncancel()
+        await handle.cancel("client disconnected")
+        return None
+    except BaseException:
+        watch.stop()
+        await handle.cancel("client disconnected") if not handle.done else None
+        raise
 
 
 async def _first_record(handle: RequestHandle):
