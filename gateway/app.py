@@ -296,24 +296,7 @@ class Gateway:
             priority_header=headers.get("x-priority"), timeout_header=headers.get("x-timeout-ms"),
             tenant=caller.tenant(headers.get("x-tenant")), session_header=headers.get("x-session-id"),
             most_urgent=caller.most_urgent)
-        refused = self.door.refusal(priority)
-        if refused is not None:
-            why, retry_s = refused
-            raise ApiError(429, f"priority {priority} is congested ({why}); retry after {retry_s} s",
-                           "rate_limit_error", "rate_limit_exceeded", headers={"Retry-After": str(retry_s)})
-        mismatch = self.door.reply_topic_refusal()
-        if mismatch is not None:
-            raise ApiError(503, mismatch, "server_error", "reply_topic_not_allowed")
-        self.num_requests += 1
-        try:
-            async with asyncio.timeout(self.door.settings.submit_timeout_s):
-                handle = await self.door.submit(wire, priority, headers=trace_headers(request.scope))
-        except TimeoutError:
-            # The record may still reach Kafka once it is back: cancelled then, it costs no worker time.
-            self.door.client.cancel_later(request_id, "not taken by Kafka in time")
-            raise ApiError(503, f"Kafka did not take the request within {self.door.settings.submit_timeout_s:g} s; "
-                           "retry later", "server_error", "service_unavailable",
-                           headers={"Retry-After": str(OUTAGE_RETRY_S)}) from None
+        handle = await self._submit(request, wire, priority)
         watch = Disconnect(request)
         handed_over = False
         try:
@@ -335,17 +318,22 @@ class Gateway:
                 watch.stop()
 
     async def _submit(self, request: Request, wire, priority: int) -> RequestHandle:
-        """Sends a foreground request: 429 while its priority is refused, 503 when Kafka does not take it."""
+        """Sends a foreground request: 429 while its priority is refused, 503 while the workers would not answer
+        on this gateway's reply topic or when Kafka does not take it; nothing is produced before either."""
         refused = self.door.refusal(priority)
         if refused is not None:
             why, retry_s = refused
             raise ApiError(429, f"priority {priority} is congested ({why}); retry after {retry_s} s",
                            "rate_limit_error", "rate_limit_exceeded", headers={"Retry-After": str(retry_s)})
+        mismatch = self.door.reply_topic_refusal()
+        if mismatch is not None:
+            raise ApiError(503, mismatch, "server_error", "reply_topic_not_allowed")
         self.num_requests += 1
         try:
             async with asyncio.timeout(self.door.settings.submit_timeout_s):
                 return await self.door.submit(wire, priority, headers=trace_headers(request.scope))
         except TimeoutError:
+            # The record may still reach Kafka once it is back: cancelled then, it costs no worker time.
             self.door.client.cancel_later(wire.id, "not taken by Kafka in time")
             raise ApiError(503, f"Kafka did not take the request within {self.door.settings.submit_timeout_s:g} s; "
                            "retry later", "server_error", "service_unavailable",

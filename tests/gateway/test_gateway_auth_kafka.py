@@ -61,7 +61,7 @@ async def door(kafka_bootstrap, tmp_path_factory):
     await ensure_topics(kafka)
     data_dir = tmp_path_factory.mktemp("gateway-auth")
     ring = KeyRing(data_dir / "keys.json")
-    ring.add("placeholder")  # keys are on from the start
+    ring.add("first-tenant")  # a keys file from the start: every test below runs with keys on
     settings = GatewaySettings(reply_topic_prefix=kafka.allowed_reply_topic_prefixes[0], data_dir=data_dir)
     async with running_worker(kafka, worker_settings(), InstantEngine()):
         async with RunningGateway(kafka, settings) as gateway:
