@@ -36,7 +36,7 @@ def all_answered(collector: Collector, requests) -> bool:
 
 def check_exactly_one(collector: Collector, requests, what: str, shed_ok: bool = False) -> None:
     """One final per id (and, for a request with n completions, one per completion index too); each completed
-    one with its whole stream. `shed_ok`: under steady traffic on a shared 2-core host a worker may shed by lag,
+    one with its whole stream. `shed_ok`: under steady traffic on a small, shared CPU host a worker may shed by lag,
     which is an answer too (one `rejected` final)."""
     finals = finals_by_id(collector, requests)
     duplicates, missing = {}, []

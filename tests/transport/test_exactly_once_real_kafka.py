@@ -35,7 +35,7 @@ from tests.transport.test_failover_kafka import wait_assigned
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
-# The real model as a user runs it, on the CPU; a small running batch keeps a step short on a shared 2-core host
+# The real model as a user runs it, on the CPU; a small running batch keeps a step short on a small, shared CPU host
 # while still batching continuously (short requests leave, new ones take their seats).
 ENGINE_ENV = {"ENGINE_DEVICE": "cpu", "ENGINE_MAX_NUM_SEQS": "8", "ENGINE_MAX_NUM_BATCHED_TOKENS": "256"}
 def mixed_requests(prefix: str, n: int) -> list[tuple[int, GenerationRequest]]:
