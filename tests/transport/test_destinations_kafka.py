@@ -167,9 +167,11 @@ async def test_missing_and_deleted_reply_topics_answer_on_the_result_topic_and_s
                          f"final of the missing {missing_final_s:.2f} s, of the deleted {deleted_final_s:.2f} s"])
     print(figures)
     # The missing topic costs the ordinary requests nothing; the deleted one at most the destination bound once
-    # (the producer that held its batch is replaced), never a stall.
+    # (the producer that held its batch is replaced), never a stall. With 30 samples p99 is the slowest one, which
+    # a busy 2-core host can delay by most of a second; a stall on the destination costs `wait_s` (2 s), so a
+    # 1 s slack still tells the two apart.
     assert percentile(with_missing, 0.5) <= 2 * percentile(baseline, 0.5) + 0.1, figures
-    assert percentile(with_missing, 0.99) <= 2 * percentile(baseline, 0.99) + 0.5, figures
+    assert percentile(with_missing, 0.99) <= 2 * percentile(baseline, 0.99) + 1.0, figures
     # A topic deleted under a stream in flight: the producer holding its batch is replaced once, after the
     # destination bound, and every other record waits for that once (docs/delivery.md, "Destinations"): the
     # ordinary requests sent in that window are late by at most the bound and the replacement, and those sent
@@ -177,7 +179,7 @@ async def test_missing_and_deleted_reply_topics_answer_on_the_result_topic_and_s
     assert percentile(with_deleted, 0.99) <= percentile(baseline, 0.99) + wait_s + 2.0, figures
     after_stall = with_deleted[int((wait_s + 2.5) / 0.1):]
     assert after_stall and percentile(after_stall, 0.5) <= 2 * percentile(baseline, 0.5) + 0.1, figures
-    assert percentile(after_stall, 0.99) <= 2 * percentile(baseline, 0.99) + 0.5, figures
+    assert percentile(after_stall, 0.99) <= 2 * percentile(baseline, 0.99) + 1.0, figures
     assert missing_final_s < 3.0 and deleted_final_s < 4 * wait_s + 5.0, figures
 
 
