@@ -135,6 +135,11 @@ class EngineRequest:
     """time.monotonic() seconds; a request still waiting past it is dropped with reason "deadline"."""
     arrival_time: float | None = None
     """time.monotonic() seconds; defaults to when the engine receives it."""
+    resume_token_ids: list[int] | None = None
+    """Output tokens an earlier run of this request already generated and delivered (its stream resumes on
+    this worker): they are computed with the prompt, as after a recompute preemption, and generation goes on
+    after them. No output repeats them; a request they already end (an EOS, a stop string, its length, a
+    complete grammar) finishes at once."""
     prefix_leader: str | None = None
     """Another request with the same prompt (a sibling completion of n > 1): this one starts only once that
     one's prompt is computed, so its full blocks come from the prefix cache instead of being computed twice."""

@@ -178,7 +178,18 @@ class LLMEngine:
             IncrementalDetokenizer(self.tokenizer, token_ids, stop=sampling.stop),
             self._row_sampling(req.request_id, sampling, req.eos_token_ids),
         )
+        if request.resume_token_ids:
+            req.output_token_ids = list(request.resume_token_ids)
+            # The text of these tokens went out already: the detokenizer takes them in silently, so that what it
+            # emits next continues that text (and a stop string may span the two).
+            shown = req.output_token_ids
+            if self._ends_on_stop_token(req):
+                shown = shown[:-1]  # never part of the text
+            if shown:
+                live.detokenizer.push(shown)
         if sampling.structured is None:
+            if req.output_token_ids and (done := self._resumed_finished(req, live)) is not None:
+                return [done]
             self.scheduler.add_request(req)
             self._live[req.request_id] = live
             return []
@@ -193,9 +204,44 @@ class LLMEngine:
                                   f"{req.sampling.structured.field}: {error}", arrival_time=req.arrival_time,
                                   finish_time=time.monotonic())]
         live.constrained = True
-        self.scheduler.add_request(req)
         self._live[req.request_id] = live
+        if req.output_token_ids:  # resumed: the grammar goes where the tokens already delivered took it
+            ended = False
+            tokens = req.output_token_ids
+            if self._ends_on_stop_token(req) and tokens[-1] in req.sampling.stop_token_ids:
+                tokens = tokens[:-1]  # a stop token is outside the format; an EOS is the grammar's own end
+            for token_id in tokens:
+                ended, error = self.structured.advance(req.request_id, token_id)
+                if error is not None:
+                    return [self._format_error(req, error)]
+            done = self._resumed_finished(req, live, grammar_complete=ended)
+            if done is not None:
+                return [done]
+        self.scheduler.add_request(req)
         return []
+
+    def _ends_on_stop_token(self, req: Request) -> bool:
+        last = req.output_token_ids[-1] if req.output_token_ids else None
+        return last is not None and len(req.output_token_ids) >= req.sampling.min_tokens and (
+            last in req.sampling.stop_token_ids or last in req.eos_token_ids)
+
+    def _resumed_finished(self, req: Request, live: _Live, grammar_complete: bool = False) -> RequestOutput | None:
+        """The final of a resumed request whose delivered tokens already end it (its earlier run ended it but
+        its final never became visible), as that run's last step would have ended it; None when it goes on."""
+        num = len(req.output_token_ids)
+        if self._ends_on_stop_token(req):
+            req.stop_reason = req.output_token_ids[-1]
+            status = RequestStatus.FINISHED_STOPPED
+        elif live.detokenizer.stopped or grammar_complete:
+            req.stop_reason = live.detokenizer.stop_string
+            status = RequestStatus.FINISHED_STOPPED
+        elif num >= req.sampling.max_new_tokens or req.num_prompt_tokens + num >= self.scheduler.max_model_len:
+            status = RequestStatus.FINISHED_LENGTH
+        else:
+            return None
+        req.status, req.finish_time = status, time.monotonic()
+        self._live[req.request_id] = live
+        return self._final(req)
 
     def _start_compiled(self) -> list[RequestOutput]:
         outputs = []

@@ -107,7 +107,8 @@ class Scheduler:
                 f"between 1 and {self.max_model_len - 1} fit"
             )
         assert request.status is RequestStatus.WAITING and not request.block_ids, request.request_id
-        assert request.num_computed_tokens == 0 and not request.output_token_ids, request.request_id
+        # Output tokens may be there already: a resumed request's, computed with its prompt like a preempted one's.
+        assert request.num_computed_tokens == 0, request.request_id
         self.requests[request.request_id] = request
         self._add_order[request.request_id] = self._num_added
         self.waiting.push(request, self._num_added)
@@ -275,7 +276,8 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         if request.first_scheduled_time is None:
             request.first_scheduled_time = now
-            request.num_cached_tokens = num_cached_tokens
+            # Prompt tokens only: a resumed request may find blocks of its earlier output too.
+            request.num_cached_tokens = min(num_cached_tokens, request.num_prompt_tokens)
         scheduled[request.request_id] = self._entry(request, num_new_tokens, num_cached_tokens)
         return True, budget - num_new_tokens
 
