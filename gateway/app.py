@@ -365,7 +365,7 @@ class Gateway:
                 yield delta
 
         async for delta in deltas():
-            if delta.restarted:  # a redelivery starts over: what was sent cannot be taken back
+            if delta.restarted or delta.rewound_to is not None:  # what was sent cannot be taken back
                 raise ApiError(500, "the request was served again after a worker failed; its stream restarted",
                                "server_error", "stream_restarted")
             if options.tools:
@@ -515,7 +515,7 @@ class Gateway:
             if isinstance(first, Delta) and text_of(first):
                 yield events.delta(text_of(first))
             async for delta in handle.stream():
-                if delta.restarted:
+                if delta.restarted or delta.rewound_to is not None:
                     raise ApiError(500, "the request was served again after a worker failed; its stream restarted",
                                    "server_error", "stream_restarted")
                 if text_of(delta):

@@ -11,6 +11,13 @@ buffered but not yet yielded are discarded, and the stream starts over at the ne
 reader learns of a restart from `Delta.restarted` (True on the first delta of a new attempt when deltas of
 an older attempt were already yielded): it must throw away the text it showed for the old attempt.
 
+Resumption. A worker that takes a request over may continue its stream where the old one stopped instead:
+the new attempt's records carry `resumed_at` (per completion index), the seq from which it writes. The chunks
+below it stand, whichever attempt sent them, and the stream goes on without a gap or a repeat; the reader
+sees `Delta.resumed` on the first delta of the new attempt and keeps its text. Should the reader have been
+given chunks at or past `resumed_at` by the old attempt (the new worker could not read them back), the next
+delta carries `rewound_to`: throw away the text of those seqs.
+
 Several completions (n > 1 or best_of > 1). Chunks carry `index` with a seq of their own per index; each
 completion ends with a final that carries its index, and the request with a final without index (`result()`),
 whose num_chunks counts every index's chunks. `completions()` gives the completions' finals by index.
@@ -79,6 +86,11 @@ class Delta:
     chunk: StreamChunk
     restarted: bool = False
     """True on the first delta of a superseding attempt after older-attempt deltas were yielded."""
+    resumed: bool = False
+    """True on the first delta of an attempt that continues the stream of an older one (keep what was shown)."""
+    rewound_to: int | None = None
+    """Set when deltas at or past this seq (of this index) were yielded from an older attempt that a resumed one
+    replaces: throw away their text."""
 
     @property
     def text(self) -> str:
@@ -130,6 +142,14 @@ class RequestHandle:
         self.attempt: int | None = None
         """Highest attempt seen so far."""
         self.num_restarts = 0
+        self.num_resumptions = 0
+        """Times a higher attempt continued the stream instead of starting it over."""
+        self._resuming: set[int] | None = None
+        """While the current attempt is a resumption: the completion indexes it has not written to yet."""
+        self._yielded_seq: dict[int, int] = {}
+        """Next seq per index the reader has not been given yet."""
+        self._rewind: dict[int, int] = {}
+        """Index -> seq to rewind to, told with the next delta of that index."""
         self.num_dropped = 0
         """Records dropped as superseded (lower attempt) or duplicate."""
         self._expected_seq: dict[int, int] = {}
@@ -156,15 +176,25 @@ class RequestHandle:
             self.num_dropped += 1
             return
         if self.attempt is None or record.attempt > self.attempt:
+            resumes = record.resumed_at is not None and self.attempt is not None
             if self.attempt is not None:
-                log.info("request %s: attempt %d supersedes attempt %d", self.request_id, record.attempt,
-                         self.attempt)
-                self.num_restarts += 1
+                log.info("request %s: attempt %d %s attempt %d", self.request_id, record.attempt,
+                         "resumes the stream of" if resumes else "supersedes", self.attempt)
+                if resumes:
+                    self.num_resumptions += 1
+                else:
+                    self.num_restarts += 1
             self.attempt = record.attempt
-            self._expected_seq = {}
             self._completions = {}
-            self._pending.clear()
             self._gap_seen = False
+            if resumes:
+                self._resuming = set(self._expected_seq) | {record.index or 0}
+            else:
+                self._resuming = None
+                self._expected_seq = {}
+                self._pending.clear()
+        if self._resuming is not None and record.resumed_at is not None and (record.index or 0) in self._resuming:
+            self._take_over(record.index or 0, record.resumed_at)
         if isinstance(record, StreamChunk):
             self._feed_chunk(record)
         elif record.index is not None:
@@ -179,6 +209,20 @@ class RequestHandle:
             self._final = record
             self.final_at = time.monotonic()
         self._changed.set()
+
+    def _take_over(self, index: int, resumed_at: int) -> None:
+        """The current attempt writes completion `index` from seq `resumed_at` on: the older attempts' chunks
+        below it stand, those at or past it give way."""
+        self._resuming.discard(index)
+        kept = [c for c in self._pending
+                if isinstance(c, StreamGap) or c.index != index or c.seq < resumed_at]
+        self._pending = deque(kept)
+        if self._yielded_seq.get(index, 0) > resumed_at:
+            self._rewind[index] = resumed_at
+        expected = self._expected_seq.get(index, 0)
+        if expected < resumed_at:
+            self._add_gap(StreamGap(self.request_id, self.attempt, expected, resumed_at))
+        self._expected_seq[index] = resumed_at
 
     def _feed_chunk(self, chunk: StreamChunk) -> None:
         expected = self._expected_seq.get(chunk.index, 0)
@@ -255,9 +299,11 @@ class RequestHandle:
                 chunk = self._pending.popleft()
                 if isinstance(chunk, StreamGap):
                     raise chunk
-                restarted = self._yielded_attempt is not None and chunk.attempt != self._yielded_attempt
+                new_attempt = self._yielded_attempt is not None and chunk.attempt != self._yielded_attempt
+                resumed = new_attempt and chunk.resumed_at is not None
                 self._yielded_attempt = chunk.attempt
-                yield Delta(chunk, restarted)
+                self._yielded_seq[chunk.index] = chunk.seq + 1
+                yield Delta(chunk, new_attempt and not resumed, resumed, self._rewind.pop(chunk.index, None))
                 continue
             if self._final is not None:
                 return

@@ -16,6 +16,7 @@ import msgspec
 
 from schemas.control import ControlRecord
 from schemas.dead_letter import DeadLetterRecord
+from schemas.progress import ProgressRecord
 from schemas.request import PROMPT_FIELDS, GenerationRequest
 from schemas.result import FinalRecord, StreamChunk
 from schemas.status import WorkerStatus
@@ -32,6 +33,7 @@ RECORD_TYPES: dict[str, Any] = {
     "dead_letter_record": DeadLetterRecord,
     "control_record": ControlRecord,
     "usage_record": UsageRecord,
+    "progress_record": ProgressRecord,
 }
 
 

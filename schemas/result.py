@@ -3,7 +3,8 @@
 Both carry `kind` as a msgspec tag, so a consumer decodes `StreamChunk | FinalRecord` in one call
 (decode.decode_result). Records are keyed by request id, so one request's records share a partition and
 arrive in order. A redelivered request is served again under a higher `attempt`: a client that sees a higher
-attempt than the stream it is assembling drops what it had and starts over.
+attempt than the stream it is assembling drops what it had and starts over, unless the records of that attempt
+carry `resumed_at` (the stream was resumed where its earlier worker left it: keep the chunks below that seq).
 
 `reason` and `finish_reason` are open sets of codes: a client should treat a code it does not know like
 "internal". The codes in use are listed below.
@@ -59,6 +60,11 @@ Attempt = Annotated[
     ),
 ]
 Count = Annotated[int, Meta(ge=0, le=MAX_SAFE_INT)]
+ResumedAt = Annotated[int, Meta(ge=0, le=MAX_SAFE_INT, description=(
+    "Set on every record of an attempt that continued the stream of an earlier attempt (its worker went away "
+    "mid-stream): the seq at which this attempt took over. The chunks of earlier attempts with a lower seq "
+    "stand and are not sent again; drop those with this seq or higher. Absent: the attempt starts the stream "
+    "from seq 0 (a restart drops everything of earlier attempts)."))] | None
 
 
 class TopLogprob(msgspec.Struct, kw_only=True, frozen=True):
@@ -96,6 +102,7 @@ class StreamChunk(WireRecord, kw_only=True, tag_field="kind", tag="chunk"):
     tool_calls: Annotated[list[ToolCallDelta], Meta(description=(
         "Pieces of the tool calls parsed so far (OpenAI's delta.tool_calls): joined by index they make the "
         "final record's tool_calls."))] | None = None
+    resumed_at: ResumedAt = None
 
 
 class Usage(msgspec.Struct, kw_only=True, frozen=True):
@@ -148,7 +155,9 @@ class FinalRecord(WireRecord, kw_only=True, tag_field="kind", tag="final"):
         list[TokenLogprob], Meta(description="With sampling.logprobs: one per token id of token_ids, in order.")
     ] | None = None
     num_chunks: Annotated[
-        int, Meta(ge=0, le=MAX_SAFE_INT, description="Chunks sent in this attempt, so a client can tell it saw all.")
+        int, Meta(ge=0, le=MAX_SAFE_INT, description=(
+            "Chunks of the stream, so a client can tell it saw all: those of this attempt, and with resumed_at "
+            "the resumed_at chunks before them."))
     ] = 0
     content: Annotated[str, Meta(description=(
         "Set when the request's tools may be called (tool_choice not none): the text outside tool calls, "
@@ -167,6 +176,7 @@ class FinalRecord(WireRecord, kw_only=True, tag_field="kind", tag="final"):
         "Set on the final of one completion of a request with n > 1 or best_of > 1; that request ends with "
         "one more final without index (its usage and num_chunks count every completion). A final without "
         "index is the request's last record."))] | None = None
+    resumed_at: ResumedAt = None
 
     def __post_init__(self) -> None:
         # A final record that contradicts itself is a worker bug; refuse it at both ends.

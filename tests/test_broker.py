@@ -177,9 +177,11 @@ def test_topic_specs_follow_settings() -> None:
     settings = KafkaSettings(num_priorities=4, partitions_per_priority=3, result_retention_ms=1234)
     specs = {spec.name: spec for spec in topic_specs(settings)}
     names = {settings.request_topic, settings.result_topic, settings.dead_letter_topic, settings.status_topic,
-             settings.control_topic, settings.usage_topic}
+             settings.control_topic, settings.usage_topic, settings.progress_topic}
     assert set(specs) == names
     assert specs[settings.usage_topic].num_partitions == 12
+    assert specs[settings.progress_topic].num_partitions == 12  # one per request partition
+    assert {spec.name for spec in topic_specs(KafkaSettings(progress_topic=""))} == names - {settings.progress_topic}
     assert {spec.name for spec in topic_specs(KafkaSettings(usage_topic=""))} == names - {settings.usage_topic}
     assert specs[settings.request_topic].num_partitions == 12
     assert specs[settings.result_topic].topic_configs["retention.ms"] == "1234"

@@ -37,6 +37,10 @@ class KafkaSettings(BaseSettings):
     usage_topic: str = "llm.usage"
     """One usage record per request (schemas/usage.py), in the same transaction as its final with exactly-once
     finals; `llm-worker usage report` sums it. Empty: none are written."""
+    progress_topic: str = "llm.progress"
+    """How far each running request's output was delivered (schemas/progress.py), written with exactly-once
+    finals, so that a partition's next owner resumes its streams there instead of starting them over. One
+    partition per request partition. Empty: none is written, and a moved request starts over."""
     num_priorities: int = Field(3, ge=1, le=16)
     """Number of priority levels; priority 0 is the most urgent."""
     partitions_per_priority: int = Field(2, ge=1, le=256)
@@ -296,6 +300,9 @@ class WorkerSettings(BaseSettings):
     """With KAFKA_EXACTLY_ONCE: how long a request partition's finals gather before they are written and
     committed in one transaction with the partition's offset. It bounds the extra time to a final for a
     read_committed reader, and how late such a reader sees chunks (it cannot read past an open transaction)."""
+    progress_interval_ms: float = Field(500.0, gt=0)
+    """With exactly-once finals and a progress topic: how often each partition's transactions carry a full
+    round of progress records (schemas/progress.py); a request's first one goes in the next transaction."""
     destination_wait_s: float = Field(5.0, gt=0)
     """How long a topic that records are addressed to (a reply topic above all) may be absent from the broker's
     metadata, or hold a batch without an answer, before its records are answered elsewhere: a final as an

@@ -143,6 +143,9 @@ async def stream_to(handle: RequestHandle, out=sys.stdout, err=sys.stderr, timeo
         async for delta in handle.stream(timeout):
             if delta.restarted:
                 print(f"\n[attempt {delta.attempt} supersedes the text above; starting over]", file=err, flush=True)
+            elif delta.rewound_to is not None:
+                print(f"\n[attempt {delta.attempt} resumes at chunk {delta.rewound_to}; the text above since then "
+                      "is replaced]", file=err, flush=True)
             out.write(delta.text)
             out.flush()
             shown.printed = shown.printed or bool(delta.text)

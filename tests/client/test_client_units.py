@@ -224,3 +224,56 @@ async def test_cancelling_a_stream_reader_is_never_lost():
     reader.cancel()
     await asyncio.wait({reader}, timeout=2)
     assert reader.cancelled() and num_seen == 0
+
+
+async def test_a_resumed_attempt_continues_the_stream_and_a_restart_starts_it_over():
+    done = dict(status="completed", reason="stop", finish_reason="stop")
+    resumed = RequestHandle("r", 0, 0, timeout_s=5, on_close=lambda _: None)
+    resumed.feed(StreamChunk(id="r", attempt=1, seq=0, text="The "))
+    resumed.feed(StreamChunk(id="r", attempt=1, seq=1, text="cat "))
+    reader = resumed.stream()
+    first = await reader.__anext__()
+    assert first.text == "The "
+    # Attempt 1 sent seq 2 before its worker died, but the new worker resumes at seq 2 (it was not delivered
+    # in time to be recorded): the old seq 2, not given to the reader yet, gives way.
+    resumed.feed(StreamChunk(id="r", attempt=1, seq=2, text="sat "))
+    resumed.feed(StreamChunk(id="r", attempt=3, seq=2, text="sat ", resumed_at=2))
+    resumed.feed(StreamChunk(id="r", attempt=3, seq=3, text="down", resumed_at=2))
+    resumed.feed(StreamChunk(id="r", attempt=1, seq=3, text="zzz"))  # the old attempt, late: dropped
+    resumed.feed(FinalRecord(id="r", attempt=3, text="The cat sat down", num_chunks=4, resumed_at=2, **done))
+    rest = [d async for d in reader]
+    assert [(d.text, d.attempt, d.restarted, d.resumed, d.rewound_to) for d in rest] == [
+        ("cat ", 1, False, False, None), ("sat ", 3, False, True, None), ("down", 3, False, False, None)]
+    assert resumed.num_resumptions == 1 and resumed.num_restarts == 0
+    assert (await resumed.result()).text == "The cat sat down"
+
+    # The reader already had seq 2 of the old attempt: the resumed seq 2 tells it to take that back.
+    rewound = RequestHandle("w", 0, 0, timeout_s=5, on_close=lambda _: None)
+    for seq, text in enumerate(["a", "b", "c"]):
+        rewound.feed(StreamChunk(id="w", attempt=0, seq=seq, text=text))
+    reader = rewound.stream()
+    assert [(await reader.__anext__()).text for _ in range(3)] == ["a", "b", "c"]
+    rewound.feed(StreamChunk(id="w", attempt=2, seq=2, text="C", resumed_at=2))
+    rewound.feed(FinalRecord(id="w", attempt=2, text="abC", num_chunks=3, resumed_at=2, **done))
+    (delta,) = [d async for d in reader]
+    assert (delta.text, delta.resumed, delta.rewound_to) == ("C", True, 2)
+
+    # Without resumed_at a higher attempt starts over from seq 0, as before.
+    restarted = RequestHandle("s", 0, 0, timeout_s=5, on_close=lambda _: None)
+    restarted.feed(StreamChunk(id="s", attempt=0, seq=0, text="x"))
+    reader = restarted.stream()
+    assert (await reader.__anext__()).text == "x"
+    restarted.feed(StreamChunk(id="s", attempt=1, seq=0, text="y"))
+    restarted.feed(FinalRecord(id="s", attempt=1, text="y", num_chunks=1, **done))
+    (delta,) = [d async for d in reader]
+    assert (delta.text, delta.restarted, delta.resumed) == ("y", True, False)
+    assert restarted.num_restarts == 1
+
+
+async def test_a_resumption_that_skips_chunks_the_reader_never_got_is_a_gap():
+    from llm_client import StreamGap
+    handle = RequestHandle("r", 0, 0, timeout_s=5, on_close=lambda _: None)
+    handle.feed(StreamChunk(id="r", attempt=0, seq=0, text="a"))
+    handle.feed(StreamChunk(id="r", attempt=1, seq=3, text="d", resumed_at=3))  # seqs 1 and 2 never came
+    with pytest.raises(StreamGap):
+        [d async for d in handle.stream()]

@@ -53,17 +53,31 @@ def check_exactly_one(collector: Collector, requests, what: str, shed_ok: bool =
         if shed_ok and final.status == "rejected" and final.reason == "shed":
             continue
         assert final.status == "completed", (what, final)
-        chunks = collector.results.chunks[(request_id, final.attempt)]
         if n_of[request_id] == 1:
+            chunks = stream_of(collector, final)
             assert [c.seq for c in chunks] == list(range(final.num_chunks)), (what, request_id)
             assert "".join(c.text for c in chunks) == final.text, (what, request_id)
             continue
         completions = {f.index: f for f in fs if f.index is not None}
         assert sorted(completions) == list(range(n_of[request_id])), (what, request_id, sorted(completions))
         for index, completion in completions.items():
-            mine = [c for c in chunks if c.index == index]
+            mine = stream_of(collector, completion, index)
             assert [c.seq for c in mine] == list(range(completion.num_chunks)), (what, request_id, index)
             assert "".join(c.text for c in mine) == completion.text, (what, request_id, index)
+
+
+def stream_of(collector: Collector, final: FinalRecord, index: int = 0) -> list:
+    """The chunks of the stream `final` ends: its attempt's, and when that attempt resumed an earlier one's
+    stream (resumed_at), the earlier attempts' chunks below that seq (the latest attempt's where several sent
+    one)."""
+    mine = [c for c in collector.results.chunks[(final.id, final.attempt)] if c.index == index]
+    if final.resumed_at is None:
+        return mine
+    earlier: dict[int, object] = {}
+    for (request_id, attempt), chunks in sorted(collector.results.chunks.items(), key=lambda kv: kv[0][1]):
+        if request_id == final.id and attempt < final.attempt:
+            earlier.update({c.seq: c for c in chunks if c.index == index and c.seq < final.resumed_at})
+    return [earlier[seq] for seq in sorted(earlier)] + mine
 
 
 async def committed_offsets(kafka: KafkaSettings) -> dict[int, int]:

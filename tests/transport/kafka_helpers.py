@@ -168,7 +168,7 @@ def subprocess_env(kafka: KafkaSettings, **worker_env) -> dict[str, str]:
         "KAFKA_BOOTSTRAP_SERVERS": kafka.bootstrap_servers, "KAFKA_REQUEST_TOPIC": kafka.request_topic,
         "KAFKA_RESULT_TOPIC": kafka.result_topic, "KAFKA_DEAD_LETTER_TOPIC": kafka.dead_letter_topic,
         "KAFKA_STATUS_TOPIC": kafka.status_topic, "KAFKA_CONTROL_TOPIC": kafka.control_topic,
-        "KAFKA_USAGE_TOPIC": kafka.usage_topic,
+        "KAFKA_USAGE_TOPIC": kafka.usage_topic, "KAFKA_PROGRESS_TOPIC": kafka.progress_topic,
         "KAFKA_GROUP_ID": kafka.group_id,
         "WORKER_METRICS_PORT": "0", "WORKER_STATUS_INTERVAL_S": "0.2", "WORKER_COMMIT_INTERVAL_S": "0.2",
         "WORKER_SESSION_TIMEOUT_S": "6",

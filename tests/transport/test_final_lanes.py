@@ -45,7 +45,7 @@ async def test_answers_held_back_by_a_failed_transaction_are_written_once():
     lanes = FinalLanes({}, "group", OffsetTracker(), publisher, lambda *args: None, interval_s=0.02)
     written: list[list[bytes]] = []
 
-    async def send_all(producer, records, headers_for=None):
+    async def send_all(producer, records, headers_for=None, progress_partition=0, progress_records=()):
         if not written:
             written.append([])
             unsettled.clear()  # the held answer's chunks settle meanwhile

@@ -175,7 +175,7 @@ async def test_out_of_order_finals_are_answered_once_whenever_the_worker_dies(se
     checks = []
     log.on_commit = lambda: (check_exactly_once(log, tracker.next_offset(TP)), checks.append(1))
 
-    async def send_all(producer, records, headers_for=None):
+    async def send_all(producer, records, headers_for=None, progress_partition=0, progress_records=()):
         if rng.random() < 0.1:
             raise KafkaError("the broker went away mid-transaction")
         log.open_records += [int(value) for _, _, value in records]
@@ -219,7 +219,7 @@ async def test_a_full_progress_record_holds_answers_back_and_stops_reading_until
                        max_metadata_bytes=limit)
     log.on_commit = lambda: check_exactly_once_from(log, 1000, tracker.next_offset(TP))
 
-    async def send_all(producer, records, headers_for=None):
+    async def send_all(producer, records, headers_for=None, progress_partition=0, progress_records=()):
         log.open_records += [int(value) for _, _, value in records]
 
     lanes._send_all = send_all
@@ -307,7 +307,7 @@ async def test_a_lane_that_is_no_longer_the_members_does_not_replace_its_produce
     lanes = FinalLanes({}, "group", tracker, fake_publisher(), lambda *args: None, interval_s=0.005,
                        still_member=still_member)
 
-    async def send_all(producer, records, headers_for=None):
+    async def send_all(producer, records, headers_for=None, progress_partition=0, progress_records=()):
         raise LaneStuck("records not acknowledged within 5 s")
 
     async def never(lane):

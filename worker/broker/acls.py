@@ -54,6 +54,9 @@ def worker_acls(kafka: KafkaSettings, principal: str = "worker") -> list[Acl]:
     return [
         Acl(principal, "TOPIC", kafka.request_topic, "READ"),
         Acl(principal, "TOPIC", kafka.control_topic, "READ"),
+        # Written in a partition's transactions, read back by its next owner.
+        *(Acl(principal, "TOPIC", kafka.progress_topic, op) for op in ("READ", "WRITE", "DESCRIBE_CONFIGS")
+          if kafka.progress_topic),
         Acl(principal, "GROUP", kafka.group_id, "READ"),
         *(Acl(principal, "TOPIC", topic, op) for topic in written for op in ("WRITE", "DESCRIBE_CONFIGS")),
         # The gateways' reply topics, one per instance, by prefix.

@@ -38,6 +38,7 @@ class TopicState:
     """Partitions this call added to an existing topic (request topic only)."""
 
 
+PROGRESS_RETENTION_MS = 60 * 60 * 1000
 USAGE_RETENTION_MS = 7 * 24 * 3600 * 1000
 
 
@@ -64,6 +65,10 @@ def topic_specs(settings: KafkaSettings) -> list[NewTopic]:
         *([NewTopic(settings.usage_topic, settings.num_request_partitions, replication,
                     topic_configs={"retention.ms": str(max(settings.result_retention_ms, USAGE_RETENTION_MS))})]
           if settings.usage_topic else []),
+        # Read back only from the latest round (the committed offset's metadata points at it): an hour is plenty.
+        *([NewTopic(settings.progress_topic, settings.num_request_partitions, replication,
+                    topic_configs={"retention.ms": str(PROGRESS_RETENTION_MS), "segment.ms": str(STATUS_SEGMENT_MS)})]
+          if settings.progress_topic else []),
     ]
 
 

@@ -44,6 +44,7 @@ from worker.engine.api import Engine, EngineStats
 from worker.transport.kafka.access_check import AccessDenied, Needs, check_access
 from worker.transport.load.admission import Admission
 from worker.transport.kafka import progress
+from worker.transport.kafka.resume import takeover_progress
 from worker.transport.kafka.aiokafka_compat import committed_with_metadata, group_generation
 from worker.transport.requests.answers import Answers, FinalReplacement
 from worker.transport.load.autoscale import ScaleSignal
@@ -100,6 +101,8 @@ def served_model_name(engine: Engine) -> str:
 
 
 STILL_MEMBER_WAIT_S = 1.0
+RESUME_READ_TIMEOUT_S = 15.0
+"""How long a takeover may spend reading where the moved requests stopped before they start over instead."""
 """How long a lane waits for the group's word before it replaces a stuck producer (Worker._still_member)."""
 
 
@@ -167,6 +170,8 @@ class Worker:
             kafka.client_kwargs(), kafka.group_id, self.tracker, publisher, replacement,
             interval_s=settings.transaction_interval_ms / 1000.0,
             max_metadata_bytes=kafka.offset_metadata_max_bytes, still_member=self._still_member,
+            progress_topic=kafka.progress_topic, progress_source=self._progress_of,
+            progress_interval_s=settings.progress_interval_ms / 1000.0,
         ) if kafka.exactly_once else None
         self.answers = Answers(
             publisher, self.tracker, self.metrics, settings.worker_id, kafka.result_topic, kafka.dead_letter_topic,
@@ -301,8 +306,10 @@ class Worker:
                 lost = self.lanes.owned()
             await self.lanes.revoke((self.lanes.owned() - assigned) | lost)
             await self.lanes.assign(assigned)  # fences the previous owners first: their commits are final
-            progress_found = await self._committed_progress(assigned - self.intake.kept_of(assigned, generation,
-                                                                                           lost))
+            committed = await self._committed_progress(assigned - self.intake.kept_of(assigned, generation, lost))
+            progress_found = {tp: (offset, progress.decode(offset, metadata))
+                              for tp, (offset, metadata) in committed.items()}
+            await self._read_resume_points(committed)
         held = set(self.streamer.held_partitions)
         gone = self.intake.on_assigned(assigned, generation, progress_found, lost) | (held - assigned)
         self.answers.forget(gone)
@@ -322,10 +329,36 @@ class Worker:
         await asyncio.sleep(STILL_MEMBER_WAIT_S)
         return not self.closing and generation >= 0 and group_generation(self.consumer) == generation
 
+    async def _read_resume_points(self, committed: dict) -> None:
+        """Where the unfinished requests of the partitions that come here stopped (kafka/resume.py): their
+        streams go on from there. The resume points are committed again until this worker's own progress
+        replaces them, so a second takeover still finds what the first did not serve yet."""
+        kafka = self.kafka
+        points = {tp: point for tp, (offset, metadata) in committed.items()
+                  if (point := progress.resume_pointer(offset, metadata)) is not None}
+        for tp, point in points.items():
+            self.lanes.keep_resume_point(tp, point)
+        if not points or not kafka.progress_topic:
+            return
+        found = await takeover_progress(
+            kafka.client_kwargs(), kafka.progress_topic, {tp.partition: point for tp, point in points.items()},
+            self.publisher.partition_of, self.publisher.send_wait_s, timeout_s=RESUME_READ_TIMEOUT_S)
+        self.intake.expect_resumed({tp: found.get(tp.partition, {}) for tp in points})
+
+    def _progress_of(self, partition: TopicPartition, full: bool) -> list[tuple[bytes, bytes]]:
+        """The lanes' progress records (FinalLanes.progress_source): the streams' own, and in a full round the
+        records read at takeover of requests not served here yet (so that the resume point can move past the
+        previous owner's round without losing them)."""
+        records = self.streamer.progress_records(partition, full)
+        if full:
+            written = {key for key, _ in records}
+            records += [(key, value) for key, value in self.intake.unserved_resumed(partition) if key not in written]
+        return records
+
     async def _committed_progress(self, partitions: set[TopicPartition]) -> dict:
-        """{partition: (committed offset, answered runs above it)} for partitions that come to this worker
-        (progress.py). Unreadable (the coordinator away): none, and those partitions are read from their offset
-        as before, at-least-once; a warning says so."""
+        """{partition: (committed offset, its metadata)} for partitions that come to this worker (progress.py).
+        Unreadable (the coordinator away): none, and those partitions are read from their offset as before,
+        at-least-once; a warning says so."""
         if not partitions:
             return {}
         try:
@@ -335,7 +368,7 @@ class Worker:
                         "their committed offsets may be answered again", sorted(tp.partition for tp in partitions),
                         exc)
             return {}
-        return {tp: (offset, progress.decode(offset, metadata)) for tp, (offset, metadata) in found.items()}
+        return found
 
     async def _connect(self) -> bool:
         """Create the clients and the parts, subscribe, start; retried with backoff until Kafka answers."""

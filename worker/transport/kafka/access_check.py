@@ -52,9 +52,10 @@ class Needs:
 
     @classmethod
     def of_worker(cls, kafka: KafkaSettings) -> "Needs":
-        return cls([kafka.request_topic, kafka.control_topic],
+        progress = [kafka.progress_topic] if kafka.progress_topic and kafka.exactly_once else []
+        return cls([kafka.request_topic, kafka.control_topic, *progress],
                    [kafka.result_topic, kafka.dead_letter_topic, kafka.status_topic,
-                    *([kafka.usage_topic] if kafka.usage_topic else [])], kafka.group_id)
+                    *([kafka.usage_topic] if kafka.usage_topic else []), *progress], kafka.group_id)
 
 
 def principal_of(kafka: KafkaSettings) -> str:

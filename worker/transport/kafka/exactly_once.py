@@ -45,6 +45,8 @@ from worker.transport.kafka.publisher import Publisher, fill_batch
 
 log = logging.getLogger(__name__)
 
+ProgressSource = Callable[[TopicPartition, bool], list[tuple[bytes, bytes]]]
+"""(partition, full round) -> (key, value) progress records: Streamer.progress_records."""
 AnswerRecord = tuple[str, bytes | None, bytes, FinalRecord | None]
 """(topic, key, value, the final it encodes or None): one record that answers a request record."""
 Replacement = Callable[[str, FinalRecord, str, str], tuple[str, FinalRecord] | None]
@@ -93,6 +95,14 @@ class Lane:
     num_transactions: int = 0
     last_committed: int | None = None
     last_metadata: str = ""
+    resume_from: int | None = None
+    """Where the latest full round of the partition's progress records begins (progress topic offset): committed
+    in the offset's metadata, so the next owner resumes the streams from there."""
+    last_round_at: float = 0.0
+    """time.monotonic() of the last full round of progress records."""
+    progress: list[tuple[bytes, bytes]] = field(default_factory=list)
+    """The progress records the next transaction writes (set by _progress_due)."""
+    progress_full_round: bool = False
 
 
 class FinalLanes:
@@ -101,7 +111,9 @@ class FinalLanes:
     def __init__(self, client_kwargs: dict, group_id: str, tracker: OffsetTracker, publisher: Publisher,
                  replacement: Replacement, interval_s: float = 0.1, max_records: int = 500,
                  max_metadata_bytes: int = progress.DEFAULT_MAX_BYTES,
-                 still_member: Callable[[], Awaitable[bool]] | None = None) -> None:
+                 still_member: Callable[[], Awaitable[bool]] | None = None,
+                 progress_topic: str = "", progress_source: ProgressSource | None = None,
+                 progress_interval_s: float = 0.5) -> None:
         self._client_kwargs = client_kwargs
         self.group_id = group_id
         self.tracker = tracker
@@ -116,7 +128,14 @@ class FinalLanes:
         new producer on its own, which fences whoever holds the transactional id now."""
         self.max_metadata_bytes = max_metadata_bytes
         """The broker's offset.metadata.max.bytes: the progress metadata of a commit stays within it."""
+        self.progress_topic = progress_topic
+        self.progress_source = progress_source if progress_topic else None
+        """The streamer's progress records of a partition (all of them, or only those never written): written
+        in the partition's transactions so the next owner resumes its streams (schemas/progress.py)."""
+        self.progress_interval_s = progress_interval_s
+        """A full round of progress records at most this often; in between, only requests that have none yet."""
         self._lanes: dict[TopicPartition, Lane] = {}
+        self.num_progress_records = 0
         self.num_progress_full = 0
         self.num_fenced = 0
         self.num_aborted = 0
@@ -222,14 +241,23 @@ class FinalLanes:
             while not await self._ensure_producer(lane):
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
-            await lane.wake.wait()
+            if self.progress_source is None:
+                await lane.wake.wait()
+            else:  # progress is written even while no request of the partition ends
+                # Not asyncio.wait_for: on Python 3.11 it swallows a cancellation that arrives as the event is
+                # set, which is how a lane is closed after a flush woke it, and the lane would never end.
+                waiter = asyncio.ensure_future(lane.wake.wait())
+                try:
+                    await asyncio.wait({waiter}, timeout=self.interval_s)
+                finally:
+                    waiter.cancel()
             # At most one transaction per interval and lane: under load each carries many finals; after a
             # quiet spell the first final goes at once instead of waiting out an interval alone.
             since_last = time.monotonic() - lane.last_write_at
             if since_last < self.interval_s and len(lane.pending) < self.max_records:
                 await asyncio.sleep(self.interval_s - since_last)
             lane.wake.clear()
-            if not lane.pending:
+            if not self._progress_due(lane) and not lane.pending:
                 continue
             batch, lane.pending = lane.pending, []
             lane.writing = True
@@ -278,6 +306,21 @@ class FinalLanes:
             finally:
                 lane.writing = False
 
+    def _progress_due(self, lane: Lane) -> bool:
+        """Whether the lane has progress records to write now (a round is due, or requests have none yet)."""
+        if self.progress_source is None:
+            return False
+        full = time.monotonic() - lane.last_round_at >= self.progress_interval_s
+        lane.progress = self.progress_source(lane.partition, full)
+        lane.progress_full_round = full
+        return bool(lane.progress) or (full and lane.resume_from is not None)
+
+    def keep_resume_point(self, partition: TopicPartition, offset: int | None) -> None:
+        """The previous owner's resume point, committed again until this worker's first round replaces it."""
+        lane = self._lanes.get(partition)
+        if lane is not None and lane.resume_from is None:
+            lane.resume_from = offset
+
     def _fence(self, lane: Lane, batch: list[_Pending], exc: BaseException) -> None:
         lane.fenced = True
         self.num_fenced += 1
@@ -306,30 +349,39 @@ class FinalLanes:
         while waiting and time.monotonic() < deadline:  # the last chunks are usually a send away
             await asyncio.sleep(0.002)
             waiting = chunks_pending(waiting)
+        progress_records, full_round = lane.progress, lane.progress_full_round
+        lane.progress, lane.progress_full_round = [], False
         if waiting:
             held = {id(p) for p in waiting}
             batch = [p for p in batch if id(p) not in held]
             lane.pending = waiting + lane.pending
             lane.wake.set()
-            if not batch:
+            if not batch and not progress_records:
                 await asyncio.sleep(self.interval_s)
                 return
-        batch = self._fit_progress(lane, batch)
-        if not batch:
-            await asyncio.sleep(self.interval_s)
-            return
+        if batch:
+            batch = self._fit_progress(lane, batch)
+            if not batch and not progress_records:
+                await asyncio.sleep(self.interval_s)
+                return
         records = [record for pending in batch for record in await self._deliverable(pending.records)]
         producer = lane.producer
         await producer.begin_transaction()
         try:
             # Bounded: a topic deleted since it was looked up holds its record forever (an idempotent producer
             # never expires a batch); the lane then looks its topics up again and starts a new producer.
-            await asyncio.wait_for(self._send_all(producer, records, self.publisher.headers_for),
-                                   self.publisher.send_wait_s)
+            first_progress = await asyncio.wait_for(
+                self._send_all(producer, records, self.publisher.headers_for, lane.partition.partition,
+                               progress_records), self.publisher.send_wait_s)
         except asyncio.TimeoutError:
             for topic in {topic for topic, _, _ in records}:
                 self.publisher.destinations.forget(topic)
             raise LaneStuck(f"records not acknowledged within {self.publisher.send_wait_s:g} s") from None
+        resume_from = lane.resume_from
+        if full_round:
+            # Every request with something to resume is in this round (None: none has): the next owner needs
+            # nothing older.
+            resume_from = first_progress
         answered = frozenset(pending.offset for pending in batch if pending.offset is not None)
         # The watermark and, in its metadata, every offset above it whose answer is in the log (this
         # transaction's included): the partition's next owner starts at the one and skips the others.
@@ -338,13 +390,18 @@ class FinalLanes:
         offsets = None
         if found is not None:
             mark, runs = found
-            metadata = progress.encode(mark, runs)
+            metadata = progress.encode(mark, runs, resume_from)
             if answered or lane.last_committed is None or mark != lane.last_committed \
                     or metadata != lane.last_metadata:
                 offsets = {lane.partition: OffsetAndMetadata(mark, metadata)}
                 await producer.send_offsets_to_transaction(offsets, self.group_id)
         await producer.commit_transaction()
         lane.num_transactions += 1
+        self.num_progress_records += len(progress_records)
+        if full_round:
+            lane.last_round_at = time.monotonic()
+            if found is not None:
+                lane.resume_from = resume_from
         # Only now are they done: a transaction that failed leaves them pending, to be written again.
         for offset in answered:
             self.tracker.done(lane.partition, offset)
@@ -388,14 +445,19 @@ class FinalLanes:
         return [p for p in batch if p.offset is None or p.offset in keep]
 
     async def _send_all(self, producer: AIOKafkaProducer, records: list[tuple[str, bytes | None, bytes]],
-                        headers_for=None) -> None:
+                        headers_for=None, progress_partition: int = 0,
+                        progress_records: list[tuple[bytes, bytes]] = ()) -> int | None:
         """Batches built by hand, one or more per partition, as the publisher builds them (aiokafka's per-record
         send costs about 40 us more a record). `headers_for`: the publisher's (tracing.py), so that a final sent
-        here carries its trace context as one sent by the publisher does."""
+        here carries its trace context as one sent by the publisher does. Progress records go to the progress
+        topic's partition of the same number as the request partition; returns the offset of the first."""
         groups: dict[tuple[str, int], list[tuple[bytes | None, bytes]]] = {}
+        if progress_records:
+            groups[(self.progress_topic, progress_partition)] = list(progress_records)
         for topic, key, value in records:
             groups.setdefault((topic, await self.publisher.partition_of(topic, key)), []).append((key, value))
         futures = []
+        first_progress = None
         for (topic, partition), group in groups.items():
             state = self.publisher.destinations.state(topic)
             limit = state.max_message_bytes if state is not None else DEFAULT_MAX_MESSAGE_BYTES
@@ -411,8 +473,11 @@ class FinalLanes:
                     start += 1
                     continue
                 futures.append(await producer.send_batch(batch, topic, partition=partition))
+                if first_progress is None and topic == self.progress_topic and progress_records:
+                    first_progress = futures[-1]
                 start = end
         await asyncio.gather(*futures)
+        return None if first_progress is None else first_progress.result().offset
 
     async def _replace_producer(self, lane: Lane) -> None:
         """A new producer under the lane's transactional id (the partition is still ours: only a lane that is not
@@ -462,5 +527,6 @@ class FinalLanes:
 
     def stats(self) -> dict[str, int]:
         return {"lanes": len(self._lanes), "fenced": self.num_fenced, "aborted": self.num_aborted,
+                "progress_records": self.num_progress_records,
                 "progress_full": self.num_progress_full,
                 "transactions": sum(lane.num_transactions for lane in self._lanes.values())}

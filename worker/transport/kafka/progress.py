@@ -13,7 +13,11 @@ and skips those records.
 The text: `llmw1@<offset>:<runs>`. `<offset>` is the committed offset it belongs to (metadata found beside a
 different offset, e.g. after an operator reset the group's offsets, is ignored). `<runs>` is a comma-separated
 list of `<gap>.<length>` pairs in base 36: starting just above the offset, skip `gap` offsets not answered, then
-`length` offsets answered, and on from there. An empty list: nothing above the offset is answered. Pure Python.
+`length` offsets answered, and on from there. An empty list: nothing above the offset is answered.
+
+An optional `;r<offset>` (base 36) follows: where the partition's latest full round of progress records begins
+on the progress topic (schemas/progress.py), so that the next owner resumes the streams of the requests still
+running instead of starting them over. Pure Python.
 """
 
 from __future__ import annotations
@@ -52,8 +56,9 @@ def runs_of(offsets: Iterable[int]) -> Runs:
     return runs
 
 
-def encode(committed: int, runs: Runs) -> str:
-    """The metadata for `committed` with these answered runs, all above it."""
+def encode(committed: int, runs: Runs, resume_from: int | None = None) -> str:
+    """The metadata for `committed` with these answered runs, all above it, and where the progress records to
+    resume from begin."""
     parts = []
     cursor = committed + 1
     for first, last in runs:
@@ -61,12 +66,15 @@ def encode(committed: int, runs: Runs) -> str:
             raise ValueError(f"runs must be ascending, disjoint and above {committed}: {runs}")
         parts.append(f"{_b36(first - cursor)}.{_b36(last - first + 1)}")
         cursor = last + 1
-    return f"{PREFIX}{committed}:{','.join(parts)}"
+    resume = "" if resume_from is None else f";r{_b36(resume_from)}"
+    return f"{PREFIX}{committed}:{','.join(parts)}{resume}"
 
 
-def encoded_size(committed: int, runs: Runs) -> int:
-    """len(encode(committed, runs).encode()) without building the string (all ASCII)."""
+def encoded_size(committed: int, runs: Runs, resume_from: int | None = None) -> int:
+    """len(encode(committed, runs, resume_from).encode()) without building the string (all ASCII)."""
     size = len(PREFIX) + len(str(committed)) + 1 + max(len(runs) - 1, 0)
+    if resume_from is not None:
+        size += 2 + len(_b36(resume_from))
     cursor = committed + 1
     for first, last in runs:
         size += len(_b36(first - cursor)) + 1 + len(_b36(last - first + 1))
@@ -82,6 +90,7 @@ def decode(committed: int | None, metadata: str | None) -> Runs:
     head, sep, body = metadata[len(PREFIX):].partition(":")
     if not sep or head != str(committed):
         return []
+    body = body.partition(";")[0]
     runs: Runs = []
     cursor = committed + 1
     try:
@@ -102,3 +111,20 @@ def decode(committed: int | None, metadata: str | None) -> Runs:
 
 def offsets_of(runs: Runs) -> set[int]:
     return {offset for first, last in runs for offset in range(first, last + 1)}
+
+
+def resume_pointer(committed: int | None, metadata: str | None) -> int | None:
+    """Where the progress records to resume from begin, recorded beside `committed`; None when there is none
+    (or the metadata is not ours, or belongs to another offset)."""
+    if committed is None or not metadata or not metadata.startswith(PREFIX):
+        return None
+    head, sep, body = metadata[len(PREFIX):].partition(":")
+    if not sep or head != str(committed):
+        return None
+    for part in body.split(";")[1:]:
+        if part.startswith("r"):
+            try:
+                return int(part[1:], 36)
+            except ValueError:
+                return None
+    return None

@@ -128,7 +128,14 @@ class Answers:
         record = answer_record(queued.request.id, queued.attempt, "cancelled", "cancelled",
                                cancel_message(reason, when), queued.timestamp_ms, self.worker_id,
                                queued.request.metadata)
-        record = msgspec.structs.replace(record, text="", token_ids=[])
+        done = queued.resumed(0) if queued.request.num_completions == 1 else None
+        if done is not None:  # it continued an earlier attempt's stream: that output is what it ends with
+            record = msgspec.structs.replace(
+                record, text=done.text, token_ids=list(done.token_ids), num_chunks=done.seq,
+                usage=msgspec.structs.replace(record.usage, completion_tokens=len(done.token_ids)),
+                resumed_at=done.seq if queued.request.stream else None)
+        else:
+            record = msgspec.structs.replace(record, text="", token_ids=[])
         self.metrics.requests_cancelled.inc()
         if self.tenants is not None:
             self.tenants.finished(queued.tenant, "cancelled")

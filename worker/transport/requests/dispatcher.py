@@ -124,8 +124,11 @@ def to_engine_requests(queued: QueuedRequest, fair_tag: float = 0.0) -> list[Eng
     tools = engine_tools(req) if req.effective_tool_choice != "none" else None
     structured = tool_call_output(req) or structured_output(req.response_format)
     cache_salt = cache_salt_of(queued.tenant, req.cache_salt)
+    if queued.resume is not None:
+        deadline = None  # it started on another worker: a deadline bounds the wait before the first step
     requests = []
     for index in range(num):
+        resumed = queued.resumed(index)
         sampling = SamplingParams(
             max_new_tokens=req.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
             seed=completion_seed(s.seed, index),
@@ -148,6 +151,7 @@ def to_engine_requests(queued: QueuedRequest, fair_tag: float = 0.0) -> list[Eng
             cache_salt=cache_salt,
             fair_tag=fair_tag,
             tenant=queued.tenant,
+            resume_token_ids=list(resumed.token_ids) if resumed is not None and resumed.token_ids else None,
         ))
     return requests
 

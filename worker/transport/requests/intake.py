@@ -38,14 +38,15 @@ from dataclasses import dataclass
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import CorruptRecordException, KafkaError, RecordTooLargeError, UnsupportedCodecError
 
-from schemas.decode import RequestError, decode_request
+from schemas.decode import RequestError, decode_request, encode
 from schemas.limits import DEFAULT_LIMITS, Limits
 from schemas.priority import priority_of_partition
+from schemas.progress import ProgressRecord
 from worker.transport.load.admission import Admission, Verdict, estimate_prompt_tokens
 from worker.transport.requests.answers import Answers
 from worker.transport.requests.cancels import Cancel
 from worker.transport.load.load_control import LoadDecision
-from worker.transport.requests.local_queue import LocalQueue, QueuedRequest
+from worker.transport.requests.local_queue import LocalQueue, QueuedRequest, resumable
 from worker.transport.kafka.offsets import OffsetTracker
 from worker.transport.kafka.progress import Runs
 from worker.transport.load.service_model import ServiceModel
@@ -132,6 +133,34 @@ class Intake:
         """Revoked in the rebalance under way; kept or given up at its assignment."""
         self._held: list[QueuedRequest] = []
         """The suspended partitions' waiting requests, in queue order."""
+        self._resumable: dict[TopicPartition, dict[str, ProgressRecord]] = {}
+        """Progress read at takeover (kafka/resume.py) of requests not read here yet: each continues its stream
+        from its record when its request record comes."""
+        self.num_resumed = 0
+        self.num_resumed_tokens = 0
+        """Requests that went on from an earlier attempt's output, and the output tokens they did not generate
+        again."""
+
+    # -- resumption ----------------------------------------------------------------------------------------
+    def expect_resumed(self, found: dict[TopicPartition, dict[str, ProgressRecord]]) -> None:
+        self._resumable.update(found)
+
+    def unserved_resumed(self, tp: TopicPartition) -> list[tuple[bytes, bytes]]:
+        """Progress records of this partition's requests that continue an earlier attempt but have not reached
+        the engine yet (unread, or waiting here), as they were read."""
+        records = [(r.id.encode(), encode(r)) for r in self._resumable.get(tp, {}).values()]
+        records += [(q.request.id.encode(), encode(q.resume)) for q in self.queue
+                    if q.partition == tp and q.resume is not None]
+        return records
+
+    def _resume_of(self, tp: TopicPartition, request_id: str, offset: int, attempt: int) -> ProgressRecord | None:
+        found = self._resumable.get(tp)
+        record = found.pop(request_id, None) if found else None
+        if record is None or record.offset != offset or record.attempt >= attempt:
+            return None  # another record of the same id (a duplicate id), or not an earlier attempt's
+        self.num_resumed += 1
+        self.num_resumed_tokens += sum(len(c.token_ids) for c in record.completions)
+        return record
 
     # -- partitions ----------------------------------------------------------------------------------------
     def priority_of(self, tp: TopicPartition) -> int:
@@ -189,6 +218,7 @@ class Intake:
                         "generation, or a fenced lane): their requests here are dropped and they are read again "
                         "from their committed offsets", sorted(tp.partition for tp in moved & assigned))
         self._suspended = set()
+        self._resumable = {tp: found for tp, found in self._resumable.items() if tp in assigned}
         for tp in moved:
             self.tracker.revoke(tp)
         self.queue.restore([q for q in self._held if q.partition in kept])
@@ -393,6 +423,8 @@ class Intake:
             arrival_ms=max(float(msg.timestamp), now_ms - self.max_clock_skew_ms),
             tenant=req.tenant if req.tenant is not None else DEFAULT_TENANT,
         )
+        if self._resumable and resumable(req):
+            queued.resume = self._resume_of(tp, req.id, msg.offset, attempt)
         if self.tracing is not None:
             queued.trace = self.tracing.begin(msg.headers, req.id.encode(), queued)
         verdict = self.admission.check_reply_topic(req.reply_topic)
@@ -410,6 +442,10 @@ class Intake:
         self.service.observe_read(priority, queued.num_prompt_tokens, req.max_new_tokens, req.num_completions)
         now = time.monotonic()
         self.tenants.note_read(priority, queued.tenant, queued.expected_tokens, now)
+        if queued.resume is not None:
+            # Its stream is under way: shedding it or its deadline now would waste what was delivered.
+            self.queue.push(queued)
+            return "queued"
         if (self.load is not None and priority in self.load.shed_priorities
                 and self.tenants.fair.over_share(priority, queued.tenant, now)):
             self.answers.shed(queued, self.load.shed_message(priority))

@@ -18,6 +18,12 @@ from schemas.request import GenerationRequest
 from worker.transport.load.tenants import DEFAULT_TENANT, FairShare
 
 
+def resumable(request: GenerationRequest) -> bool:
+    """Whether a later attempt may continue this request's output: not when it asks for logprobs (a progress
+    record does not carry them) or ranks best_of completions by them."""
+    return not request.sampling.logprobs and request.num_completions == request.n
+
+
 @dataclass(slots=True)
 class QueuedRequest:
     """A decoded request record and where it came from."""
@@ -54,6 +60,15 @@ class QueuedRequest:
     """Tokens charged to its tenant's counter and quota when it entered the engine (corrected at its end)."""
     fair_tag: float = 0.0
     """Its tenant's counter when it entered the engine (api.EngineRequest.fair_tag)."""
+    resume: object | None = None
+    """A schemas.progress.ProgressRecord: an earlier attempt delivered this much of its output, and this one
+    continues from there (its streams go on at that seq, the engine after those tokens)."""
+
+    def resumed(self, index: int):
+        """The CompletionProgress of completion `index` to continue from, or None."""
+        if self.resume is None:
+            return None
+        return next((c for c in self.resume.completions if c.index == index), None)
 
     def completion_engine_id(self, index: int) -> str:
         """The engine id of completion `index`: engine_id itself when the request asks for one completion."""

@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 import msgspec
 
 from schemas.decode import encode
+from schemas.progress import CompletionProgress, ProgressRecord
 from schemas.result import FinalRecord, StreamChunk, TokenLogprob, TopLogprob
 from schemas.tools import FunctionCall, ToolCall, ToolCallDelta
 from worker.engine.api import RequestOutput
 from worker.transport.requests.answers import Answers
-from worker.transport.requests.local_queue import QueuedRequest
+from worker.transport.requests.local_queue import QueuedRequest, resumable
 from worker.transport.metrics import WorkerMetrics
 from worker.transport.kafka.offsets import OffsetTracker
 from worker.transport.kafka.publisher import Publisher
@@ -53,6 +54,8 @@ class CompletionGroup:
     scores: list[float]
     """Cumulative logprob by completion index (ranks completions when best_of > n)."""
     num_chunks: int = 0
+    members: list["RequestStream"] = field(default_factory=list)
+    """Its completions' streams, finished ones too (their progress counts until the request's final)."""
     poisoned: bool = False
     """One completion made the engine fail: the request was answered with an error; the others are dropped."""
 
@@ -88,6 +91,18 @@ class RequestStream:
     or the whole text at the end when none do."""
     tools_ended: bool = False
     """The parser was told the output ended (its held-back text given out), which happens once."""
+    resumed_at: int | None = None
+    """The seq at which this attempt took the stream over from an earlier one (schemas.result.ResumedAt)."""
+    sent_text_len: int = 0
+    """Characters of text the chunks taken so far carried."""
+    acked: tuple[int, int, int, int] = (0, 0, 0, 0)
+    """How much of the stream Kafka has acknowledged, as of its last acknowledged chunk: (chunks, tokens,
+    characters of text, tool calls announced). Chunks of one request share a partition and are acknowledged in
+    order."""
+    settled: CompletionProgress | None = None
+    """The progress record's view of `acked`, built when a round asks (cached while `acked` stays)."""
+    recorded: bool = False
+    """Its request has had a progress record written (set on the first completion's stream)."""
 
     @property
     def sends_chunks(self) -> bool:
@@ -99,6 +114,43 @@ class RequestStream:
     def logprobs_asked(self) -> bool:
         """The client asked for logprobs (they may be gathered only to rank best_of completions)."""
         return self.queued.request.sampling.logprobs
+
+    def resume_from(self, done: CompletionProgress) -> None:
+        """Continue the stream an earlier attempt delivered this much of."""
+        self.token_ids = list(done.token_ids)
+        self.text_parts = [done.text] if done.text else []
+        self.seq = done.seq
+        self.sent_text_len = len(done.text)
+        self.resumed_at = done.seq if self.sends_chunks else None
+        self.acked = (done.seq, len(done.token_ids), len(done.text), len(done.tool_call_ids))
+        self.settled = done
+        if self.tools is not None and done.text:
+            # Where the parser stood: what it said then went out already; the calls keep the ids announced.
+            self.tools.feed(done.text)
+            for call, call_id in zip(self.tools.calls, done.tool_call_ids):
+                call.id = call_id
+
+    def mark(self) -> tuple[int, int, int, int]:
+        """The stream's `acked` once every chunk taken so far is acknowledged."""
+        return (self.seq, len(self.token_ids) - self.num_unsent_tokens, self.sent_text_len,
+                len(self.tools.calls) if self.tools is not None else 0)
+
+    def note_acked(self, mark: tuple[int, int, int, int]) -> None:
+        if mark[0] > self.acked[0]:
+            self.acked = mark
+
+    def progress(self) -> CompletionProgress:
+        """What a client can see of this completion now: its acknowledged chunks; everything generated when it
+        does not stream."""
+        if not self.sends_chunks:
+            return CompletionProgress(index=self.index, token_ids=list(self.token_ids), text="".join(self.text_parts))
+        seq, num_tokens, num_chars, num_calls = self.acked
+        if self.settled is None or self.settled.seq != seq:
+            self.settled = CompletionProgress(
+                index=self.index, seq=seq, token_ids=self.token_ids[:num_tokens],
+                text="".join(self.text_parts)[:num_chars],
+                tool_call_ids=[c.id for c in self.tools.calls[:num_calls]] if self.tools is not None else [])
+        return self.settled
 
     def start_replay(self) -> None:
         self.num_replay_tokens = len(self.token_ids)
@@ -189,7 +241,9 @@ class RequestStream:
             content=content,
             tool_calls=[ToolCallDelta(index=p.index, id=p.id, name=p.name, arguments=p.arguments)
                         for p in pieces] if pieces else None,
+            resumed_at=self.resumed_at,
         )
+        self.sent_text_len += len(chunk.text)
         self.seq += 1
         self.num_unsent_tokens = 0
         self.unsent_text = []
@@ -236,14 +290,48 @@ class Streamer:
         num = request.num_completions
         if num == 1:
             logprobs = [] if request.sampling.logprobs else None
-            self.streams[queued.engine_id] = RequestStream(queued, logprobs=logprobs, tools=_tool_parser(request))
+            streams = [RequestStream(queued, logprobs=logprobs, tools=_tool_parser(request))]
         else:
             group = CompletionGroup(queued, [None] * num, [0.0] * num)
-            for index in range(num):
-                logprobs = [] if request.sampling.logprobs or group.ranked else None
-                self.streams[queued.completion_engine_id(index)] = RequestStream(
-                    queued, index, group, logprobs=logprobs, tools=_tool_parser(request))
+            streams = [RequestStream(queued, index, group, logprobs=[] if request.sampling.logprobs or group.ranked
+                                     else None, tools=_tool_parser(request)) for index in range(num)]
+            group.members = streams
+        for stream in streams:
+            done = queued.resumed(stream.index)
+            if done is not None:
+                stream.resume_from(done)
+            self.streams[queued.completion_engine_id(stream.index)] = stream
         self.num_open_by_priority[queued.priority] += num
+
+    def progress_records(self, partition, full: bool = True) -> list[tuple[bytes, bytes]]:
+        """(key, value) of a progress record (schemas/progress.py) for each request of `partition` that has
+        delivered output a later attempt could continue from; not `full`: only those that have had none yet.
+        Requests whose logprobs are asked for (or that rank best_of completions by them) are left out: they
+        start over."""
+        if partition in self.held_partitions:
+            return []
+        now_ms = int(time.time() * 1000)
+        seen: set[int] = set()
+        out = []
+        for stream in self.streams.values():
+            queued = stream.queued
+            if queued.partition != partition or id(queued) in seen or not resumable(queued.request):
+                continue
+            seen.add(id(queued))
+            members = stream.group.members if stream.group is not None else [stream]
+            if not full and members[0].recorded:
+                continue
+            if stream.group is not None and (stream.group.ranked or stream.group.poisoned):
+                continue
+            completions = [m.progress() for m in members]
+            if not any(c.token_ids for c in completions):
+                continue
+            record = ProgressRecord(id=queued.request.id, attempt=queued.attempt,
+                                    partition=getattr(partition, "partition", 0), offset=queued.offset,
+                                    topic=queued.reply_topic, completions=completions, worker_id=self.worker_id, ts_ms=now_ms)
+            members[0].recorded = True
+            out.append((queued.request.id.encode(), encode(record)))
+        return out
 
     def close_where(self, predicate: Callable[[QueuedRequest], bool]) -> list[str]:
         """Silence the streams whose request matches; returns their engine ids (for the engine's abort)."""
@@ -320,7 +408,9 @@ class Streamer:
     def _send_chunk(self, stream: RequestStream, now: float, last: bool = False) -> None:
         chunk = stream.take_chunk(now, last)
         if chunk is not None:
-            self.publisher.publish_nowait(stream.queued.reply_topic, chunk.id.encode(), encode(chunk))
+            mark = stream.mark()
+            self.publisher.publish_nowait(stream.queued.reply_topic, chunk.id.encode(), encode(chunk),
+                                          on_acked=lambda: stream.note_acked(mark))
 
     def _finish(self, stream: RequestStream, out: RequestOutput, now: float) -> None:
         queued, group = stream.queued, stream.group
@@ -345,6 +435,8 @@ class Streamer:
             predicted=(queued.predicted_queue_ms, queued.predicted_e2e_ms), cancelled=stream.cancel_reason,
             content=content, tool_calls=tool_calls,
         )
+        if stream.resumed_at is not None:
+            final = msgspec.structs.replace(final, resumed_at=stream.resumed_at)
         self.num_output_tokens += len(stream.token_ids)
         if queued.trace is not None:
             queued.trace.engine_done(out)
