@@ -185,7 +185,8 @@ def _moe_fields(raw: dict, arch: str, num_layers: int) -> dict:
     if arch == "Qwen3MoeForCausalLM":
         dense = set(raw.get("mlp_only_layers") or ())
         step = int(raw.get("decoder_sparse_step", 1))
-        num_experts = int(raw["num_experts"])
+        # Hub checkpoints write num_experts; transformers 5 saves it as num_local_experts.
+        num_experts = int(raw.get("num_experts", raw.get("num_local_experts", 0)))
         return dict(num_experts=num_experts, num_experts_per_tok=int(raw["num_experts_per_tok"]),
                     moe_intermediate_size=int(raw["moe_intermediate_size"]),
                     norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
