@@ -97,3 +97,44 @@ def test_engine_greedy_matches_generate_with_preemption_and_prefix_cache(family)
     assert engine.scheduler.num_preemptions > 0, "the KV budget was meant to force preemptions"
     assert engine.scheduler.pool.hit_rate > 0, "the shared prefixes were meant to hit the prefix cache"
     assert max(len(r.prompt_token_ids) for _, r in TRACE) > 3 * (engine.runner.config.sliding_window or 0)
+
+
+@pytest.mark.parametrize("arch, norm_topk_prob", [("MixtralForCausalLM", True), ("Qwen3MoeForCausalLM", False)])
+def test_moe_runs_each_expert_only_on_its_tokens(arch, norm_topk_prob, monkeypatch):
+    """The grouped path gives what every expert on every token, weighted by the routing, gives; and its expert
+    matmuls see N x k rows in all, not N x E."""
+    import worker.model.models.moe as moe
+    from worker.model.config import parse_config
+
+    num_tokens, num_experts, k, hidden, size = 37, 8, 2, 16, 24
+    raw = {"architectures": [arch], "vocab_size": 10, "hidden_size": hidden, "intermediate_size": size,
+           "num_hidden_layers": 1, "num_attention_heads": 2, "num_local_experts": num_experts, "num_experts": num_experts,
+           "num_experts_per_tok": k, "moe_intermediate_size": size, "norm_topk_prob": norm_topk_prob}
+    block = moe.SparseMoE(parse_config(raw), "cpu", torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    for weight in (block.router_weight, block.gate_up_weight, block.down_weight):
+        weight.data.copy_(torch.randn(weight.shape, generator=generator) * 0.3)
+    x = torch.randn(num_tokens, hidden, generator=generator)
+
+    rows_seen = []
+    linear = moe.F.linear
+
+    def counting_linear(inp, weight, bias=None):
+        if weight.shape == (2 * size, hidden):
+            rows_seen.append(inp.shape[0])
+        return linear(inp, weight, bias)
+
+    monkeypatch.setattr(moe.F, "linear", counting_linear)
+    out = block.forward(x)
+    monkeypatch.undo()
+    assert sum(rows_seen) == num_tokens * k and len(rows_seen) <= num_experts
+
+    weights, expert_ids = block.route(x)
+    dense = torch.zeros_like(x)
+    for e in range(num_experts):
+        gate, up = linear(x, block.gate_up_weight[e]).chunk(2, dim=-1)
+        y = linear(torch.nn.functional.silu(gate) * up, block.down_weight[e])  # [N, H], every token
+        dense += y * (weights * (expert_ids == e)).sum(-1, keepdim=True)
+    torch.testing.assert_close(out, dense, atol=1e-5, rtol=1e-5)
+    sums = weights.sum(-1)
+    assert torch.allclose(sums, torch.ones_like(sums)) == norm_topk_prob
