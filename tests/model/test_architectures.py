@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.model.batch import BLOCK, Chunk, assert_logits_close, hf_logits, make_input, random_tokens, tiny_settings
-from worker.model.config import UnsupportedModelError, parse_config, rope_inv_freq
+from worker.model.config import SUPPORTED_ARCHITECTURES, UnsupportedModelError, parse_config, rope_inv_freq
 from worker.model.runner import ModelRunner
 from worker.model.tiny import build_tiny_model
 
@@ -82,41 +82,72 @@ def test_legacy_rope_layout_and_defaults_parse():
     assert config.head_dim == 16 and not config.tie_word_embeddings and config.sliding_window is None
 
 
-@pytest.mark.parametrize("arch", ["GPT2LMHeadModel", "Qwen3ForCausalLM", None])
+@pytest.mark.parametrize("arch", ["GPT2LMHeadModel", "DeepseekV3ForCausalLM", "Gemma3ForConditionalGeneration", None])
 def test_unsupported_architecture_names_the_supported_ones(arch):
     raw = _raw_config(architectures=[arch] if arch else [])
-    with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
+    with pytest.raises(UnsupportedModelError, match="supported: " + ", ".join(SUPPORTED_ARCHITECTURES)):
         parse_config(raw)
+
+
+def test_every_supported_architecture_has_a_model_class_and_a_tiny_builder():
+    from worker.model.models import MODEL_CLASSES
+    from worker.model.tiny import CONFIG_CLASSES
+
+    assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES) == set(CONFIG_CLASSES)
 
 
 @pytest.mark.parametrize("changes, message", [
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks"),
     ({"hidden_act": "gelu"}, "gelu"),
+    ({"architectures": ["Phi3ForCausalLM"], "rope_scaling": {"rope_type": "longrope", "long_factor": [1.0],
+                                                           "short_factor": [1.0]}}, "longrope"),
+    ({"partial_rotary_factor": 0.1}, "partial_rotary_factor"),
+    ({"architectures": ["Gemma3ForCausalLM"], "text_config": {}}, "text-only"),
+    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 8,
+      "layer_types": ["sliding_attention", "chunked_attention"]}, "chunked_attention"),
 ])
 def test_unsupported_features_are_refused(changes, message):
     with pytest.raises(UnsupportedModelError, match=message):
         parse_config(_raw_config(**changes))
 
 
-def test_sliding_window_only_within_the_window():
-    config = parse_config(_raw_config(architectures=["MistralForCausalLM"], sliding_window=128))
-    config.check_max_model_len(128)
-    with pytest.raises(UnsupportedModelError, match="sliding-window"):
-        config.check_max_model_len(129)
+def test_layer_windows_follow_each_family():
+    mistral = parse_config(_raw_config(architectures=["MistralForCausalLM"], sliding_window=128))
+    assert mistral.layer_windows == (128, 128) and mistral.sliding_window == 128
+    mistral.check_max_model_len(256)  # windows are attended exactly: no cap below max_position_embeddings
     qwen = parse_config(_raw_config(architectures=["Qwen2ForCausalLM"], sliding_window=64, use_sliding_window=False))
-    assert qwen.sliding_window is None and qwen.qkv_bias and not qwen.o_bias
+    assert qwen.sliding_window is None and qwen.layer_windows == (None, None) and qwen.qkv_bias and not qwen.o_bias
+    qwen = parse_config(_raw_config(architectures=["Qwen3ForCausalLM"], sliding_window=64, use_sliding_window=True,
+                                    max_window_layers=1, num_hidden_layers=3))
+    assert qwen.layer_windows == (None, 64, 64) and qwen.qk_norm
+    llama = parse_config(_raw_config(sliding_window=64))
+    assert llama.layer_windows == (None, None)
+    # Gemma's own defaults: Gemma2 alternates from the first layer; Gemma3 has five windowed layers per global one.
+    gemma2 = parse_config(_raw_config(architectures=["Gemma2ForCausalLM"], sliding_window=32, num_hidden_layers=4))
+    assert gemma2.layer_windows == (32, None, 32, None) and gemma2.hidden_act == "gelu_pytorch_tanh"
+    gemma3 = parse_config(_raw_config(architectures=["Gemma3ForCausalLM"], sliding_window=32, num_hidden_layers=7,
+                                      rope_theta=1e6, rope_local_base_freq=1e4, query_pre_attn_scalar=256))
+    assert gemma3.layer_windows == (32,) * 5 + (None, 32) and gemma3.local_rope_theta == 1e4
+    assert gemma3.rope_theta == 1e6 and gemma3.attn_scale == 256**-0.5 and gemma3.tie_word_embeddings
 
 
-def test_runner_rejects_sliding_window_model_beyond_its_window(tiny_model_path, tmp_path):
-    path = tmp_path / "windowed"
-    shutil.copytree(tiny_model_path, path)
-    raw = json.loads((path / "config.json").read_text())
-    raw.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=64)
-    (path / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(UnsupportedModelError, match="ENGINE_MAX_MODEL_LEN <= 64"):
-        ModelRunner(path, tiny_settings(max_model_len=128))
-    assert ModelRunner(path, tiny_settings(max_model_len=64)).max_model_len == 64
+def test_moe_layers_follow_qwen3_moe_sparse_step_and_dense_layers():
+    raw = _raw_config(architectures=["Qwen3MoeForCausalLM"], num_hidden_layers=4, num_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=2, mlp_only_layers=[3])
+    config = parse_config(raw)
+    assert config.moe_layers == (False, True, False, False) and not config.norm_topk_prob
+    mixtral = parse_config(_raw_config(architectures=["MixtralForCausalLM"], num_local_experts=8,
+                                       num_experts_per_tok=2))
+    assert mixtral.moe_layers == (True, True) and mixtral.norm_topk_prob and mixtral.moe_intermediate_size == 128
+
+
+def test_windowed_model_refuses_the_triton_backend_at_start():
+    from worker.model.runner import make_backend
+
+    with pytest.raises(UnsupportedModelError, match="ENGINE_ATTENTION_BACKEND=torch"):
+        make_backend("triton", torch.device("cpu"), needs_windows=True)
+    assert make_backend("auto", torch.device("cuda"), needs_windows=True).name == "torch"
 
 
 def test_missing_tensor_fails_loading(tiny_model_path, tmp_path):
@@ -128,6 +159,19 @@ def test_missing_tensor_fails_loading(tiny_model_path, tmp_path):
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
+        ModelRunner(path, tiny_settings())
+
+
+def test_tensor_of_the_wrong_shape_fails_loading_naming_it(tiny_model_path, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "reshaped"
+    shutil.copytree(tiny_model_path, path)
+    tensors = load_file(path / "model.safetensors")
+    name = "model.layers.0.self_attn.k_proj.weight"
+    tensors[name] = tensors[name][:64]  # one KV head where the config says two
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=name.replace(".", r"\.") + ": checkpoint shape"):
         ModelRunner(path, tiny_settings())
 
 

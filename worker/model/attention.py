@@ -13,6 +13,8 @@ from worker.model.input import AttentionMetadata
 
 class AttentionBackend(ABC):
     name: str
+    supports_windows: bool = False
+    """Whether forward takes `window` (sliding-window layers) and `softcap` (attention logit soft-capping)."""
 
     def fix_kernels(self, num_heads: int, num_kv_heads: int, head_dim: int, max_query_len: int, block_size: int,
                     dtype: torch.dtype, device: torch.device) -> int:
@@ -36,6 +38,10 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
         """Write k/v at meta.slot_mapping, then causal attention of each request's new tokens over its
-        cached context plus themselves (token i of request b sits at position seq_lens[b] - q_len_b + i)."""
+        cached context plus themselves (token i of request b sits at position seq_lens[b] - q_len_b + i).
+        `window`: a query at position p sees only keys in (p - window, p]. `softcap`: scores (after `scale`)
+        become softcap * tanh(score / softcap) before masking. Both only where `supports_windows`."""

@@ -1,8 +1,9 @@
-"""Fill a `LlamaModel` from a Hugging Face folder's safetensors files (single or sharded with an index).
+"""Fill a model (worker/model/models/) from a Hugging Face folder's safetensors files (single or sharded with an index).
 
 Tensors stream one at a time from the memory-mapped files into the (possibly fused) destination
-parameter, so peak memory stays near the model's own size. Every destination row range must be written
-exactly once: a checkpoint missing a tensor fails loudly instead of leaving uninitialized weights.
+parameter, so peak memory stays near the model's own size. Every destination (`checkpoint_tensors`, a view of
+our parameters per Hugging Face name) must be written exactly once: a checkpoint missing a tensor, or holding
+one of another shape, fails loudly naming it instead of leaving uninitialized weights.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from safetensors import safe_open
 
 from worker.model.attention import AttentionBackend
 from worker.model.config import ModelConfig
-from worker.model.llama import LlamaModel
+from worker.model.models import MODEL_CLASSES
+from worker.model.models.base import CausalLM
 
 # Tensors some checkpoints carry that hold nothing we need (RoPE tables are recomputed).
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.rotary_emb\.)")
@@ -36,41 +38,9 @@ def safetensors_files(model_path: Path) -> list[Path]:
     return files
 
 
-def _destinations(model: LlamaModel) -> dict[str, tuple[torch.Tensor, int, int]]:
-    """HF tensor name -> (destination parameter, first row, row count) within our fused layout."""
-    c = model.config
-    dest: dict[str, tuple[torch.Tensor, int, int]] = {
-        "model.embed_tokens.weight": (model.embed, 0, c.vocab_size),
-        "model.norm.weight": (model.final_norm, 0, c.hidden_size),
-    }
-    if not c.tie_word_embeddings:
-        dest["lm_head.weight"] = (model.lm_head, 0, c.vocab_size)
-    qkv_rows = {"q_proj": (0, c.q_size), "k_proj": (c.q_size, c.kv_size), "v_proj": (c.q_size + c.kv_size, c.kv_size)}
-    gate_up_rows = {"gate_proj": (0, c.intermediate_size), "up_proj": (c.intermediate_size, c.intermediate_size)}
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        dest[p + "input_layernorm.weight"] = (layer.input_norm, 0, c.hidden_size)
-        dest[p + "post_attention_layernorm.weight"] = (layer.post_attn_norm, 0, c.hidden_size)
-        for name, (start, rows) in qkv_rows.items():
-            dest[f"{p}self_attn.{name}.weight"] = (layer.qkv_weight, start, rows)
-            if layer.qkv_bias is not None:
-                dest[f"{p}self_attn.{name}.bias"] = (layer.qkv_bias, start, rows)
-        dest[p + "self_attn.o_proj.weight"] = (layer.o_weight, 0, c.hidden_size)
-        if layer.o_bias is not None:
-            dest[p + "self_attn.o_proj.bias"] = (layer.o_bias, 0, c.hidden_size)
-        for name, (start, rows) in gate_up_rows.items():
-            dest[f"{p}mlp.{name}.weight"] = (layer.gate_up_weight, start, rows)
-            if layer.gate_up_bias is not None:
-                dest[f"{p}mlp.{name}.bias"] = (layer.gate_up_bias, start, rows)
-        dest[p + "mlp.down_proj.weight"] = (layer.down_weight, 0, c.hidden_size)
-        if layer.down_bias is not None:
-            dest[p + "mlp.down_proj.bias"] = (layer.down_bias, 0, c.hidden_size)
-    return dest
-
-
-def load_weights(model: LlamaModel, model_path: str | Path) -> None:
+def load_weights(model: CausalLM, model_path: str | Path) -> None:
     model_path = Path(model_path)
-    dest = _destinations(model)
+    dest = model.checkpoint_tensors()
     loaded: set[str] = set()
     unexpected: list[str] = []
     for file in safetensors_files(model_path):
@@ -81,9 +51,8 @@ def load_weights(model: LlamaModel, model_path: str | Path) -> None:
                     if not (name == "lm_head.weight" or _IGNORED.search(name)):
                         unexpected.append(name)
                     continue
-                param, start, rows = dest[name]
                 tensor = f.get_tensor(name)
-                target = param.data.narrow(0, start, rows)
+                target = dest[name]
                 if tensor.shape != target.shape:
                     raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} "
                                      f"!= expected {tuple(target.shape)}")
@@ -105,7 +74,7 @@ def load_model(
     max_positions: int,
     device: torch.device | str,
     dtype: torch.dtype,
-) -> LlamaModel:
-    model = LlamaModel(config, backend, max_positions, device=device, dtype=dtype)
+) -> CausalLM:
+    model = MODEL_CLASSES[config.architecture](config, backend, max_positions, device=device, dtype=dtype)
     load_weights(model, model_path)
     return model.eval()

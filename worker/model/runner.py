@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from worker.config import EngineSettings
 from worker.model.attention import AttentionBackend
-from worker.model.config import ModelConfig, load_config, load_eos_token_ids, load_tokenizer
+from worker.model.config import (ModelConfig, UnsupportedModelError, load_config, load_eos_token_ids,
+                                 load_tokenizer)
 from worker.model.cuda_graphs import BucketedInput, DecodeGraphs, batch_sizes, graph_mode, triton_interpreted
 from worker.model.input import Launched, ModelInput, PersistentInput, PersistentInputRunner, StepArrays
 from worker.model.loader import load_model
@@ -97,8 +98,13 @@ def row_bucket_sizes(max_rows: int) -> tuple[int, ...]:
     return tuple(sizes + [max_rows])
 
 
-def make_backend(setting: str, device: torch.device) -> AttentionBackend:
-    name = setting if setting != "auto" else ("triton" if device.type == "cuda" else "torch")
+def make_backend(setting: str, device: torch.device, needs_windows: bool = False) -> AttentionBackend:
+    """`needs_windows`: the model has sliding-window layers or soft-capped attention, which only the torch
+    backend implements; auto then picks it on CUDA too, and an explicit triton is refused."""
+    name = setting if setting != "auto" else ("triton" if device.type == "cuda" and not needs_windows else "torch")
+    if name == "triton" and needs_windows:
+        raise UnsupportedModelError("this model has sliding-window attention or attention soft-capping, which the "
+                                    "Triton kernels do not implement; set ENGINE_ATTENTION_BACKEND=torch (or auto)")
     if name == "triton":
         # Imported only here: importing Triton is slow and pointless on a CPU-only worker.
         try:
@@ -127,7 +133,8 @@ class ModelRunner(PersistentInputRunner):
         self.max_model_len = settings.max_model_len or self.config.max_position_embeddings
         self.config.check_max_model_len(self.max_model_len)
         self.block_size = settings.block_size
-        self.backend = make_backend(settings.attention_backend, self.device)
+        needs_windows = self.config.sliding_window is not None or self.config.attn_logit_softcap is not None
+        self.backend = make_backend(settings.attention_backend, self.device, needs_windows)
         self.graph_mode = graph_mode(settings.cuda_graphs, self.device.type, self.backend.name, triton_interpreted())
         if self.graph_mode == "capture" and not capture_graphs:
             self.graph_mode = "eager"
@@ -208,12 +215,9 @@ class ModelRunner(PersistentInputRunner):
         will ever need now, and its memory is at its high-water mark before the first request. Every layer's
         weights have the first layer's shapes, and a kernel is cached by shape. Seconds taken."""
         start = time.perf_counter()
-        layer, c = self.model.layers[0], self.config
-        matmuls = [(c.hidden_size, layer.qkv_weight, layer.qkv_bias), (c.q_size, layer.o_weight, layer.o_bias),
-                   (c.hidden_size, layer.gate_up_weight, layer.gate_up_bias),
-                   (c.intermediate_size, layer.down_weight, layer.down_bias)]
+        c = self.config
         for rows in self.model.row_buckets:
-            for width, weight, bias in matmuls:
+            for width, weight, bias in self.model.matmuls():
                 F.linear(torch.zeros(rows, width, device=self.device, dtype=self.dtype), weight, bias)
             if rows <= max_sampled_rows:
                 hidden = torch.zeros(rows, c.hidden_size, device=self.device, dtype=self.dtype)

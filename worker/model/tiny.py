@@ -34,6 +34,19 @@ TINY_CONFIG = dict(
 )
 
 
+CONFIG_CLASSES = {
+    "LlamaForCausalLM": "LlamaConfig",
+    "MistralForCausalLM": "MistralConfig",
+    "Qwen2ForCausalLM": "Qwen2Config",
+    "Qwen3ForCausalLM": "Qwen3Config",
+    "Phi3ForCausalLM": "Phi3Config",
+    "MixtralForCausalLM": "MixtralConfig",
+    "Qwen3MoeForCausalLM": "Qwen3MoeConfig",
+    "Gemma2ForCausalLM": "Gemma2Config",
+    "Gemma3ForCausalLM": "Gemma3TextConfig",
+}
+"""Each architecture our models run -> the transformers config class its tiny random model is built from."""
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
@@ -82,18 +95,14 @@ def build_tiny_model(
     embed_std: float = 1.0,
     **overrides,
 ) -> Path:
-    """Save a random model of `architecture` (Llama, Mistral or Qwen2 class from transformers) with the
+    """Save a random model of `architecture` (a key of CONFIG_CLASSES, built by transformers' own class) with the
     tokenizer found in tokenizer_dir; `overrides` change TINY_CONFIG (e.g. rope_scaling, num_key_value_heads)."""
     import transformers
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     vocab_size, special_ids = _copy_tokenizer(Path(tokenizer_dir), out_dir)
-    config_cls = {
-        "LlamaForCausalLM": transformers.LlamaConfig,
-        "MistralForCausalLM": transformers.MistralConfig,
-        "Qwen2ForCausalLM": transformers.Qwen2Config,
-    }[architecture]
+    config_cls = getattr(transformers, CONFIG_CLASSES[architecture])
     config = config_cls(**{**TINY_CONFIG, **overrides}, vocab_size=vocab_size, **special_ids)
     # transformers' own init draws from the global RNG; fork it so building a model leaves callers' RNG alone.
     with torch.random.fork_rng(devices=[]):

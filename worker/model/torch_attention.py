@@ -19,11 +19,16 @@ keeps nothing per shape. Decode attention keeps nothing per shape either.
 
 Everything derived from the metadata (slot indices, masks, host-side lengths) is computed once per step
 (`_plan`) and reused by all layers: the model calls forward once per layer with the same metadata object.
+
+Sliding windows (a query at position p sees keys in (p - window, p]) narrow the same masks, made once per step
+and window; keys outside the window are masked, never read into the result, so their blocks' contents do not
+matter. Soft-capped scores (Gemma2: cap * tanh(score / cap)) are not something scaled_dot_product_attention
+takes, so those layers attend through explicit matmuls and a float32 softmax, as transformers' eager path does.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +47,18 @@ class _Prefill:
     """[q_len, seq_len] bool, True where a query may attend (causal with the query offset)."""
     padded_len: int
     """q_len, or q_len padded to whole blocks (a fresh prompt under `TorchAttention.fixed_kernels`)."""
+    seq_len: int
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)
+    """window -> [q_len, seq_len] bool mask: causal and within the window."""
+
+    def window_mask(self, window: int, device) -> torch.Tensor:
+        mask = self.windowed.get(window)
+        if mask is None:
+            q_len = self.q_end - self.q_start
+            q_pos = torch.arange(self.seq_len - q_len, self.seq_len, device=device)[:, None]
+            keys = torch.arange(self.seq_len, device=device)[None, :]
+            mask = self.windowed[window] = (keys <= q_pos) & (keys > q_pos - window)
+        return mask
 
 
 @dataclass(slots=True)
@@ -55,6 +72,19 @@ class _DecodeGroup:
     """nb."""
     mask: torch.Tensor | None
     """[n, 1, 1, nb * block_size] bool, True where a key is in the request's context; None if all are."""
+    seq_lens: list[int]
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)
+    """window -> [n, 1, 1, nb * block_size] bool mask: in the context and within the window."""
+
+    def window_mask(self, window: int, block_size: int, device) -> torch.Tensor | None:
+        if window >= max(self.seq_lens):
+            return self.mask
+        mask = self.windowed.get(window)
+        if mask is None:
+            keys = torch.arange(self.num_blocks * block_size, device=device)[None, :]
+            lens = torch.tensor(self.seq_lens, device=device)[:, None]
+            mask = self.windowed[window] = ((keys < lens) & (keys >= lens - window))[:, None, None, :]
+        return mask
 
 
 DECODE_PADDING = 1.25
@@ -98,8 +128,34 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:  # [n, H, D] -> a new
     return padded
 
 
+def _attend(
+    q: torch.Tensor,  # [..., Hq, Lq, D]
+    k: torch.Tensor,  # [..., Hkv, Lk, D]
+    v: torch.Tensor,  # [..., Hkv, Lk, D]
+    mask: torch.Tensor | None,  # broadcastable to [..., Hq, Lq, Lk] bool, True where a query may attend
+    scale: float,
+    softcap: float | None,
+    is_causal: bool = False,
+) -> torch.Tensor:  # [..., Hq, Lq, D]
+    gqa = q.shape[-3] != k.shape[-3]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=gqa)
+    if gqa:
+        group = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [..., Hq, Lq, Lk]
+    scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
 class TorchAttention(AttentionBackend):
     name = "torch"
+    supports_windows = True
 
     def __init__(self, decode_padding: float = DECODE_PADDING, fixed_kernels: bool = False) -> None:
         self.decode_padding = decode_padding
@@ -139,7 +195,7 @@ class TorchAttention(AttentionBackend):
                 mask = (keys < torch.tensor(lens, device=device)[:, None])[:, None, None, :]
             in_order = whole_batch and reqs == list(range(num_tokens))
             tokens = None if in_order else torch.tensor([q_start_loc[b] for b in reqs], device=device)
-            decode_groups.append(_DecodeGroup(tokens, blocks, num_blocks, mask))
+            decode_groups.append(_DecodeGroup(tokens, blocks, num_blocks, mask, lens))
 
         prefills = []
         for b, q_len in enumerate(q_lens):
@@ -148,13 +204,13 @@ class TorchAttention(AttentionBackend):
             start, seq_len = q_start_loc[b], seq_lens[b]
             if seq_len == q_len:
                 padded_len = -(-q_len // block_size) * block_size if self.fixed_kernels else q_len
-                prefills.append(_Prefill(start, start + q_len, None, None, padded_len))
+                prefills.append(_Prefill(start, start + q_len, None, None, padded_len, seq_len))
                 continue
             ctx = meta.block_tables[b, : -(-seq_len // block_size)].long()  # [blocks of the context]
             # Query i sits at position seq_len - q_len + i and sees every key at or before it.
             q_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
             mask = torch.arange(seq_len, device=device)[None, :] <= q_pos  # [q_len, seq_len]
-            prefills.append(_Prefill(start, start + q_len, ctx, mask, q_len))
+            prefills.append(_Prefill(start, start + q_len, ctx, mask, q_len, seq_len))
 
         plan = _Plan(
             meta=meta,
@@ -176,6 +232,8 @@ class TorchAttention(AttentionBackend):
         v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
@@ -191,30 +249,39 @@ class TorchAttention(AttentionBackend):
 
         groups = plan.decode_groups
         if len(groups) == 1 and groups[0].tokens is None:
-            return self._decode(q, k_cache, v_cache, groups[0], scale)
+            return self._decode(q, k_cache, v_cache, groups[0], scale, window, softcap)
         out = torch.empty_like(q)
         for group in groups:
-            out.index_copy_(0, group.tokens,
-                            self._decode(q.index_select(0, group.tokens), k_cache, v_cache, group, scale))
+            out.index_copy_(0, group.tokens, self._decode(q.index_select(0, group.tokens), k_cache, v_cache, group,
+                                                          scale, window, softcap))
         gqa = num_heads != num_kv_heads
         for p in plan.prefills:
             q_b = q[p.q_start : p.q_end]  # [n, Hq, D]
+            q_len = p.q_end - p.q_start
+            windowed = window is not None and window < p.seq_len
             if p.context_blocks is None:
                 k_b, v_b = k[p.q_start : p.q_end], v[p.q_start : p.q_end]  # [n, Hkv, D]
-                if self.fixed_kernels:  # the layout fix_kernels used: [padded_len, H, D], contiguous
-                    q_b, k_b, v_b = (_pad_rows(x, p.padded_len) for x in (q_b, k_b, v_b))
-                o_b = F.scaled_dot_product_attention(q_b.transpose(0, 1), k_b.transpose(0, 1), v_b.transpose(0, 1),
-                                                     is_causal=True, scale=scale, enable_gqa=gqa)
+                if windowed or softcap is not None:
+                    mask = p.window_mask(window, q.device) if windowed else None
+                    o_b = _attend(q_b.transpose(0, 1), k_b.transpose(0, 1), v_b.transpose(0, 1), mask, scale, softcap,
+                                  is_causal=mask is None)
+                else:
+                    if self.fixed_kernels:  # the layout fix_kernels used: [padded_len, H, D], contiguous
+                        q_b, k_b, v_b = (_pad_rows(x, p.padded_len) for x in (q_b, k_b, v_b))
+                    o_b = F.scaled_dot_product_attention(q_b.transpose(0, 1), k_b.transpose(0, 1),
+                                                         v_b.transpose(0, 1), is_causal=True, scale=scale,
+                                                         enable_gqa=gqa)
             else:
-                seq_len = p.mask.shape[1]
+                seq_len = p.seq_len
                 # Whole blocks gathered, then cut to the context: [Hkv, seq_len, D].
                 k_b = k_cache.index_select(0, p.context_blocks).flatten(0, 1)[:seq_len].transpose(0, 1)
                 v_b = v_cache.index_select(0, p.context_blocks).flatten(0, 1)[:seq_len].transpose(0, 1)
                 q_b = q_b.transpose(0, 1)
                 if self.fixed_kernels:
                     q_b, k_b, v_b = q_b.float(), k_b.float(), v_b.float()
-                o_b = F.scaled_dot_product_attention(q_b, k_b, v_b, attn_mask=p.mask, scale=scale, enable_gqa=gqa)
-            out[p.q_start : p.q_end] = o_b[:, : p.q_end - p.q_start].transpose(0, 1)
+                mask = p.window_mask(window, q.device) if windowed else p.mask
+                o_b = _attend(q_b, k_b, v_b, mask, scale, softcap).to(q.dtype)
+            out[p.q_start : p.q_end] = o_b[:, :q_len].transpose(0, 1)
         return out
 
     @torch.inference_mode()
@@ -239,6 +306,8 @@ class TorchAttention(AttentionBackend):
         v_cache: torch.Tensor,
         group: _DecodeGroup,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # [n, Hq, D]
         num_reqs, num_heads, _ = q.shape
         _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -247,12 +316,13 @@ class TorchAttention(AttentionBackend):
         # several times slower on the CPU.
         k_ctx = k_cache.index_select(0, group.blocks).view(num_reqs, ctx_len, num_kv_heads, head_dim)
         v_ctx = v_cache.index_select(0, group.blocks).view(num_reqs, ctx_len, num_kv_heads, head_dim)
-        out = F.scaled_dot_product_attention(
+        mask = group.mask if window is None else group.window_mask(window, block_size, q.device)  # [n, 1, 1, L]
+        out = _attend(
             q.unsqueeze(2),  # [n, Hq, 1, D]
             k_ctx.transpose(1, 2),  # [n, Hkv, L, D]
             v_ctx.transpose(1, 2),
-            attn_mask=group.mask,  # [n, 1, 1, L] or None
-            scale=scale,
-            enable_gqa=num_heads != num_kv_heads,
+            mask,
+            scale,
+            softcap,
         )  # [n, Hq, 1, D]
         return out.squeeze(2)

@@ -45,7 +45,11 @@ class TritonAttention(AttentionBackend):
         v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
+        if window is not None or softcap is not None:  # the runner refuses such models at start; never silently
+            raise NotImplementedError("the Triton kernels implement neither sliding windows nor soft-capping")
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         # The decode kernel maps q row b to request b, which holds only if every request has one token:
         # max_query_len == 1 with T == B (a request with 0 new tokens would shift the rows).

@@ -1,0 +1,177 @@
+"""Layers every model family is built from: norms, RoPE, the attention block and the gated MLP.
+
+T = tokens in the step, R = rows the matmuls run over (T, or T padded to a row bucket), H = hidden size,
+Hq/Hkv = query/KV heads, D = head dim, I = MLP intermediate size.
+
+Weights are kept fused (q|k|v in one matrix, gate|up in another) because one larger matmul beats three small
+ones, on the CPU especially; each block names the checkpoint tensors that fill it (`checkpoint_tensors`).
+Parameters are created uninitialized: the loader overwrites every one of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.model.attention import AttentionBackend
+from worker.model.config import ModelConfig, rope_cos_sin
+from worker.model.input import AttentionMetadata
+
+Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def param(*shape: int, device, dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype), requires_grad=False)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [..., H] -> [..., H]
+    # Statistics in float32 and the weight applied after casting back, exactly as transformers does, so
+    # bf16 results track the reference too.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [..., H] -> [..., H]
+    """Gemma's RMSNorm: the checkpoint stores weight - 1, and the product is taken in float32 before the cast
+    (Llama casts first), so bf16 rounds once, where transformers rounds."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * (1.0 + weight.float())).to(x.dtype)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "gelu_pytorch_tanh": gelu_tanh}
+
+
+def rope_tables(config: ModelConfig, max_positions: int, device, dtype,
+                local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [P, rotary_dim]
+    """cos and signed sin (first half negated, see apply_rope), computed in float32 and cast once, as
+    transformers casts its cos/sin to the activation dtype."""
+    cos, sin = rope_cos_sin(config, max_positions, local)
+    half = sin.shape[-1] // 2
+    signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+    return cos.to(device=device, dtype=dtype), signed_sin.to(device=device, dtype=dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, D]; cos/signed_sin: [T, 1, R], R <= D rotated dims (partial rotary leaves the rest).
+    # rotate_half convention: x * cos + cat(-x2, x1) * sin. The minus sign lives in signed_sin (first half
+    # negated), which saves a negation per call and gives the same floats: negation is exact.
+    rotary = cos.shape[-1]
+    if rotary != x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rotary], cos, signed_sin), x[..., rotary:]), dim=-1)
+    half = rotary // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + swapped * signed_sin
+
+
+class Attention(nn.Module):
+    """Fused q|k|v projection, per-head q/k norm where the family has one, RoPE, paged attention over the
+    layer's window, output projection."""
+
+    def __init__(self, config: ModelConfig, layer: int, device, dtype, norm: Norm = rms_norm) -> None:
+        super().__init__()
+        c = self.config = config
+        self.norm = norm
+        self.window = c.window_of(layer)
+        self.softcap = c.attn_logit_softcap
+        self.scale = c.attn_scale or c.head_dim**-0.5
+        self.qkv_weight = param(c.q_size + 2 * c.kv_size, c.hidden_size, device=device, dtype=dtype)
+        self.qkv_bias = param(c.q_size + 2 * c.kv_size, device=device, dtype=dtype) if c.qkv_bias else None
+        self.o_weight = param(c.hidden_size, c.q_size, device=device, dtype=dtype)
+        self.o_bias = param(c.hidden_size, device=device, dtype=dtype) if c.o_bias else None
+        self.q_norm = param(c.head_dim, device=device, dtype=dtype) if c.qk_norm else None
+        self.k_norm = param(c.head_dim, device=device, dtype=dtype) if c.qk_norm else None
+
+    def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Hugging Face names (q_proj, k_proj, v_proj, o_proj, q_norm, k_norm under `prefix`) -> our views."""
+        c = self.config
+        rows = {"q_proj": (0, c.q_size), "k_proj": (c.q_size, c.kv_size), "v_proj": (c.q_size + c.kv_size, c.kv_size)}
+        out = {}
+        for name, (start, num) in rows.items():
+            out[f"{prefix}{name}.weight"] = self.qkv_weight.data.narrow(0, start, num)
+            if self.qkv_bias is not None:
+                out[f"{prefix}{name}.bias"] = self.qkv_bias.data.narrow(0, start, num)
+        out[prefix + "o_proj.weight"] = self.o_weight.data
+        if self.o_bias is not None:
+            out[prefix + "o_proj.bias"] = self.o_bias.data
+        if self.q_norm is not None:
+            out[prefix + "q_norm.weight"] = self.q_norm.data
+            out[prefix + "k_norm.weight"] = self.k_norm.data
+        return out
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [R, H], normed
+        cos: torch.Tensor,  # [T, 1, rotary_dim]
+        sin: torch.Tensor,  # [T, 1, rotary_dim], first half negated (see apply_rope)
+        kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        num_tokens: int,
+    ) -> torch.Tensor:  # [R, H]; rows past num_tokens are padding, left out of attention
+        c = self.config
+        num_rows = x.shape[0]
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)[:num_tokens]  # [T, (Hq + 2 Hkv) D]
+        qk = qkv[:, : c.q_size + c.kv_size].view(num_tokens, c.num_heads + c.num_kv_heads, c.head_dim)
+        if self.q_norm is not None:
+            q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
+            qk = torch.cat((self.norm(q, self.q_norm, c.rms_norm_eps), self.norm(k, self.k_norm, c.rms_norm_eps)), 1)
+        # q and k heads rotate together: one set of elementwise ops instead of two.
+        qk = apply_rope(qk, cos, sin)  # [T, Hq + Hkv, D]
+        q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)  # [T, Hq, D], [T, Hkv, D]
+        v = qkv[:, c.q_size + c.kv_size :].reshape(num_tokens, c.num_kv_heads, c.head_dim)  # [T, Hkv, D]
+        if self.window is None and self.softcap is None:
+            attn = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, Hq, D]
+        else:
+            attn = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
+                                   window=self.window, softcap=self.softcap)
+        attn = attn.reshape(num_tokens, c.q_size)
+        if num_rows > num_tokens:
+            attn = F.pad(attn, (0, 0, 0, num_rows - num_tokens))
+        return F.linear(attn, self.o_weight, self.o_bias)
+
+    def matmuls(self) -> list[tuple[int, torch.Tensor, torch.Tensor | None]]:
+        """(input width, weight, bias) of each matmul, for building kernels ahead (ModelRunner)."""
+        return [(self.config.hidden_size, self.qkv_weight, self.qkv_bias), (self.config.q_size, self.o_weight, self.o_bias)]
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), gate|up fused in one matrix: SwiGLU (silu) or GeGLU (tanh gelu)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, act: str, device, dtype) -> None:
+        super().__init__()
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.act = ACTIVATIONS[act]
+        self.gate_up_weight = param(2 * intermediate_size, hidden_size, device=device, dtype=dtype)
+        self.gate_up_bias = param(2 * intermediate_size, device=device, dtype=dtype) if bias else None
+        self.down_weight = param(hidden_size, intermediate_size, device=device, dtype=dtype)
+        self.down_bias = param(hidden_size, device=device, dtype=dtype) if bias else None
+
+    def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        size = self.intermediate_size
+        out = {}
+        for kind, param_ in (("weight", self.gate_up_weight), ("bias", self.gate_up_bias)):
+            if param_ is not None:
+                out[f"{prefix}gate_proj.{kind}"] = param_.data.narrow(0, 0, size)
+                out[f"{prefix}up_proj.{kind}"] = param_.data.narrow(0, size, size)
+        out[prefix + "down_proj.weight"] = self.down_weight.data
+        if self.down_bias is not None:
+            out[prefix + "down_proj.bias"] = self.down_bias.data
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [R, H] -> [R, H]
+        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)  # [R, 2I]
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.linear(self.act(gate) * up, self.down_weight, self.down_bias)
+
+    def matmuls(self) -> list[tuple[int, torch.Tensor, torch.Tensor | None]]:
+        return [(self.hidden_size, self.gate_up_weight, self.gate_up_bias),
+                (self.intermediate_size, self.down_weight, self.down_bias)]

@@ -1,0 +1,113 @@
+"""What every family's model shares: the embedding, the layer loop over a flat, ragged batch of tokens (no
+padding, no transformers), the final norm and LM head, RoPE tables, and row buckets.
+
+T = tokens in the step, S = rows whose logits are wanted, H = hidden size, D = head dim, V = vocab size.
+A family subclasses `CausalLM` with its layer class, norm and checkpoint names (worker/model/models/*.py).
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.model.attention import AttentionBackend
+from worker.model.config import ModelConfig
+from worker.model.input import AttentionMetadata
+from worker.model.layers import Norm, param, rms_norm, rope_tables
+
+
+class CausalLM(nn.Module):
+    norm: Norm = staticmethod(rms_norm)
+    """The family's RMSNorm (final norm and, through the layers, the others)."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layers: list[nn.Module], max_positions: int,
+                 device: torch.device | str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.backend = backend
+        self.embed = param(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
+        self.layers = nn.ModuleList(layers)
+        self.final_norm = param(config.hidden_size, device=device, dtype=dtype)
+        # Tied models share the embedding matrix; the loader fills lm_head only when it is separate.
+        self.lm_head = (
+            self.embed if config.tie_word_embeddings
+            else param(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
+        )
+        cos, sin = rope_tables(config, max_positions, device, dtype)  # [P, rotary_dim] each
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_signed_sin", sin, persistent=False)
+        self.local_rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        """(cos, signed sin) of the windowed layers' own RoPE, where the family has one (Gemma3)."""
+        self.embed_scale: float | None = None
+        """Embeddings are multiplied by this (in the model dtype), where the family scales them (Gemma)."""
+
+        self.row_buckets: tuple[int, ...] = ()
+        """Sizes every matmul's row count is padded up to (none: no padding). On the CPU, oneDNN builds and
+        caches a kernel for each distinct matmul shape it meets, about 0.6 MB each and up to 1,024 of them per
+        cache: a worker whose steps have every token count from 1 to 512 grows by hundreds of MB over hours.
+        Padding to a fixed set of sizes bounds the shapes, and ModelRunner builds them all at start-up."""
+
+    @property
+    def max_positions(self) -> int:
+        return self.rope_cos.shape[0]
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Hugging Face tensor name -> the view of our parameters it fills (the loader checks shapes)."""
+        out = {"model.embed_tokens.weight": self.embed.data, "model.norm.weight": self.final_norm.data}
+        if not self.config.tie_word_embeddings:
+            out["lm_head.weight"] = self.lm_head.data
+        for i, layer in enumerate(self.layers):
+            out.update(layer.checkpoint_tensors(f"model.layers.{i}."))
+        return out
+
+    def matmuls(self) -> list[tuple[int, torch.Tensor, torch.Tensor | None]]:
+        """(input width, weight, bias) of every distinct matmul shape a step runs per row: every layer of a
+        family has the first layer's shapes, but for the expert matmuls, whose rows are the tokens routed there."""
+        return self.layers[0].matmuls()
+
+    def padded_rows(self, rows: int) -> int:
+        """The smallest row bucket that holds `rows`; `rows` itself past the largest or without buckets."""
+        index = bisect.bisect_left(self.row_buckets, rows)
+        return self.row_buckets[index] if index < len(self.row_buckets) else rows
+
+    def _pad(self, indices: torch.Tensor) -> torch.Tensor:  # [N] -> [padded_rows(N)], padded with index 0
+        extra = self.padded_rows(indices.shape[0]) - indices.shape[0]
+        return F.pad(indices, (0, extra)) if extra else indices
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer, 2 x [num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,  # [S] int64
+        logits_out: torch.Tensor | None = None,  # [>= padded S, V] in the model dtype
+    ) -> torch.Tensor:  # [S, V] in the model dtype; a view of logits_out when given
+        num_tokens, num_sampled = input_ids.shape[0], logits_indices.shape[0]
+        hidden = self.embed[self._pad(input_ids)]  # [T, H]
+        if self.embed_scale is not None:
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        rope = [(self.rope_cos[positions].unsqueeze(1), self.rope_signed_sin[positions].unsqueeze(1))]  # [T, 1, D]
+        if self.local_rope is not None:
+            rope.append((self.local_rope[0][positions].unsqueeze(1), self.local_rope[1][positions].unsqueeze(1)))
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            cos, sin = rope[layer.rope_index]
+            hidden = layer(hidden, cos, sin, kv_cache, meta, self.backend, num_tokens)
+        # Norm and LM head only for the rows that sample: the head is the largest matmul per token.
+        hidden = self.norm(hidden[self._pad(logits_indices)], self.final_norm, self.config.rms_norm_eps)  # [S, H]
+        return self.lm_head_logits(hidden, logits_out)[:num_sampled]  # [S, V]
+
+    def lm_head_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[R, H] -> [R, V], written into the first R rows of `out` when it has them (the same kernel and the
+        same numbers as without); soft-capped where the family caps its logits."""
+        if out is None or out.shape[0] < hidden.shape[0]:
+            logits = F.linear(hidden, self.lm_head)
+        else:
+            logits = torch.mm(hidden, self.lm_head.t(), out=out[:hidden.shape[0]])
+        cap = self.config.final_logit_softcap
+        if cap is not None:  # in place, so logits written into `out` stay there
+            logits.div_(cap).tanh_().mul_(cap)
+        return logits

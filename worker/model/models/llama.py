@@ -1,0 +1,68 @@
+"""The pre-norm decoder family: LlamaForCausalLM (SmolLM2), MistralForCausalLM, Qwen2ForCausalLM,
+Qwen3ForCausalLM (per-head q/k norm) and, with a mixture of experts in place of the MLP, MixtralForCausalLM and
+Qwen3MoeForCausalLM. Phi-3 is this graph too, with other checkpoint names (worker/model/models/phi3.py).
+
+Each layer: x + attn(norm(x)), then x + mlp(norm(x)). T = tokens in the step, R = rows (T, or padded to a row
+bucket), H = hidden size, D = head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from worker.model.attention import AttentionBackend
+from worker.model.config import ModelConfig
+from worker.model.input import AttentionMetadata
+from worker.model.layers import Attention, GatedMLP, param, rms_norm
+from worker.model.models.base import CausalLM
+from worker.model.models.moe import SparseMoE
+
+
+class LlamaLayer(nn.Module):
+    rope_index = 0
+    """Which of the model's RoPE tables this layer uses (one table in this family)."""
+
+    def __init__(self, config: ModelConfig, layer: int, device, dtype) -> None:
+        super().__init__()
+        c = self.config = config
+        self.input_norm = param(c.hidden_size, device=device, dtype=dtype)
+        self.attn = Attention(c, layer, device, dtype)
+        self.post_attn_norm = param(c.hidden_size, device=device, dtype=dtype)
+        self.mlp = (SparseMoE(c, device, dtype) if c.is_moe_layer(layer)
+                    else GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, c.hidden_act, device, dtype))
+
+    def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        out = {prefix + "input_layernorm.weight": self.input_norm.data,
+               prefix + "post_attention_layernorm.weight": self.post_attn_norm.data}
+        out |= self.attn.checkpoint_tensors(prefix + "self_attn.")
+        out |= self.mlp.checkpoint_tensors(prefix if isinstance(self.mlp, SparseMoE) else prefix + "mlp.")
+        return out
+
+    def matmuls(self) -> list[tuple[int, torch.Tensor, torch.Tensor | None]]:
+        return self.attn.matmuls() + self.mlp.matmuls()
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [R, H]
+        cos: torch.Tensor,  # [T, 1, rotary_dim]
+        sin: torch.Tensor,  # [T, 1, rotary_dim], first half negated (see apply_rope)
+        kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        num_tokens: int,
+    ) -> torch.Tensor:  # [R, H]
+        """Rows past `num_tokens` are padding (see CausalLM.row_buckets), left out of attention; the matmuls run
+        over all R rows. Sublayers are called through .forward: nn.Module's __call__ costs microseconds per
+        call, and no hooks are used."""
+        eps = self.config.rms_norm_eps
+        hidden = hidden + self.attn.forward(rms_norm(hidden, self.input_norm, eps), cos, sin, kv_cache, meta, backend,
+                                    num_tokens)
+        return hidden + self.mlp.forward(rms_norm(hidden, self.post_attn_norm, eps))
+
+
+class LlamaModel(CausalLM):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        layers = [LlamaLayer(config, i, device, dtype) for i in range(config.num_layers)]
+        super().__init__(config, backend, layers, max_positions, device, dtype)

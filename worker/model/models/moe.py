@@ -1,0 +1,77 @@
+"""Mixture-of-experts MLP (MixtralForCausalLM, Qwen3MoeForCausalLM): a router picks the top k of E experts per
+token with softmax weights; each expert is a SwiGLU MLP of its own.
+
+N = rows, E = experts, k = experts per token, H = hidden size, I = one expert's intermediate size.
+
+Grouped: the (token, expert) assignments are sorted by expert, and each expert that any token chose runs one
+matmul pair over exactly its tokens, so a step costs k expert MLPs per token, not E. Experts are summed into
+each token in expert order, the order transformers adds them in, so float32 results track it closely.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.model.config import ModelConfig
+from worker.model.layers import ACTIVATIONS, param
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, config: ModelConfig, device, dtype) -> None:
+        super().__init__()
+        c = self.config = config
+        self.act = ACTIVATIONS[c.hidden_act]
+        size = c.moe_intermediate_size
+        self.router_weight = param(c.num_experts, c.hidden_size, device=device, dtype=dtype)
+        self.gate_up_weight = param(c.num_experts, 2 * size, c.hidden_size, device=device, dtype=dtype)  # [E, 2I, H]
+        self.down_weight = param(c.num_experts, c.hidden_size, size, device=device, dtype=dtype)  # [E, H, I]
+        # Mixtral scales each expert's output by the float32 routing weight; Qwen3-MoE casts the weights to the
+        # model dtype first. The same numbers in float32; bf16 rounds where the reference rounds.
+        self.weights_in_model_dtype = c.architecture == "Qwen3MoeForCausalLM"
+
+    def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Mixtral: block_sparse_moe.gate and experts.{e}.w1 (gate), w3 (up), w2 (down); Qwen3-MoE: mlp.gate and
+        experts.{e}.gate_proj, up_proj, down_proj. `prefix` ends with the layer's "model.layers.{i}."."""
+        size = self.config.moe_intermediate_size
+        mixtral = self.config.architecture == "MixtralForCausalLM"
+        block = prefix + ("block_sparse_moe." if mixtral else "mlp.")
+        names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+        out = {block + "gate.weight": self.router_weight.data}
+        for e in range(self.config.num_experts):
+            expert = f"{block}experts.{e}."
+            out[f"{expert}{names[0]}.weight"] = self.gate_up_weight.data[e].narrow(0, 0, size)
+            out[f"{expert}{names[1]}.weight"] = self.gate_up_weight.data[e].narrow(0, size, size)
+            out[f"{expert}{names[2]}.weight"] = self.down_weight.data[e]
+        return out
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [N, H] -> [N, k] weights, ids
+        probs = torch.softmax(F.linear(x, self.router_weight).float(), dim=-1)  # [N, E] float32
+        weights, expert_ids = torch.topk(probs, self.config.num_experts_per_tok, dim=-1)  # [N, k] each
+        if self.config.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights.to(x.dtype) if self.weights_in_model_dtype else weights), expert_ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, H]
+        k = self.config.num_experts_per_tok
+        weights, expert_ids = self.route(x)
+        flat_weights = weights.reshape(-1)  # [N k]
+        # Assignments grouped by expert; a stable sort keeps each expert's tokens in row order.
+        order = torch.argsort(expert_ids.reshape(-1), stable=True)  # [N k]
+        counts = torch.bincount(expert_ids.reshape(-1), minlength=self.config.num_experts).tolist()  # [E]
+        out = torch.zeros_like(x)
+        start = 0
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            assignments = order[start : start + count]  # [n]
+            start += count
+            rows = assignments // k  # [n] token rows
+            gate, up = F.linear(x[rows], self.gate_up_weight[e]).chunk(2, dim=-1)  # [n, I] each
+            y = F.linear(self.act(gate) * up, self.down_weight[e]) * flat_weights[assignments, None]  # [n, H]
+            out.index_add_(0, rows, y.to(x.dtype))
+        return out
+
+    def matmuls(self) -> list[tuple[int, torch.Tensor, torch.Tensor | None]]:
+        return [(self.config.hidden_size, self.router_weight, None)]
