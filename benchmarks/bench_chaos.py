@@ -8,10 +8,12 @@ in turn, is SIGKILLed and a new one started in its place. A reader with isolatio
 result, status and usage topics from their start. When every request has its final (or `--timeout-s` passes):
 
 - duplicate and missing finals (ids with more than one final, ids with none);
-- streams: for each final, its attempt's chunks must be seq 0..num_chunks-1, no gap, no repeat;
+- streams: for each final, the stream it ends must be seq 0..num_chunks-1, no gap, no repeat: its attempt's
+  chunks and, when that attempt resumed an earlier one's stream (`resumed_at`), the earlier chunks below it;
 - usage: one committed usage record per request, summing to the finals' prompt/cached/output tokens;
-- tokens generated twice: output tokens streamed under an attempt that a later attempt superseded (today a
-  request moved by a kill restarts from zero, so this is also what restart-from-zero costs).
+- tokens generated twice: output tokens streamed under an attempt that a later attempt superseded and that the
+  later one generated again (those below its resume point it kept), against all tokens streamed under superseded
+  attempts (what restarting from zero, as workers did before streams resumed, would generate again).
 
 `--throughput` runs the other measure instead: `--requests` preloaded, no kills, the same workers with
 KAFKA_EXACTLY_ONCE on and off in turn (`--reps` each); finals/s from the first assignment to the last final.
@@ -75,7 +77,8 @@ class Fleet:
             "KAFKA_BOOTSTRAP_SERVERS": k.bootstrap_servers, "KAFKA_REQUEST_TOPIC": k.request_topic,
             "KAFKA_RESULT_TOPIC": k.result_topic, "KAFKA_DEAD_LETTER_TOPIC": k.dead_letter_topic,
             "KAFKA_STATUS_TOPIC": k.status_topic, "KAFKA_CONTROL_TOPIC": k.control_topic,
-            "KAFKA_USAGE_TOPIC": k.usage_topic, "KAFKA_GROUP_ID": k.group_id,
+            "KAFKA_USAGE_TOPIC": k.usage_topic, "KAFKA_PROGRESS_TOPIC": k.progress_topic,
+            "KAFKA_GROUP_ID": k.group_id,
             "KAFKA_EXACTLY_ONCE": "true" if self.exactly_once else "false",
             "WORKER_WORKER_ID": worker_id, "WORKER_METRICS_PORT": "0", "WORKER_MAX_QUEUE_TIME_S": NO_SHEDDING,
             "WORKER_SESSION_TIMEOUT_S": "6", "WORKER_STATUS_INTERVAL_S": "0.5",
@@ -160,18 +163,25 @@ def judge(reader: Reader, ids: list[str]) -> dict:
     duplicates = {i: len(reader.finals[i]) for i in ids if len(reader.finals.get(i, [])) > 1}
     missing = [i for i in ids if not reader.finals.get(i)]
     gaps = repeats = 0
-    twice = total = 0
+    twice = superseded = total = resumed = restarted = 0
     for i in ids:
         finals = reader.finals.get(i)
         if not finals:
             continue
         final = finals[-1]
-        seqs = [c.seq for c in reader.chunks.get((i, final.attempt), [])]
+        stream = stitched(reader, final)
+        seqs = [c.seq for c in stream]
         repeats += len(seqs) - len(set(seqs))
         gaps += len(set(range(final.num_chunks)) - set(seqs))
         total += final.usage.completion_tokens
-        twice += sum(len(c.token_ids) for (rid, attempt), chunks in reader.chunks.items()
-                     if rid == i and attempt != final.attempt for c in chunks)
+        older = sum(len(c.token_ids) for (rid, attempt), chunks in reader.chunks.items()
+                    if rid == i and attempt < final.attempt for c in chunks)
+        kept = sum(len(c.token_ids) for c in stream if c.attempt < final.attempt)
+        superseded += older
+        twice += older - kept
+        if older:
+            resumed += final.resumed_at is not None
+            restarted += final.resumed_at is None
     usage_dup = sum(1 for i in ids if len(reader.usage.get(i, [])) > 1)
     usage_missing = sum(1 for i in ids if not reader.usage.get(i))
     sums = {}
@@ -183,10 +193,26 @@ def judge(reader: Reader, ids: list[str]) -> dict:
             "usage_records_duplicate": usage_dup, "usage_records_missing": usage_missing,
             "usage_sums": sums, "usage_sums_equal": all(v["finals"] == v["usage"] for v in sums.values()),
             "output_tokens_final": total, "output_tokens_generated_twice": twice,
+            "output_tokens_under_superseded_attempts": superseded,
+            "generated_twice_vs_restart_from_zero": round(twice / superseded, 4) if superseded else None,
             "generated_twice_fraction": round(twice / total, 4) if total else None,
+            "requests_moved": resumed + restarted, "requests_resumed": resumed, "requests_restarted": restarted,
             "statuses": {s: sum(1 for i in ids if reader.finals.get(i) and reader.finals[i][-1].status == s)
                          for s in ("completed", "rejected", "error", "cancelled")},
             "duplicate_examples": dict(list(duplicates.items())[:5]), "missing_examples": missing[:5]}
+
+
+def stitched(reader: Reader, final: FinalRecord) -> list[StreamChunk]:
+    """The chunks of the stream `final` ends: its attempt's, and below its resume point the earlier attempts'
+    (the latest attempt's where several wrote one seq), as a reader following `resumed_at` keeps them."""
+    mine = reader.chunks.get((final.id, final.attempt), [])
+    if final.resumed_at is None:
+        return list(mine)
+    earlier: dict[int, StreamChunk] = {}
+    for (rid, attempt), chunks in sorted(reader.chunks.items(), key=lambda kv: kv[0][1]):
+        if rid == final.id and attempt < final.attempt:
+            earlier.update({c.seq: c for c in chunks if c.seq < final.resumed_at})
+    return [earlier[seq] for seq in sorted(earlier)] + list(mine)
 
 
 def fresh_topics(bootstrap: str, name: str) -> KafkaSettings:
@@ -194,7 +220,8 @@ def fresh_topics(bootstrap: str, name: str) -> KafkaSettings:
     return KafkaSettings(bootstrap_servers=bootstrap, request_topic=f"{name}.requests.{s}",
                          result_topic=f"{name}.results.{s}", dead_letter_topic=f"{name}.dlq.{s}",
                          status_topic=f"{name}.status.{s}", control_topic=f"{name}.control.{s}",
-                         usage_topic=f"{name}.usage.{s}", group_id=f"{name}-{s}")
+                         usage_topic=f"{name}.usage.{s}", progress_topic=f"{name}.progress.{s}",
+                         group_id=f"{name}-{s}")
 
 
 async def produce(kafka: KafkaSettings, requests: list[tuple[int, GenerationRequest]], rate: float | None) -> None:

@@ -59,9 +59,12 @@ def worker_acls(kafka: KafkaSettings, principal: str = "worker") -> list[Acl]:
           if kafka.progress_topic),
         Acl(principal, "GROUP", kafka.group_id, "READ"),
         *(Acl(principal, "TOPIC", topic, op) for topic in written for op in ("WRITE", "DESCRIBE_CONFIGS")),
+        # Streams are read back from where they went when a partition's next owner resumes them.
+        *(Acl(principal, "TOPIC", topic, "READ") for topic in (kafka.result_topic, *kafka.allowed_reply_topics)
+          if kafka.progress_topic),
         # The gateways' reply topics, one per instance, by prefix.
         *(Acl(principal, "TOPIC", prefix, op, "PREFIXED") for prefix in kafka.allowed_reply_topic_prefixes
-          for op in ("WRITE", "DESCRIBE_CONFIGS")),
+          for op in ("WRITE", "DESCRIBE_CONFIGS", *(("READ",) if kafka.progress_topic else ()))),
         Acl(principal, "TRANSACTIONAL_ID", f"{kafka.group_id}.", "WRITE", "PREFIXED"),
     ]
 

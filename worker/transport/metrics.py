@@ -145,6 +145,8 @@ class WorkerMetrics:
     dropped_records: Counter
     unreadable_records: Counter
     requests_cancelled: Counter
+    requests_resumed: Counter
+    resumed_tokens: Counter
     reply_topic_available: Gauge
     desired_workers: Gauge
     kafka_access_denied: Gauge
@@ -184,6 +186,11 @@ class WorkerMetrics:
                                        "them could not be read (e.g. a compression codec missing).", registry=r),
             requests_cancelled=Counter(f"{NS}requests_cancelled", "Cancelled finals (cancelled by their producer).",
                                        registry=r),
+            requests_resumed=Counter(f"{NS}requests_resumed", "Requests taken over from another worker whose "
+                                     "streams went on where they stopped (docs/delivery.md, Resumed streams).",
+                                     registry=r),
+            resumed_tokens=Counter(f"{NS}resumed_tokens", "Output tokens resumed requests did not generate again.",
+                                   registry=r),
             reply_topic_available=Gauge(f"{NS}reply_topic_available", "1 while an allowed reply topic exists and "
                                         "takes writes, 0 while it is missing or denied.", ["topic"], registry=r),
             desired_workers=Gauge(f"{NS}desired_workers", "Workers the group needs for the offered load and the "

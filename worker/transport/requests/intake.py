@@ -158,8 +158,12 @@ class Intake:
         record = found.pop(request_id, None) if found else None
         if record is None or record.offset != offset or record.attempt >= attempt:
             return None  # another record of the same id (a duplicate id), or not an earlier attempt's
+        tokens = sum(len(c.token_ids) for c in record.completions)
         self.num_resumed += 1
-        self.num_resumed_tokens += sum(len(c.token_ids) for c in record.completions)
+        self.num_resumed_tokens += tokens
+        metrics = self.answers.metrics
+        metrics.requests_resumed.inc()
+        metrics.resumed_tokens.inc(tokens)
         return record
 
     # -- partitions ----------------------------------------------------------------------------------------
