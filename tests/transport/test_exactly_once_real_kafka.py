@@ -6,7 +6,8 @@ committed above the partition's watermark. A read_committed reader (and, at the 
 third-party client would read) must see exactly one final per request id through:
 
 - a SIGKILL: the killed worker's partitions move, and their new owner starts from committed offsets whose
-  progress metadata lists answered requests above them;
+  progress metadata lists answered requests above them, and resumes the streams that were under way (read back
+  through our client's stitching: whole, no seq twice; greedy and seeded outputs equal an uninterrupted run);
 - a frozen zombie (SIGSTOP past its session timeout, then SIGCONT): its partitions move while it holds running
   requests, and its late transactions are fenced;
 - a worker joining while requests run: the partitions it takes were given up with answers above their
@@ -23,6 +24,7 @@ import asyncio
 import signal
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from schemas.request import GenerationRequest, SamplingSpec
@@ -31,6 +33,7 @@ from tests.transport.exactly_once_checks import (all_answered, answered_above, c
                                                  committed_offsets, owned_by, skipped_in_log, stop,
                                                  third_party_final_counts, wait_for_answers_above_watermark)
 from tests.transport.kafka_helpers import Collector, produce_requests, start_worker_process
+from tests.transport.resume_checks import stitch
 from tests.transport.test_failover_kafka import wait_assigned
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -50,6 +53,14 @@ def mixed_requests(prefix: str, n: int) -> list[tuple[int, GenerationRequest]]:
     return out
 
 
+def long_requests(prefix: str, n: int) -> list[tuple[int, GenerationRequest]]:
+    """Greedy and seeded sampled streams of 48 tokens: long enough to be mid-stream at a kill."""
+    return [(0, GenerationRequest(
+        id=f"{prefix}-{i}", prompt=f"{prefix} {i}: write a story about a worker that never loses a token",
+        max_new_tokens=48, sampling=SamplingSpec(ignore_eos=True) if i % 2 == 0 else SamplingSpec(
+            ignore_eos=True, temperature=0.8, top_p=0.95, seed=100 + i))) for i in range(n)]
+
+
 async def start(kafka, name: str, tmp_path: Path, model: Path):
     return await start_worker_process(kafka, ["--model", str(model), "--worker-id", name], tmp_path / f"{name}.log",
                                       drain_timeout_s=0.3)
@@ -62,6 +73,9 @@ async def test_one_final_per_request_when_the_real_model_finishes_out_of_order(k
     for name, value in ENGINE_ENV.items():
         monkeypatch.setenv(name, value)
     killed, frozen = (mixed_requests(p, 48) for p in ("kill", "freeze"))
+    # Longer streams, most urgent, so some are under way when the kill comes: their next owner resumes them.
+    long = long_requests("long", 4)
+    killed = long + killed
     logs = {name: tmp_path / f"{name}.log" for name in ("w1", "w2", "w1b", "w3")}
     async with Collector(kafka, isolation_level="read_committed") as committed:
         procs = {name: await start(kafka, name, tmp_path, smollm2_path) for name in ("w1", "w2")}
@@ -80,6 +94,16 @@ async def test_one_final_per_request_when_the_real_model_finishes_out_of_order(k
             await committed.wait_until(lambda r: all_answered(committed, killed), 180, "finals after the kill")
             check_exactly_one(committed, killed, "SIGKILL")
             assert skipped_in_log(logs["w2"]) >= 1, "w2 took w1's partitions over without skipping an answer"
+            resumed = await stitch(committed, [q.id for _, q in killed])
+            assert not resumed.problems and resumed.repeated_seqs == 0, resumed
+            assert resumed.resumed >= 1, f"no stream was resumed after the kill: {resumed}"
+            # The resumed outputs against an uninterrupted run of the same requests.
+            reference = [(p, msgspec.structs.replace(q, id=f"{q.id}-ref")) for p, q in long]
+            await produce_requests(kafka, reference)
+            await committed.wait_until(lambda r: all_answered(committed, reference), 180, "the reference finals")
+            for _, q in long:
+                assert committed.results.latest_final(q.id).token_ids == \
+                    committed.results.latest_final(f"{q.id}-ref").token_ids, q.id
 
             # A frozen zombie: w2 stopped while its commits record answers above its watermarks and it runs
             # requests; w1b takes every partition over and answers the rest; w2 resumes and is fenced.
