@@ -326,3 +326,60 @@ async def test_a_lane_that_is_no_longer_the_members_does_not_replace_its_produce
 
     await run_lane(lanes, lane, body)
     assert asked and lane.fenced and log.visible == [] and lanes.fenced() == {TP}
+
+
+async def test_the_commit_points_at_the_latest_full_round_of_progress_records():
+    """Progress records ride in the lane's transactions: the committed metadata points at the first record of the
+    latest full round, a previous owner's point is kept until this lane writes a round of its own, and a round
+    with nothing to resume clears it."""
+    tracker = OffsetTracker()
+    tracker.assign(TP, 0)
+    log = TransactionalLog("group")
+    running: dict[bytes, bytes] = {b"r1": b"p1", b"r2": b"p2"}
+    asked: list[bool] = []
+
+    def source(tp, full):
+        asked.append(full)
+        return sorted(running.items()) if full else []
+
+    lanes = FinalLanes({}, "group", tracker, fake_publisher(), lambda *args: None, interval_s=0.005,
+                       progress_topic="progress", progress_source=source, progress_interval_s=0.05)
+    written: list[bytes] = []  # the progress partition: a record's offset is its index
+
+    async def send_all(producer, records, headers_for=None, progress_partition=0, progress_records=()):
+        assert progress_partition == TP.partition
+        log.open_records += [int(value) for _, _, value in records]
+        first = len(written)
+        written.extend(value for _, value in progress_records)
+        return first if progress_records else None
+
+    lanes._send_all = send_all
+    lane = Lane(TP, producer=FakeTransactionalProducer(log))
+    lanes._lanes[TP] = lane
+    lanes.keep_resume_point(TP, 1234)  # the previous owner's round
+    assert tracker.track(TP, 0) and tracker.track(TP, 1)
+
+    def point() -> int | None:
+        return None if log.committed is None else progress.resume_pointer(*log.committed)
+
+    async def body():
+        lanes.add(TP, 1, final_of(1))  # answered above the watermark: a commit with metadata
+        async with asyncio.timeout(5):
+            while point() in (None, 1234):
+                await asyncio.sleep(0.005)
+        first_round = point()
+        assert written[first_round:first_round + 2] == [b"p1", b"p2"]
+        # Rounds keep coming while requests run; the point follows the latest.
+        async with asyncio.timeout(5):
+            while point() == first_round:
+                lanes.add(TP, None, [])  # nothing to answer: a round is written anyway
+                await asyncio.sleep(0.01)
+        assert point() > first_round and written[point():point() + 2] == [b"p1", b"p2"]
+        running.clear()  # nothing left to resume: the point goes
+        async with asyncio.timeout(5):
+            while point() is not None:
+                await asyncio.sleep(0.005)
+
+    await run_lane(lanes, lane, body)
+    assert True in asked and False in asked  # full rounds, and the requests without a record in between
+    assert lanes.num_progress_records >= 4

@@ -338,7 +338,7 @@ class Worker:
                   if (point := progress.resume_pointer(offset, metadata)) is not None}
         for tp, point in points.items():
             self.lanes.keep_resume_point(tp, point)
-        if not points or not kafka.progress_topic:
+        if not points or not kafka.progress_topic or self.lanes.progress_source is None:
             return
         found = await takeover_progress(
             kafka.client_kwargs(), kafka.progress_topic, {tp.partition: point for tp, point in points.items()},
@@ -405,6 +405,27 @@ class Worker:
                 backoff = min(backoff * 2, 10.0)
         return False
 
+    async def _check_progress_topic(self) -> None:
+        """Streams are resumed only through a progress topic with a partition per request partition: without one
+        (a deployment that has not run `llm-worker topics` since it came), a record written to it would abort
+        every transaction of its lane, so no progress is written and moved requests start over."""
+        topic = self.kafka.progress_topic
+        if self.lanes is None or not topic:
+            return
+        try:
+            metadata = await asyncio.wait_for(self.publisher.metadata(), 10.0)
+            partitions = metadata.partitions_for_topic(topic)
+        except Exception as exc:  # noqa: BLE001 - unknown now: keep it on; a failed transaction is retried
+            log.debug("could not look the progress topic up (%r)", exc)
+            return
+        needed = self.kafka.num_request_partitions
+        if partitions is None or len(partitions) < needed:
+            self.lanes.progress_source = None
+            log.warning("progress topic %r %s: streams of requests that move between workers start over instead of "
+                        "resuming (`llm-worker topics` creates it with %d partitions)", topic,
+                        "is missing" if partitions is None else f"has {len(partitions)} partitions, fewer than the "
+                        f"{needed} request partitions", needed)
+
     async def _request_topic_layout_error(self, wait_s: float = 5.0) -> str | None:
         """Refuse a request topic whose partition count differs from the configured priority layout: its
         partitions would carry other priorities than the producers meant. None when it matches, or when the
@@ -452,6 +473,7 @@ class Worker:
             await self.consumer.stop()
             await self.publisher.stop()
             return 2
+        await self._check_progress_topic()
         self.engine_thread.start()
         self.watchdog = LoopWatchdog()
         tasks = [asyncio.create_task(coro) for coro in (self._output_loop(), self._commit_loop(), self._control_loop(),

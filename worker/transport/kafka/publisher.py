@@ -202,6 +202,10 @@ class Publisher:
         except asyncio.TimeoutError:
             return False
 
+    async def metadata(self):
+        """A fresh look at every topic's partitions (aiokafka ClusterMetadata); never creates a topic."""
+        return await self._producer.client.fetch_all_metadata()
+
     async def partition_of(self, topic: str, key: bytes | None) -> int:
         """The partition a record of this key goes to (Kafka's default partitioner, as any producer would)."""
         cached = self._partitions.get(topic)
