@@ -161,23 +161,35 @@ class Run:
 # ---- fairness ------------------------------------------------------------------------------------------------
 
 
+def tokens_of(tenant: str, a: argparse.Namespace) -> int:
+    return a.flood_tokens if tenant == "flood" and a.flood_tokens else a.max_new_tokens
+
+
 async def fairness_run(bootstrap: str, tmp: Path, name: str, a: argparse.Namespace) -> dict:
-    capacity = a.max_num_seqs * (1000.0 / a.step_ms) / a.max_new_tokens  # requests/s
+    # The mean request of the mix decides the capacity in requests/s (the flood is 10 of every 12).
+    mean_tokens = (10 * tokens_of("flood", a) + 2 * a.max_new_tokens) / 12 if name != "alone" else a.max_new_tokens
+    step_ms = a.step_ms + (a.max_num_seqs * a.per_seq_ms if a.engine == "fake" else 0.0)
+    capacity = a.max_num_seqs * (1000.0 / step_ms) / mean_tokens  # requests/s
     rate = capacity * a.overload
     # Per 12 requests: 10 of the flood, 1 of each calm tenant; without the flood the calm ones keep their rate.
     pattern = ["flood"] * 10 + list(CALM) if name != "alone" else list(CALM)
-    rate = rate if name != "alone" else rate * 2 / 12
+    if name == "alone":  # the calm tenants at the rate they have beside the flood
+        rate = a.max_num_seqs * (1000.0 / step_ms) / ((10 * tokens_of("flood", a) + 2 * a.max_new_tokens) / 12) \
+            * a.overload * 2 / 12
     env = {"ENGINE_MAX_NUM_SEQS": str(a.max_num_seqs), "WORKER_MAX_WAITING": str(a.max_waiting),
            "WORKER_RESUME_WAITING": str(a.max_waiting // 2)}
-    async with Run(bootstrap, tmp, name, env, ["--engine", "instant", "--instant-step-ms", str(a.step_ms)], 1) as run:
+    engine = ["--engine", "instant", "--instant-step-ms", str(a.step_ms)] if a.engine == "instant" else [
+        "--engine", "fake", "--fake-step-ms", str(a.step_ms), "--fake-per-seq-ms", str(a.per_seq_ms),
+        "--fake-eos-probability", "0"]
+    async with Run(bootstrap, tmp, name, env, engine, 1) as run:
         sent: list[GenerationRequest] = []
         sent_at: dict[str, float] = {}
         start = time.monotonic()
         i = 0
         while time.monotonic() - start < a.seconds:
             tenant = pattern[i % len(pattern)]
-            request = GenerationRequest(id=f"{name}-{tenant}-{i}", prompt="x" * 40, max_new_tokens=a.max_new_tokens,
-                                        tenant=tenant if name != "fcfs" else None)
+            request = GenerationRequest(id=f"{name}-{tenant}-{i}", prompt="x" * 40,
+                                        max_new_tokens=tokens_of(tenant, a), tenant=tenant if name != "fcfs" else None)
             sent_at[request.id] = time.time()
             await run.send(request)
             sent.append(request)
@@ -198,18 +210,25 @@ async def fairness_run(bootstrap: str, tmp: Path, name: str, a: argparse.Namespa
     tokens = Counter()
     for rid, tenant in tenant_of.items():
         f = run.finals[rid]
-        p = per.setdefault(tenant, {"sent": 0, "completed": 0, "rejected": Counter(), "ttft_ms": []})
+        p = per.setdefault(tenant, {"sent": 0, "completed": 0, "rejected": Counter(), "ttft_ms": [], "e2e_ms": [],
+                                    "queue_ms": []})
         p["sent"] += 1
         if f.status == "completed":
             p["completed"] += 1
             tokens[tenant] += f.usage.prompt_tokens + f.usage.completion_tokens
             if f.timings.ttft_ms is not None:
                 p["ttft_ms"].append(f.timings.ttft_ms)
+            if f.timings.e2e_ms is not None:
+                p["e2e_ms"].append(f.timings.e2e_ms)
+            if f.timings.queue_ms is not None:
+                p["queue_ms"].append(f.timings.queue_ms)
         else:
             p["rejected"][f"{f.status}/{f.reason}"] += 1
-    # Every request costs the same: what a completed one was served (the instant engine counts prompt bytes).
-    per_request = max((tokens[t] / per[t]["completed"] for t in per if per[t]["completed"]), default=1.0)
-    demands = {t: asked[t] * per_request for t in asked}
+    # What a completed request of each tenant was served (the instant engine counts prompt bytes); a tenant none
+    # of whose requests completed is costed like the dearest that did.
+    per_request = {t: tokens[t] / per[t]["completed"] for t in per if per[t]["completed"]}
+    dearest = max(per_request.values(), default=1.0)
+    demands = {t: asked[t] * per_request.get(t, dearest) for t in asked}
     served_total = sum(tokens.values())
     shares = fair_shares(demands, served_total)
     tenants = {}
@@ -219,6 +238,8 @@ async def fairness_run(bootstrap: str, tmp: Path, name: str, a: argparse.Namespa
             "tokens_served": tokens[tenant], "fair_share_tokens": round(shares[tenant], 1),
             "share_of_fair": round(tokens[tenant] / shares[tenant], 3) if shares[tenant] else None,
             "ttft_p50_ms": quantile(p["ttft_ms"], 0.5), "ttft_p99_ms": quantile(p["ttft_ms"], 0.99),
+            "e2e_p50_ms": quantile(p["e2e_ms"], 0.5), "e2e_p90_ms": quantile(p["e2e_ms"], 0.9),
+            "queue_p50_ms": quantile(p["queue_ms"], 0.5), "queue_p90_ms": quantile(p["queue_ms"], 0.9),
         }
     return {"run": name, "capacity_requests_per_s": round(capacity, 1), "offered_requests_per_s": round(rate, 1),
             "send_s": round(send_s, 1), "span_s": round(span_s, 1),
@@ -237,7 +258,10 @@ async def fairness(bootstrap: str, tmp: Path, a: argparse.Namespace) -> dict:
         t, base = fair["tenants"][tenant], alone["tenants"][tenant]
         ratio = (t["ttft_p99_ms"] / base["ttft_p99_ms"]) if t["ttft_p99_ms"] and base["ttft_p99_ms"] else None
         fcfs_p99 = fcfs["tenants"][tenant]["ttft_p99_ms"]
+        e2e = (t["e2e_p90_ms"] / base["e2e_p90_ms"]) if t["e2e_p90_ms"] and base["e2e_p90_ms"] else None
         checks[tenant] = {"share_of_fair": t["share_of_fair"], "ttft_p99_vs_alone": round(ratio, 2) if ratio else None,
+                          "e2e_p90_vs_alone": round(e2e, 2) if e2e else None,
+                          "completed": f'{t["completed"]}/{t["sent"]}',
                           "fcfs_share_of_fair": fcfs["tenants"][tenant]["share_of_fair"],
                           "fcfs_ttft_p99_vs_alone": round(fcfs_p99 / base["ttft_p99_ms"], 2)
                           if fcfs_p99 and base["ttft_p99_ms"] else None}
@@ -372,6 +396,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=16, help="fairness: engine seats")
     p.add_argument("--max-waiting", type=int, default=64, help="fairness: WORKER_MAX_WAITING")
     p.add_argument("--max-new-tokens", type=int, default=None, help="fairness 20, sessions 24")
+    p.add_argument("--flood-tokens", type=int, default=0, help="fairness: the flood's max_new_tokens (0: the same)")
+    p.add_argument("--engine", choices=["instant", "fake"], default="instant",
+                   help="fairness: instant (every step alike) or fake (step time grows with the batch, prompts "
+                        "cost, preemption recomputes)")
+    p.add_argument("--per-seq-ms", type=float, default=1.0, help="fairness, fake engine: step time per seat")
     p.add_argument("--conversations", type=int, default=32)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--model", default="", help="sessions: ENGINE_MODEL (default: the default model)")

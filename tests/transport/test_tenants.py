@@ -58,6 +58,44 @@ def test_an_idle_tenant_banks_at_most_the_credit():
     assert num_first == 5
 
 
+def test_a_tenant_that_becomes_backlogged_goes_ahead_of_a_floods_requests_not_started():
+    """A flood keeps the engine full: 16 requests running, 16 more charged on entry but waiting for a seat. A calm
+    tenant's request must be tagged ahead of every one of those waiting (the engine orders by the tag) and of the
+    newest running one (its preemption victim), not behind the charges of requests that have not run."""
+    from worker.engine.api import EngineRequest, fair_preempts
+
+    fair = FairShare(3, max_credit_tokens=2048)
+    fair.lift(1, "flood", [])
+    cost = 136.0
+    running, waiting = [], []
+    for i in range(32):
+        tag = fair.start_tag(1, "flood")
+        fair.charge(1, "flood", cost)
+        fair.add_pending(1, "flood", cost)
+        (running if i < 16 else waiting).append(EngineRequest(f"f{i}", fair_tag=tag, tenant="flood"))
+    for _ in running:
+        fair.started(1, "flood", cost)
+    fair.lift(1, "calm", ["flood"])
+    calm = EngineRequest("c", fair_tag=fair.start_tag(1, "calm"), tenant="calm")
+    assert all(calm.fair_tag < w.fair_tag for w in waiting)
+    assert fair_preempts(calm, running[-1], [r.tenant for r in running])
+    # Counting the waiting ones' charges in, the calm request would be tagged after every running one: it could
+    # preempt none, and would wait for seats behind a waiting one.
+    counted = FairShare(3, max_credit_tokens=2048)
+    counted.lift(1, "flood", [])
+    for _ in range(32):
+        counted.start_tag(1, "flood")
+        counted.charge(1, "flood", cost)
+    counted.lift(1, "calm", ["flood"])
+    late = EngineRequest("c", fair_tag=counted.start_tag(1, "calm"), tenant="calm")
+    assert not fair_preempts(late, running[-1], [r.tenant for r in running])
+    assert late.fair_tag > waiting[0].fair_tag
+    # A request that ends without starting gives its pending charge back too, once.
+    fair.started(1, "flood", cost * 16)
+    fair.started(1, "flood", cost)
+    assert fair._pending[1] == {}
+
+
 def test_over_share_and_contention_follow_recent_reads():
     fair = FairShare(3, contention_window_s=30)
     assert not fair.contended(1, 0.0)

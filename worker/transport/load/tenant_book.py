@@ -125,9 +125,14 @@ class TenantBook:
         to the bucket)."""
         tag = self.fair.start_tag(priority, tenant)
         self.fair.charge(priority, tenant, tokens)
+        self.fair.add_pending(priority, tenant, tokens)
         if self.quotas.action == "defer":
             self.quotas.take(tenant, tokens, now)
         return tag
+
+    def started(self, priority: int, tenant: str, charged: float) -> None:
+        """A completion charged `charged` on entry got its first token (or ended before one)."""
+        self.fair.started(priority, tenant, charged)
 
     # -- the end ---------------------------------------------------------------------------------------------
     def served(self, priority: int, tenant: str, prompt_tokens: int, output_tokens: int, charged: float,

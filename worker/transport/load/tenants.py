@@ -9,7 +9,10 @@ idle is lifted, when it becomes backlogged again, to at least the smallest count
 engine for a long time.
 
 A request is charged its expected tokens when it enters the engine (so a tenant cannot fill the engine in one
-go before its first tokens come back) and corrected to what it was really served when it ends.
+go before its first tokens come back) and corrected to what it was really served when it ends. Until it starts
+(its first token) that charge is pending: a tenant lifted as it becomes backlogged is lifted to the others'
+counters without their pending charges. Counted in, a flood's requests waiting in the engine would lift a calm
+tenant's request behind them there, and it would wait for each of them to get a seat.
 
 Pure: no aiokafka, no torch; times are passed in.
 """
@@ -47,6 +50,10 @@ class FairShare:
     _counters: list[dict[str, float]] = field(default_factory=list)
     _virtual: list[float] = field(default_factory=list)
     """Per priority: the counter of the tenant picked last (the lift's base when no other tenant waits)."""
+    _virtual_pending: list[float] = field(default_factory=list)
+    """Per priority: the pending charges counted in _virtual when it was set."""
+    _pending: list[dict[str, float]] = field(default_factory=list)
+    """Per priority: tenant -> charges (per unit of weight) of its requests in the engine that have not started."""
     _seen: list[dict[str, list[float]]] = field(default_factory=list)
     """Per priority: tenant -> [tokens read per unit of weight (decayed), when last read]."""
 
@@ -54,6 +61,8 @@ class FairShare:
         assert all(w > 0 and math.isfinite(w) for w in self.weights.values()), self.weights
         self._counters = [{} for _ in range(self.num_priorities)]
         self._virtual = [0.0] * self.num_priorities
+        self._virtual_pending = [0.0] * self.num_priorities
+        self._pending = [{} for _ in range(self.num_priorities)]
         self._seen = [{} for _ in range(self.num_priorities)]
 
     def weight(self, tenant: str) -> float:
@@ -64,9 +73,10 @@ class FairShare:
 
     def lift(self, priority: int, tenant: str, backlogged: Iterable[str]) -> None:
         """`tenant` becomes backlogged (its first request waits) while `backlogged` (the others) wait."""
-        counters = self._counters[priority]
-        base = min((counters.get(t, self._virtual[priority]) for t in backlogged if t != tenant),
-                   default=self._virtual[priority])
+        counters, pending = self._counters[priority], self._pending[priority]
+        virtual = self._virtual[priority]
+        base = min((counters.get(t, virtual) - pending.get(t, 0.0) for t in backlogged if t != tenant),
+                   default=virtual - self._virtual_pending[priority])
         counters[tenant] = max(counters.get(tenant, -math.inf), base - self.max_credit_tokens)
         if len(counters) > self.max_tenants:
             self._forget(priority, set(backlogged) | {tenant})
@@ -82,8 +92,24 @@ class FairShare:
         waiting requests of a priority by it (start-time fair queueing), so a request of a tenant below its
         share overtakes the queued requests of one above it there too."""
         tag = self.counter(priority, tenant)
-        self._virtual[priority] = max(self._virtual[priority], tag)
+        if tag >= self._virtual[priority]:
+            self._virtual[priority] = tag
+            self._virtual_pending[priority] = self._pending[priority].get(tenant, 0.0)
         return tag
+
+    def add_pending(self, priority: int, tenant: str, tokens: float) -> None:
+        """Charged tokens of a request that entered the engine and has not started yet."""
+        pending = self._pending[priority]
+        pending[tenant] = pending.get(tenant, 0.0) + tokens / self.weight(tenant)
+
+    def started(self, priority: int, tenant: str, tokens: float) -> None:
+        """A request with this charge started (or ended without starting): its charge is no longer pending."""
+        pending = self._pending[priority]
+        left = pending.get(tenant, 0.0) - tokens / self.weight(tenant)
+        if left > 1e-9:
+            pending[tenant] = left
+        else:
+            pending.pop(tenant, None)
 
     def charge(self, priority: int, tenant: str, tokens: float) -> None:
         """Add served tokens (negative: a correction) to the tenant's counter."""

@@ -103,6 +103,8 @@ class RequestStream:
     """The progress record's view of `acked`, built when a round asks (cached while `acked` stays)."""
     recorded: bool = False
     """Its request has had a progress record written (set on the first completion's stream)."""
+    started: bool = False
+    """The engine gave it its first token (or ended it before one): its tenant's charge is no longer pending."""
 
     @property
     def sends_chunks(self) -> bool:
@@ -337,7 +339,10 @@ class Streamer:
         """Silence the streams whose request matches; returns their engine ids (for the engine's abort)."""
         ids = [eid for eid, stream in self.streams.items() if predicate(stream.queued)]
         for eid in ids:
-            self.num_open_by_priority[self.streams.pop(eid).queued.priority] -= 1
+            stream = self.streams.pop(eid)
+            self.num_open_by_priority[stream.queued.priority] -= 1
+            if not stream.started:
+                self._started(stream)
         self._held_finals = [(stream, out) for stream, out in self._held_finals if not predicate(stream.queued)]
         return ids
 
@@ -376,6 +381,8 @@ class Streamer:
             if out.replayed:
                 stream.start_replay()
                 continue
+            if not stream.started and (out.new_token_ids or out.finished):
+                self._started(stream)
             stream.add(out)
             if out.finished:
                 finals.append((stream, out))
@@ -404,6 +411,13 @@ class Streamer:
             else:
                 self._finish(stream, out, now)
         await self.publisher.wait_room()
+
+    def _started(self, stream: RequestStream) -> None:
+        stream.started = True
+        if self.tenants is not None:
+            queued = stream.queued
+            self.tenants.started(queued.priority, queued.tenant,
+                                 queued.charged_tokens / queued.request.num_completions)
 
     def _send_chunk(self, stream: RequestStream, now: float, last: bool = False) -> None:
         chunk = stream.take_chunk(now, last)
