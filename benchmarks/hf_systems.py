@@ -67,7 +67,12 @@ class HFBaselines:
         if system not in self._models:
             from transformers import AutoModelForCausalLM
 
-            model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, attn_implementation="sdpa")
+            try:
+                model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype,
+                                                             attn_implementation="sdpa")
+            except ValueError:  # an architecture transformers runs only eagerly (Gemma2: soft-capped scores)
+                model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype,
+                                                             attn_implementation="eager")
             self._models[system] = model.to(self.device).eval()
         return self._models[system]
 

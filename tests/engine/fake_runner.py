@@ -5,6 +5,8 @@ mapping the scheduler's output implies, reads every scheduled request's whole co
 table, and asserts the context is exactly the request's tokens. So a block shared wrongly, evicted while in
 use, or handed to two requests shows up as a wrong context. The next token is a function of the context read
 from the cache (as a greedy model's would be), so preemption and prefix caching must not change outputs.
+With a window (a model windowed on every layer, whose blocks behind the window the scheduler gives back) it
+reads only the keys the step's earliest query sees, and the next token comes from the request's own tokens.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ def next_token(context: list[int]) -> int:
 
 
 class FakeRunner:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, window: int | None = None) -> None:
         self.block_size = block_size
+        self.window = window
         self.kv: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)
         self.num_steps = 0
 
@@ -40,22 +43,27 @@ class FakeRunner:
         sampled = {}
         for entry in output.scheduled:
             block_ids = entry.request.block_ids
-            context = [self.kv[block_ids[pos // bs] * bs + pos % bs] for pos in range(entry.seq_len)]
+            first = 0 if self.window is None else max(0, entry.num_computed_before - self.window + 1)
+            assert all(block_ids[pos // bs] >= 0 for pos in range(first, entry.seq_len)), \
+                f"{entry.request_id}: a block in the window was given back"
+            context = [self.kv[block_ids[pos // bs] * bs + pos % bs] for pos in range(first, entry.seq_len)]
             expected = list(enumerate(entry.request.token_slice(0, entry.seq_len)))
-            assert context == expected, f"{entry.request_id}: KV cache holds the wrong context"
+            assert context == expected[first:], f"{entry.request_id}: KV cache holds the wrong context"
             if entry.samples:
-                sampled[entry.request_id] = next_token([token_id for _, token_id in context])
+                sampled[entry.request_id] = next_token([token_id for _, token_id in expected])
         self.num_steps += 1
         return sampled
 
 
-def make_scheduler(num_blocks: int = 64, max_model_len: int = 4096, **settings) -> Scheduler:
+def make_scheduler(num_blocks: int = 64, max_model_len: int = 4096, kv_window: int | None = None,
+                   **settings) -> Scheduler:
     # Every field the scheduler reads is passed explicitly, so ENGINE_* variables cannot change a test.
     defaults = dict(block_size=4, max_num_batched_tokens=512, max_num_seqs=64, enable_prefix_caching=True,
                     protected_priorities=2)
     defaults |= dict(policy="continuous", max_batch_size=settings.get("max_num_seqs", 16), batch_window_ms=50.0)
     settings = defaults | settings
-    return Scheduler(EngineSettings(**settings), num_blocks=num_blocks, max_model_len=max_model_len)
+    return Scheduler(EngineSettings(**settings), num_blocks=num_blocks, max_model_len=max_model_len,
+                     kv_window=kv_window)
 
 
 def make_request(
@@ -111,7 +119,7 @@ class Simulation:
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
-        self.runner = FakeRunner(scheduler.pool.num_blocks, scheduler.block_size)
+        self.runner = FakeRunner(scheduler.pool.num_blocks, scheduler.block_size, scheduler.pool.kv_window)
         self.now = 0.0
         self.added: list[Request] = []
         self.finished_by_caller: set[str] = set()

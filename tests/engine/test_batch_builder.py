@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.engine.fake_runner import FakeRunner, make_request, make_scheduler
@@ -35,10 +36,12 @@ def test_a_prefill_chunk_and_a_decode_are_laid_out_request_after_request():
     assert batch.block_table_rows == [[0, 1], [2, 3, 4]]
 
 
-def test_persistent_input_equals_the_explicit_layout_through_preemption_and_prefix_hits():
+@pytest.mark.parametrize("kv_window", [None, 6])
+def test_persistent_input_equals_the_explicit_layout_through_preemption_and_prefix_hits(kv_window):
     """Random traffic on a tight KV budget (preemptions, prefix-cache hits, chunked prefill): at every step the
     runner's incremental tensors equal those of the explicit per-token batch, block tables compared over each
-    request's context (past it the persistent rows hold stale ids nothing reads)."""
+    request's context (past it the persistent rows hold stale ids nothing reads). With a window on every layer,
+    the entries given back read -1 in the persistent rows too, not the ids they held (now another's)."""
     import random
 
     from tests.engine.fake_runner import Simulation
@@ -46,7 +49,9 @@ def test_persistent_input_equals_the_explicit_layout_through_preemption_and_pref
     from worker.model.input import PersistentInput, build_model_input
 
     rng = random.Random(3)
-    sim = Simulation(make_scheduler(num_blocks=24, max_num_batched_tokens=24, max_num_seqs=6))
+    # Fewer blocks under a window: given back as requests go, 24 would not run out.
+    sim = Simulation(make_scheduler(num_blocks=24 if kv_window is None else 12, max_num_batched_tokens=24,
+                                    max_num_seqs=6, kv_window=kv_window))
     inputs = PersistentInput(max_blocks_per_request=64, block_size=sim.scheduler.block_size, device="cpu",
                              num_rows=2)  # grows as needed
     num_checked = 0
@@ -71,6 +76,7 @@ def test_persistent_input_equals_the_explicit_layout_through_preemption_and_pref
         inputs.release(u.request_id for u in updates if u.finished)
         sim.now += 0.01
     assert num_checked > 200 and sim.scheduler.num_preemptions > 0 and sim.scheduler.pool.num_hit_tokens > 0
+    assert (sim.scheduler.pool.num_window_freed > 0) == (kv_window is not None)
 
 
 def test_a_step_scheduled_while_the_previous_is_in_flight_marks_the_inputs_it_waits_for():

@@ -1,6 +1,6 @@
 import pytest
 
-from worker.engine.block_pool import BlockPool, hash_block, salt_key
+from worker.engine.block_pool import FREED_BLOCK, BlockPool, hash_block, salt_key
 from worker.engine.request import Request
 
 BS = 4
@@ -202,3 +202,33 @@ def test_a_cache_salt_is_a_namespace_of_its_own():
     assert pool.get_computed_blocks(Request("plain", prompt)) == []  # the shared namespace is another one
     assert len(pool.get_computed_blocks(Request("a2", prompt, cache_salt=salt_key("tenant-a")))) == 2
     assert salt_key(None) == b"" and salt_key("x") != salt_key("y")
+
+
+def test_blocks_behind_the_window_go_back_keyed_and_a_later_hit_needs_only_the_window():
+    """kv_window 6: after 24 tokens no later query reads a key before 19, so blocks 0-3 go back, keyed (evictable).
+    Two of them are then evicted; a request with the same 20 tokens still resumes at token 20, holding only the
+    blocks its next query's window reaches (3 and 4) behind three FREED_BLOCK entries."""
+    pool = BlockPool(num_blocks=8, block_size=BS, kv_window=6)
+    a = req("a", range(24))
+    compute_all(pool, a)
+    assert pool.free_outside_window(a) == 4 and pool.free_outside_window(a) == 0
+    assert a.block_ids[:4] == [FREED_BLOCK] * 4 and a.num_freed_blocks == 4 and pool.num_window_freed == 4
+    assert pool.num_evictable_blocks == 4 and pool.num_cached_blocks == 6
+    pool.check_invariants([a])
+    c = req("c", range(100, 116))
+    compute_all(pool, c)  # two free blocks, then the two oldest given-back ones evicted
+    assert pool.num_evictions == 2 and pool.evictable_block_ids() == [2, 3]  # a's blocks were 0-5
+
+    b = req("b", range(21))
+    hit = pool.get_computed_blocks(b)
+    assert hit[:3] == [FREED_BLOCK] * 3 and len(hit) == 5 and FREED_BLOCK not in hit[3:]
+    assert pool.allocate_for(b, 1, hit)
+    assert b.num_computed_tokens == 20 and b.num_freed_blocks == 3 and b.block_ids[4] == a.block_ids[4]
+    assert pool.ref_count(b.block_ids[4]) == 2 and pool.ref_count(b.block_ids[3]) == 1
+    pool.check_invariants([a, b, c])
+    for request in (a, b, c):
+        pool.free(request)
+        assert request.num_freed_blocks == 0
+    pool.check_invariants([])
+    assert pool.num_free_blocks == 8
+

@@ -552,3 +552,23 @@ def test_a_tenant_holding_no_seat_takes_one_from_a_tenant_holding_all_never_from
     assert not fair_preempts(near, scheduler.requests["flood-0"], ["flood", "calm"])
     assert fair_preempts(near, scheduler.requests["flood-0"], ["flood", "flood"])
     assert not fair_preempts(own, scheduler.requests["flood-0"], ["flood", "flood"])  # its own tenant
+
+
+@pytest.mark.parametrize("kv_window", [8, None])
+def test_a_long_generation_holds_only_the_blocks_its_window_reaches(kv_window):
+    """A request generating ten times its window: with every layer windowed (8 tokens, blocks of 4) it holds at
+    most window / block_size + 1 blocks at any step; keeping every block, it ends up holding its whole context."""
+    scheduler = make_scheduler(num_blocks=64, kv_window=kv_window)
+    runner = FakeRunner(64, 4, kv_window)
+    request = make_request("a", 10, max_new_tokens=80)
+    scheduler.add_request(request)
+    most_held = 0
+    while scheduler.has_unfinished():
+        output, _ = step(scheduler, runner)
+        most_held = max(most_held, len(request.block_ids) - request.num_freed_blocks)
+    assert request.num_output_tokens == 80 and request.output_token_ids[-1] == next_token(request.all_token_ids[:-1])
+    if kv_window is None:
+        assert most_held == 88 // 4  # the first 88 tokens' blocks; the last step's goes back as the request ends
+    else:
+        assert most_held <= kv_window // 4 + 1
+        assert scheduler.pool.num_free_blocks == 64

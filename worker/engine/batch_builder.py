@@ -57,4 +57,5 @@ def build_step_requests(output: SchedulerOutput) -> StepRequests:
         samples=[entry.samples for entry in scheduled],
         input_ids=input_ids,
         pending=pending,
+        num_freed=[request.num_freed_blocks for request in requests],
     )

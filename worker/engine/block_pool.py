@@ -12,6 +12,14 @@ names the whole prefix up to the block's end. The first block's parent key is th
 (salt_key: empty for the shared namespace), so requests of different tenants or salts never share a block.
 A 256-bit hash makes collisions negligible, so the tokens are not stored. Keys cover output tokens too, so a
 preempted request finds its own blocks again on resume.
+
+Sliding windows (`kv_window`, set when every layer of the model has one): a query at position p reads keys in
+(p - window, p] only, so once a request has computed n tokens no later query reads a key before n - window + 1.
+Its blocks wholly before that are given back as it goes (`free_outside_window`) and their block-table entries
+become FREED_BLOCK, so a long generation holds about window / block_size + 1 blocks. A keyed block given back
+stays in the prefix cache (evictable) for other requests: its key names the whole prefix up to its end, whoever
+computed it. For the same reason a prefix hit on such a model needs only the blocks the next query's window
+reaches (`get_computed_blocks`); the entries before them start the table as FREED_BLOCK.
 """
 
 from __future__ import annotations
@@ -22,6 +30,11 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Sequence
 
 from worker.engine.request import Request
+
+
+FREED_BLOCK = -1
+"""A block-table entry whose block went back to the pool because no layer's window reaches it any more. Never a
+block id: attention must not read it (worker/model/torch_attention.py gathers only from a window's first block)."""
 
 
 def salt_key(cache_salt: str | None) -> bytes:
@@ -38,11 +51,15 @@ def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 kv_window: int | None = None) -> None:
         assert num_blocks >= 1 and block_size >= 1, (num_blocks, block_size)
+        assert kv_window is None or kv_window >= 1, kv_window
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.kv_window = kv_window
+        """The widest layer window when every layer has one: blocks before it are given back. None: kept."""
         self._ref_counts = [0] * num_blocks
         self._block_hashes: list[bytes | None] = [None] * num_blocks
         self._hash_to_block_id: dict[bytes, int] = {}
@@ -56,6 +73,8 @@ class BlockPool:
         self.num_hit_tokens = 0
         """Tokens of those lookups found in the cache."""
         self.num_evictions = 0
+        self.num_window_freed = 0
+        """Blocks given back by requests because no layer's window reached them any more."""
 
     # ---- counters -----------------------------------------------------------------------------------
 
@@ -96,6 +115,12 @@ class BlockPool:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def num_blocks_outside_window(self, num_computed_tokens: int) -> int:
+        """Leading blocks that no query at a position >= num_computed_tokens reads (0 without kv_window)."""
+        if self.kv_window is None:
+            return 0
+        return max(0, num_computed_tokens - self.kv_window + 1) // self.block_size
+
     # ---- the request-facing API ---------------------------------------------------------------------
 
     def get_computed_blocks(self, request: Request) -> list[int]:
@@ -108,20 +133,36 @@ class BlockPool:
         if not self.enable_caching:
             return []
         max_num_blocks = (request.num_tokens - 1) // self.block_size
+        lookup = self._hash_to_block_id.get
         block_ids: list[int] = []
+        if self.kv_window is None:
+            for i in range(max_num_blocks):
+                block_id = lookup(self._block_hash(request, i))
+                if block_id is None:
+                    break
+                block_ids.append(block_id)
+            return block_ids
+        # Windowed: a hit of m blocks needs only blocks [outside, m) cached, outside = what its next query's
+        # window leaves out. A block's key covers the whole prefix, so a run of cached blocks past a miss is
+        # still the request's own prefix. The longest such hit wins (it resumes a long preempted generation
+        # from its window instead of from the start).
+        best = run_start = 0
         for i in range(max_num_blocks):
-            block_id = self._hash_to_block_id.get(self._block_hash(request, i))
-            if block_id is None:
-                break
+            block_id = lookup(self._block_hash(request, i))
             block_ids.append(block_id)
-        return block_ids
+            if block_id is None:
+                run_start = i + 1
+            elif run_start <= self.num_blocks_outside_window((i + 1) * self.block_size):
+                best = i + 1
+        outside = self.num_blocks_outside_window(best * self.block_size)
+        return [FREED_BLOCK] * outside + block_ids[outside:best]
 
     def allocate_for(self, request: Request, num_new_tokens: int, computed_block_ids: Sequence[int] = ()) -> bool:
         """Grow request.block_ids to hold num_scheduled_tokens + num_new_tokens tokens.
 
         `computed_block_ids` (from get_computed_blocks, only while the request holds no blocks) go first and
-        their tokens count as computed (this sets num_computed_tokens). Returns False, touching nothing, when
-        too few blocks are free.
+        their tokens count as computed (this sets num_computed_tokens); FREED_BLOCK entries among them (leading
+        ones only) take no block. Returns False, touching nothing, when too few blocks are free.
         """
         assert num_new_tokens >= 1, num_new_tokens
         if not computed_block_ids:  # the common case, a running request: often its blocks already hold it
@@ -139,17 +180,23 @@ class BlockPool:
         num_held = len(request.block_ids) + len(computed_block_ids)
         num_new_blocks = max(0, self.num_blocks_for(num_total_tokens) - num_held)
         # Reviving an evictable hit takes it out of the free count just like a fresh block does.
-        num_revived = sum(1 for block_id in computed_block_ids if self._ref_counts[block_id] == 0)
+        num_revived = sum(1 for block_id in computed_block_ids if block_id != FREED_BLOCK
+                          and self._ref_counts[block_id] == 0)
         if num_new_blocks + num_revived > self.num_free_blocks:
             return False
 
         if admitting and self.enable_caching:
             self.num_queried_tokens += request.num_tokens
             self.num_hit_tokens += num_cached_tokens
+        num_freed = 0
         for block_id in computed_block_ids:
-            self._touch(block_id)
+            if block_id == FREED_BLOCK:
+                num_freed += 1
+            else:
+                self._touch(block_id)
         if computed_block_ids:
             request.block_ids.extend(computed_block_ids)
+            request.num_freed_blocks = num_freed
             request.num_computed_tokens = num_cached_tokens
             self._num_hashed_blocks[request.request_id] = len(computed_block_ids)
         for _ in range(num_new_blocks):
@@ -162,7 +209,8 @@ class BlockPool:
             return
         num_full_blocks = request.num_computed_tokens // self.block_size
         assert num_full_blocks <= len(request.block_ids), request.request_id
-        start = self._num_hashed_blocks.get(request.request_id, 0)
+        # Entries given back before they were keyed (the window outran the cache) are gone for the cache.
+        start = max(self._num_hashed_blocks.get(request.request_id, 0), request.num_freed_blocks)
         for i in range(start, num_full_blocks):
             block_id = request.block_ids[i]
             assert self._block_hashes[block_id] is None, (request.request_id, i, block_id)
@@ -179,20 +227,33 @@ class BlockPool:
         """Release the request's blocks. Keyed ones become evictable, tail first so they are evicted first
         (a prompt's head is the part most likely shared)."""
         for block_id in reversed(request.block_ids):
-            self._ref_counts[block_id] -= 1
-            assert self._ref_counts[block_id] >= 0, block_id
-            if self._ref_counts[block_id] == 0:
-                if self._block_hashes[block_id] is None:
-                    self._free_block_ids.append(block_id)
-                else:
-                    self._evictable[block_id] = None
+            if block_id != FREED_BLOCK:
+                self._release(block_id)
         request.block_ids.clear()
+        request.num_freed_blocks = 0
         self._num_hashed_blocks.pop(request.request_id, None)
+
+    def free_outside_window(self, request: Request) -> int:
+        """Give back the request's blocks that no later query reads (kv_window), oldest first; their entries
+        become FREED_BLOCK. Call after cache_full_blocks, so that a full block is keyed before it goes: it then
+        stays in the prefix cache. Returns the number given back."""
+        num_outside = self.num_blocks_outside_window(request.num_computed_tokens)
+        start = request.num_freed_blocks
+        if num_outside <= start:
+            return 0
+        block_ids = request.block_ids
+        for i in range(start, num_outside):
+            self._release(block_ids[i])
+            block_ids[i] = FREED_BLOCK
+        request.num_freed_blocks = num_outside
+        self.num_window_freed += num_outside - start
+        return num_outside - start
 
     def check_invariants(self, requests: Iterable[Request]) -> None:
         """`requests`: every request holding blocks. Raises AssertionError on any broken invariant."""
         requests = list(requests)
-        holders = Counter(block_id for request in requests for block_id in request.block_ids)
+        holders = Counter(block_id for request in requests for block_id in request.block_ids
+                          if block_id != FREED_BLOCK)
         free_block_ids = set(self._free_block_ids)
         assert len(free_block_ids) == len(self._free_block_ids), "a block is on the free list twice"
         assert not free_block_ids & set(self._evictable), "a block is both free and evictable"
@@ -213,7 +274,12 @@ class BlockPool:
         assert num_hashed == len(self._hash_to_block_id)
         assert self.enable_caching or num_hashed == 0
         for request in requests:
-            assert len(set(request.block_ids)) == len(request.block_ids), request.request_id
+            num_freed = request.num_freed_blocks
+            live = request.block_ids[num_freed:]
+            assert request.block_ids[:num_freed] == [FREED_BLOCK] * num_freed, request.request_id
+            assert FREED_BLOCK not in live and len(set(live)) == len(live), request.request_id
+            # Nothing given back that a query yet to run reads: the next one is at num_computed_tokens.
+            assert num_freed <= self.num_blocks_outside_window(request.num_computed_tokens), request.request_id
             assert len(request.block_ids) >= self.num_blocks_for(request.num_computed_tokens), request.request_id
             assert len(request.block_ids) <= self.num_blocks_for(request.num_tokens), request.request_id
 
@@ -228,6 +294,15 @@ class BlockPool:
             assert len(token_ids) == self.block_size, (request.request_id, i)
             hashes.append(hash_block(hashes[-1] if hashes else request.cache_salt, token_ids))
         return hashes[index]
+
+    def _release(self, block_id: int) -> None:
+        self._ref_counts[block_id] -= 1
+        assert self._ref_counts[block_id] >= 0, block_id
+        if self._ref_counts[block_id] == 0:
+            if self._block_hashes[block_id] is None:
+                self._free_block_ids.append(block_id)
+            else:
+                self._evictable[block_id] = None
 
     def _touch(self, block_id: int) -> None:
         if self._ref_counts[block_id] == 0:

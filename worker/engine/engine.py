@@ -100,7 +100,9 @@ class LLMEngine:
         self.tokenizer = self.runner.tokenizer
         self.native_tools = template_renders_tools(getattr(self.tokenizer, "chat_template", None))
         """The model's template shows tools in the convention the worker parses; else the generic format."""
-        self.scheduler = Scheduler(self.settings, self.runner.num_blocks, self.runner.max_model_len)
+        # Runners stood in by tests may not say; their models then keep every block.
+        self.scheduler = Scheduler(self.settings, self.runner.num_blocks, self.runner.max_model_len,
+                                   getattr(self.runner, "kv_window", None))
         self.sampler = Sampler()
         if str(getattr(self.runner, "device", "")) == "cpu":  # the draw runs in numpy there
             self.sampler.reserve(self.settings.max_num_seqs, self.runner.vocab_size)

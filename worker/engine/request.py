@@ -61,7 +61,10 @@ class Request:
     num_pending_samples: int = 0
     """1 while a step in flight samples this request's next token (the token is not in output_token_ids yet)."""
     block_ids: list[int] = field(default_factory=list)
-    """The block table: block_ids[i] holds positions [i*block_size, (i+1)*block_size)."""
+    """The block table: block_ids[i] holds positions [i*block_size, (i+1)*block_size). Its first
+    num_freed_blocks entries are block_pool.FREED_BLOCK: no layer's window reaches them any more."""
+    num_freed_blocks: int = 0
+    """Leading block-table entries given back to the pool (a model whose every layer has a sliding window)."""
     num_cached_tokens: int = 0
     """Prompt tokens found in the prefix cache at the first admission (resumes after preemption not counted)."""
     block_hashes: list[bytes] = field(default_factory=list)

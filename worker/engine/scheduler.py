@@ -16,7 +16,8 @@ num_tokens (prompt + output), and a step computes some of the difference. One lo
      running decodes and the waiting prompts, up to the budget) or, for a protected priority (below), at the
      smallest size deadline-aware steps go down to.
 Deadline-aware step sizes and the deadline checks are deadlines.py's (DeadlinePlanner).
-`update()` then appends the sampled tokens, advances num_computed_tokens and applies stop conditions.
+`update()` then appends the sampled tokens, advances num_computed_tokens and applies stop conditions; for a
+model whose every layer has a sliding window (`kv_window`) it gives back the blocks no later query reads.
 Times are time.monotonic() seconds; every method takes `now` so tests are deterministic.
 """
 
@@ -36,14 +37,20 @@ from worker.engine.scheduler_output import RequestUpdate, ScheduledRequest, Sche
 
 
 class Scheduler:
-    def __init__(self, settings: EngineSettings, num_blocks: int, max_model_len: int) -> None:
+    def __init__(self, settings: EngineSettings, num_blocks: int, max_model_len: int,
+                 kv_window: int | None = None) -> None:
+        """`kv_window`: the widest layer window when every layer of the model has one (ModelConfig.kv_window);
+        a request then holds only the blocks that window reaches. None: every block is kept."""
         self.block_size = settings.block_size
         self.max_num_batched_tokens = settings.max_num_batched_tokens
         self.max_num_seqs = settings.max_num_seqs
         self.deadlines = DeadlinePlanner(self.max_num_batched_tokens, settings.protected_priorities)
         # A request alone must always fit the pool, or preempting it would never help: cap its length there.
+        # Under windows on every layer it holds at most its window and a step's chunk, however long it grows.
         self.max_model_len = min(max_model_len, num_blocks * settings.block_size)
-        self.pool = BlockPool(num_blocks, settings.block_size, settings.enable_prefix_caching)
+        if kv_window is not None and num_blocks >= self.num_blocks_held_at_most(settings, kv_window):
+            self.max_model_len = max_model_len
+        self.pool = BlockPool(num_blocks, settings.block_size, settings.enable_prefix_caching, kv_window)
         self.policy = AdmissionPolicy(settings.policy, settings.max_batch_size, settings.batch_window_ms / 1000)
         self.waiting = WaitingQueue(self.policy.order_key)
         self.running: list[Request] = []
@@ -54,6 +61,13 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_deadline_drops = 0
         self._num_schedules = 0
+
+    @staticmethod
+    def num_blocks_held_at_most(settings: EngineSettings, kv_window: int) -> int:
+        """The most blocks a request holds at once when blocks behind kv_window are given back: the kv_window - 1
+        keys before its first uncomputed token, two steps' chunks of up to max_num_batched_tokens (with async
+        scheduling one is in flight when the next is scheduled), and a part block at either end."""
+        return -(-(2 * settings.max_num_batched_tokens + kv_window - 1) // settings.block_size) + 1
 
     # ---- queries ------------------------------------------------------------------------------------
 
@@ -314,6 +328,7 @@ class Scheduler:
         now = time.monotonic() if now is None else now
         # The loop of a decode step: it runs for every running request, so properties and calls are inlined.
         caching = self.pool.enable_caching
+        window = self.pool.kv_window
         block_size = self.block_size
         max_model_len = self.max_model_len
         running = RequestStatus.RUNNING
@@ -330,6 +345,9 @@ class Scheduler:
             request.num_inflight_tokens -= num_new
             if caching and num_computed % block_size < num_new:  # a block filled up in this step
                 self.pool.cache_full_blocks(request)
+            # After caching, so a full block leaving the window stays in the prefix cache.
+            if window is not None and (num_computed - window + 1) // block_size > request.num_freed_blocks:
+                self.pool.free_outside_window(request)
             if not entry.samples:
                 continue
             request.num_pending_samples -= 1

@@ -97,6 +97,15 @@ class ModelConfig:
     def is_gemma(self) -> bool:
         return self.architecture in GEMMA_ARCHITECTURES
 
+    @property
+    def kv_window(self) -> int | None:
+        """The widest layer window when every layer has one: no query reads a key further back, so the engine
+        gives back the KV blocks behind it. None when some layer attends to the whole context."""
+        windows = self.layer_windows
+        if not windows or None in windows:
+            return None
+        return max(windows)
+
     def window_of(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
 

@@ -20,6 +20,9 @@ import torch
 
 from worker.model.step_batch import StepBatch, StepRequests
 
+FREED_BLOCK = -1
+"""worker.engine.block_pool.FREED_BLOCK (the model layer does not import the engine's)."""
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -108,6 +111,8 @@ class PersistentInput:
         self._row_of: dict[str, int] = {}
         self._num_copied: list[int] = [0] * num_rows
         """Block ids of row r copied so far."""
+        self._num_freed: list[int] = [0] * num_rows
+        """Leading entries of row r set to FREED_BLOCK (given back by a windowed model's request)."""
         self._free_rows = list(range(num_rows - 1, -1, -1))
         self._pinned: dict[str, torch.Tensor] = {}
 
@@ -121,7 +126,7 @@ class PersistentInput:
         for request_id in request_ids:
             row = self._row_of.pop(request_id, None)
             if row is not None:
-                self._num_copied[row] = 0
+                self._num_copied[row] = self._num_freed[row] = 0
                 self._free_rows.append(row)
 
     def reset(self) -> None:
@@ -132,12 +137,14 @@ class PersistentInput:
         old = self.block_table.shape[0]
         self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)])
         self._num_copied += [0] * old
+        self._num_freed += [0] * old
         self._free_rows += range(2 * old - 1, old - 1, -1)
 
     def _rows(self, step: StepRequests) -> np.ndarray:  # [B] int64
         rows = []
         row_of, num_copied, table = self._row_of, self._num_copied, self.block_table
-        for request_id, block_ids in zip(step.request_ids, step.block_ids):
+        num_freed = step.num_freed or [0] * len(step.request_ids)
+        for request_id, block_ids, freed in zip(step.request_ids, step.block_ids, num_freed):
             row = row_of.get(request_id)
             if row is None:
                 if not self._free_rows:
@@ -150,6 +157,11 @@ class PersistentInput:
             if len(block_ids) > copied:
                 table[row, copied : len(block_ids)] = block_ids[copied:]
                 num_copied[row] = len(block_ids)
+            if freed > self._num_freed[row]:
+                # The ids copied earlier went back to the pool and may belong to another request now: the row
+                # says FREED_BLOCK there too, so that a read of them fails instead of reading another's K/V.
+                table[row, self._num_freed[row] : freed] = FREED_BLOCK
+                self._num_freed[row] = freed
             rows.append(row)
         return np.array(rows, dtype=np.int64)
 
@@ -254,6 +266,9 @@ class PersistentInputRunner:
     inputs: PersistentInput
     config: object
     """The model's shape (a ModelConfig); only num_layers is read here."""
+    kv_window: int | None = None
+    """The engine's scheduler gives back KV blocks this far behind each request's next token
+    (ModelConfig.kv_window); None keeps every block."""
 
     @property
     def num_layers(self) -> int:

@@ -134,6 +134,7 @@ class ModelRunner(PersistentInputRunner):
         self.config.check_max_model_len(self.max_model_len)
         self.block_size = settings.block_size
         needs_windows = self.config.sliding_window is not None or self.config.attn_logit_softcap is not None
+        self.kv_window = self.config.kv_window
         self.backend = make_backend(settings.attention_backend, self.device, needs_windows)
         self.graph_mode = graph_mode(settings.cuda_graphs, self.device.type, self.backend.name, triton_interpreted())
         if self.graph_mode == "capture" and not capture_graphs:

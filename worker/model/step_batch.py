@@ -54,6 +54,9 @@ class StepRequests:
     """[B] whether the step reaches the request's last token, so a next token is sampled from it."""
     input_ids: list[int] = field(default_factory=list)
     """[T] the new tokens, request after request."""
+    num_freed: list[int] = field(default_factory=list)
+    """[B] leading entries of each block table given back to the pool (block_pool.FREED_BLOCK, -1): they only
+    grow until the request's release. Empty: none anywhere."""
     pending: list[tuple[int, str]] = field(default_factory=list)
     """(index into input_ids, request id) of each input that is the token a step still in flight samples for
     that request (async scheduling): input_ids holds 0 there until the engine writes the sampled token into the

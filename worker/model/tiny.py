@@ -47,6 +47,35 @@ CONFIG_CLASSES = {
 }
 """Each architecture our models run -> the transformers config class its tiny random model is built from."""
 
+FAMILIES: dict[str, tuple[str, dict]] = {
+    "qwen3-windowed": ("Qwen3ForCausalLM", dict(
+        num_hidden_layers=3, head_dim=32, num_key_value_heads=2, use_sliding_window=True, sliding_window=12,
+        max_window_layers=1)),
+    "phi3-partial-rotary-window": ("Phi3ForCausalLM", dict(
+        num_key_value_heads=2, head_dim=32, hidden_size=128, num_attention_heads=4, partial_rotary_factor=0.5,
+        sliding_window=10, tie_word_embeddings=False)),
+    "gemma2": ("Gemma2ForCausalLM", dict(
+        head_dim=32, query_pre_attn_scalar=48, sliding_window=8, attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh")),
+    "gemma3": ("Gemma3ForCausalLM", dict(
+        num_hidden_layers=3, head_dim=32, query_pre_attn_scalar=64, sliding_window=20,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], rope_theta=1_000_000.0,
+        rope_local_base_freq=10000.0, rope_scaling={"rope_type": "linear", "factor": 8.0})),
+    "mixtral-windowed": ("MixtralForCausalLM", dict(
+        intermediate_size=96, num_local_experts=4, num_experts_per_tok=2, sliding_window=24)),
+    "qwen3-moe": ("Qwen3MoeForCausalLM", dict(
+        head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=False,
+        num_hidden_layers=3, mlp_only_layers=[1])),
+    "qwen3-moe-normed": ("Qwen3MoeForCausalLM", dict(
+        head_dim=32, num_experts=4, num_experts_per_tok=3, moe_intermediate_size=48, norm_topk_prob=True)),
+    "mistral-windowed": ("MistralForCausalLM", dict(sliding_window=8)),
+    "qwen2-windowed": ("Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+}
+"""Each family beside Llama at a small size in its real layout (head layout, windows alternating with global
+layers, soft-caps, expert counts): name -> (architecture, overrides of TINY_CONFIG, two layers unless named).
+Windows are small (8 to 24 tokens) so prompts of 40 tokens and the engine tests' (up to 130) run far past them,
+both smaller than a block of 16 and spanning several."""
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
@@ -115,3 +144,9 @@ def build_tiny_model(
 def build_tiny_llama(out_dir: str | Path, tokenizer_dir: str | Path, seed: int = 0, **overrides) -> Path:
     """The default tiny test model: a 4-layer GQA Llama, ~3.6 M parameters, SmolLM2's tokenizer."""
     return build_tiny_model(out_dir, tokenizer_dir, "LlamaForCausalLM", seed=seed, **overrides)
+
+
+def build_tiny_family(out_dir: str | Path, tokenizer_dir: str | Path, name: str, seed: int = 7) -> Path:
+    """The tiny random model of FAMILIES[name]."""
+    architecture, overrides = FAMILIES[name]
+    return build_tiny_model(out_dir, tokenizer_dir, architecture, seed=seed, **{"num_hidden_layers": 2, **overrides})

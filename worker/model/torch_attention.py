@@ -20,9 +20,11 @@ keeps nothing per shape. Decode attention keeps nothing per shape either.
 Everything derived from the metadata (slot indices, masks, host-side lengths) is computed once per step
 (`_plan`) and reused by all layers: the model calls forward once per layer with the same metadata object.
 
-Sliding windows (a query at position p sees keys in (p - window, p]) narrow the same masks, made once per step
-and window; keys outside the window are masked, never read into the result, so their blocks' contents do not
-matter. Soft-capped scores (Gemma2: cap * tanh(score / cap)) are not something scaled_dot_product_attention
+Sliding windows (a query at position p sees keys in (p - window, p]): a windowed layer gathers only the blocks
+from the one holding its earliest query's first key on (about window / block_size + 1 per decode request, however
+long the context), masked to the window; the gather and mask are made once per step and window. The blocks before
+are never read: for a model whose every layer is windowed the engine gives them back, and their block-table
+entries are -1 (FREED_BLOCK), which index_select would refuse. Soft-capped scores (Gemma2: cap * tanh(score / cap)) are not something scaled_dot_product_attention
 takes, so those layers attend through explicit matmuls and a float32 softmax, as transformers' eager path does.
 """
 
@@ -48,17 +50,23 @@ class _Prefill:
     padded_len: int
     """q_len, or q_len padded to whole blocks (a fresh prompt under `TorchAttention.fixed_kernels`)."""
     seq_len: int
-    windowed: dict[int, torch.Tensor] = field(default_factory=dict)
-    """window -> [q_len, seq_len] bool mask: causal and within the window."""
+    windowed: dict[int, tuple] = field(default_factory=dict)
+    """window -> (context blocks from the window's first on or None, its first key's position, [q_len, keys] bool
+    mask: causal and within the window)."""
 
-    def window_mask(self, window: int, device) -> torch.Tensor:
-        mask = self.windowed.get(window)
-        if mask is None:
+    def window_view(self, window: int, block_size: int, device) -> tuple[torch.Tensor | None, int, torch.Tensor]:
+        view = self.windowed.get(window)
+        if view is None:
             q_len = self.q_end - self.q_start
+            first_block = 0
+            if self.context_blocks is not None:  # the earliest query's window starts at its position - window + 1
+                first_block = max(0, self.seq_len - q_len - window + 1) // block_size
+            start = first_block * block_size
             q_pos = torch.arange(self.seq_len - q_len, self.seq_len, device=device)[:, None]
-            keys = torch.arange(self.seq_len, device=device)[None, :]
-            mask = self.windowed[window] = (keys <= q_pos) & (keys > q_pos - window)
-        return mask
+            keys = torch.arange(start, self.seq_len, device=device)[None, :]
+            blocks = None if self.context_blocks is None else self.context_blocks[first_block:]
+            view = self.windowed[window] = (blocks, start, (keys <= q_pos) & (keys > q_pos - window))
+        return view
 
 
 @dataclass(slots=True)
@@ -73,18 +81,33 @@ class _DecodeGroup:
     mask: torch.Tensor | None
     """[n, 1, 1, nb * block_size] bool, True where a key is in the request's context; None if all are."""
     seq_lens: list[int]
-    windowed: dict[int, torch.Tensor] = field(default_factory=dict)
-    """window -> [n, 1, 1, nb * block_size] bool mask: in the context and within the window."""
+    rows: torch.Tensor
+    """[n] int64: the group's rows of `block_tables`."""
+    block_tables: torch.Tensor
+    """The step's [B, max_blocks] block tables."""
+    windowed: dict[int, tuple] = field(default_factory=dict)
+    """window -> (blocks [n * nbw], nbw, [n, 1, 1, nbw * block_size] bool mask): per request the nbw blocks from
+    the one holding its window's first key, masked to the context and the window."""
 
-    def window_mask(self, window: int, block_size: int, device) -> torch.Tensor | None:
-        if window >= max(self.seq_lens):
-            return self.mask
-        mask = self.windowed.get(window)
-        if mask is None:
-            keys = torch.arange(self.num_blocks * block_size, device=device)[None, :]
+    def window_view(self, window: int | None, block_size: int,
+                    device) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+        """(blocks, blocks per request, mask) that a layer with this window attends over."""
+        if window is None or window >= max(self.seq_lens):
+            return self.blocks, self.num_blocks, self.mask
+        view = self.windowed.get(window)
+        if view is None:
+            # The one query of a decode request of context n sees keys [n - window, n).
+            firsts = torch.tensor([max(0, n - window) // block_size for n in self.seq_lens], device=device)[:, None]
+            lasts = torch.tensor([(n - 1) // block_size for n in self.seq_lens], device=device)[:, None]
+            num_blocks = int((lasts - firsts).max()) + 1
+            # A row spanning fewer blocks repeats its own last block, masked: it never reads past its context.
+            cols = torch.minimum(firsts + torch.arange(num_blocks, device=device)[None, :], lasts)  # [n, nbw]
+            blocks = self.block_tables[self.rows[:, None], cols].long().reshape(-1)
+            keys = firsts * block_size + torch.arange(num_blocks * block_size, device=device)[None, :]  # positions
             lens = torch.tensor(self.seq_lens, device=device)[:, None]
-            mask = self.windowed[window] = ((keys < lens) & (keys >= lens - window))[:, None, None, :]
-        return mask
+            mask = ((keys < lens) & (keys >= lens - window))[:, None, None, :]
+            view = self.windowed[window] = (blocks, num_blocks, mask)
+        return view
 
 
 DECODE_PADDING = 1.25
@@ -195,7 +218,7 @@ class TorchAttention(AttentionBackend):
                 mask = (keys < torch.tensor(lens, device=device)[:, None])[:, None, None, :]
             in_order = whole_batch and reqs == list(range(num_tokens))
             tokens = None if in_order else torch.tensor([q_start_loc[b] for b in reqs], device=device)
-            decode_groups.append(_DecodeGroup(tokens, blocks, num_blocks, mask, lens))
+            decode_groups.append(_DecodeGroup(tokens, blocks, num_blocks, mask, lens, rows, meta.block_tables))
 
         prefills = []
         for b, q_len in enumerate(q_lens):
@@ -255,6 +278,7 @@ class TorchAttention(AttentionBackend):
             out.index_copy_(0, group.tokens, self._decode(q.index_select(0, group.tokens), k_cache, v_cache, group,
                                                           scale, window, softcap))
         gqa = num_heads != num_kv_heads
+        block_size = k_cache.shape[1]
         for p in plan.prefills:
             q_b = q[p.q_start : p.q_end]  # [n, Hq, D]
             q_len = p.q_end - p.q_start
@@ -262,7 +286,7 @@ class TorchAttention(AttentionBackend):
             if p.context_blocks is None:
                 k_b, v_b = k[p.q_start : p.q_end], v[p.q_start : p.q_end]  # [n, Hkv, D]
                 if windowed or softcap is not None:
-                    mask = p.window_mask(window, q.device) if windowed else None
+                    mask = p.window_view(window, block_size, q.device)[2] if windowed else None
                     o_b = _attend(q_b.transpose(0, 1), k_b.transpose(0, 1), v_b.transpose(0, 1), mask, scale, softcap,
                                   is_causal=mask is None)
                 else:
@@ -272,14 +296,14 @@ class TorchAttention(AttentionBackend):
                                                          v_b.transpose(0, 1), is_causal=True, scale=scale,
                                                          enable_gqa=gqa)
             else:
-                seq_len = p.seq_len
-                # Whole blocks gathered, then cut to the context: [Hkv, seq_len, D].
-                k_b = k_cache.index_select(0, p.context_blocks).flatten(0, 1)[:seq_len].transpose(0, 1)
-                v_b = v_cache.index_select(0, p.context_blocks).flatten(0, 1)[:seq_len].transpose(0, 1)
+                blocks, start, mask = (p.window_view(window, block_size, q.device) if windowed
+                                       else (p.context_blocks, 0, p.mask))
+                # Whole blocks gathered, then cut to the keys [start, seq_len): [Hkv, seq_len - start, D].
+                k_b = k_cache.index_select(0, blocks).flatten(0, 1)[: p.seq_len - start].transpose(0, 1)
+                v_b = v_cache.index_select(0, blocks).flatten(0, 1)[: p.seq_len - start].transpose(0, 1)
                 q_b = q_b.transpose(0, 1)
                 if self.fixed_kernels:
                     q_b, k_b, v_b = q_b.float(), k_b.float(), v_b.float()
-                mask = p.window_mask(window, q.device) if windowed else p.mask
                 o_b = _attend(q_b, k_b, v_b, mask, scale, softcap).to(q.dtype)
             out[p.q_start : p.q_end] = o_b[:, :q_len].transpose(0, 1)
         return out
@@ -311,12 +335,12 @@ class TorchAttention(AttentionBackend):
     ) -> torch.Tensor:  # [n, Hq, D]
         num_reqs, num_heads, _ = q.shape
         _, block_size, num_kv_heads, head_dim = k_cache.shape
-        ctx_len = group.num_blocks * block_size
+        blocks, num_blocks, mask = group.window_view(window, block_size, q.device)  # mask [n, 1, 1, L]
+        ctx_len = num_blocks * block_size
         # index_select of whole blocks, not k_flat[slots]: one index per block, and advanced indexing is
         # several times slower on the CPU.
-        k_ctx = k_cache.index_select(0, group.blocks).view(num_reqs, ctx_len, num_kv_heads, head_dim)
-        v_ctx = v_cache.index_select(0, group.blocks).view(num_reqs, ctx_len, num_kv_heads, head_dim)
-        mask = group.mask if window is None else group.window_mask(window, block_size, q.device)  # [n, 1, 1, L]
+        k_ctx = k_cache.index_select(0, blocks).view(num_reqs, ctx_len, num_kv_heads, head_dim)
+        v_ctx = v_cache.index_select(0, blocks).view(num_reqs, ctx_len, num_kv_heads, head_dim)
         out = _attend(
             q.unsqueeze(2),  # [n, Hq, 1, D]
             k_ctx.transpose(1, 2),  # [n, Hkv, L, D]
