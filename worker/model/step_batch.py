@@ -54,6 +54,8 @@ class StepRequests:
     """[B] whether the step reaches the request's last token, so a next token is sampled from it."""
     input_ids: list[int] = field(default_factory=list)
     """[T] the new tokens, request after request."""
+    adapters: list[str | None] = field(default_factory=list)
+    """[B] the LoRA adapter each request runs with (None: the base model); empty when none uses one."""
     pending: list[tuple[int, str]] = field(default_factory=list)
     """(index into input_ids, request id) of each input that is the token a step still in flight samples for
     that request (async scheduling): input_ids holds 0 there until the engine writes the sampled token into the
