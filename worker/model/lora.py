@@ -275,13 +275,19 @@ class AdapterRegistry:
         """Name -> (the files' (size, mtime) when refused, why): refused again at once until the files change."""
         self.num_loads = 0
         self.num_evictions = 0
+        self._listed: tuple[float, list[str]] | None = None
 
     def available(self) -> list[str]:
-        """Names of the folders that hold an adapter config, sorted."""
-        try:
-            return sorted(p.name for p in self.folder.iterdir() if (p / CONFIG_FILE).is_file())
-        except OSError:
-            return []
+        """Names of the folders that hold an adapter config, sorted; listed again at most once a second (the
+        engine's stats, which carry it, are read often)."""
+        now = time.monotonic()
+        if self._listed is None or now - self._listed[0] >= 1.0:
+            try:
+                names = sorted(p.name for p in self.folder.iterdir() if (p / CONFIG_FILE).is_file())
+            except OSError:
+                names = []
+            self._listed = (now, names)
+        return self._listed[1]
 
     def exists(self, name: str) -> bool:
         return _valid_name(name) and (self.folder / name / CONFIG_FILE).is_file()
