@@ -130,3 +130,73 @@ def test_segments_of_interleaved_rows_equal_each_row_alone():
             row += 1
     torch.testing.assert_close(out, expected)
     assert LoraStep.build([None, None], torch.tensor([1, 2]).numpy(), torch.device("cpu")) is None
+
+
+def run(engine: LLMEngine, cases: dict[str, tuple[str | None, str]], prompts) -> dict:
+    return engine.generate([request(rid, model, prompts[key]) for rid, (model, key) in cases.items()])
+
+
+@pytest.mark.slow  # shares the PEFT reference with the test above
+def test_two_resident_of_three_evicts_the_least_recently_used_and_reloads(tiny_model_path, adapters_dir, prompts,
+                                                                          expected):
+    engine = LLMEngine(tiny_settings(model=str(tiny_model_path), adapters_dir=str(adapters_dir), max_loras=2,
+                                     max_num_seqs=16, max_num_batched_tokens=256))
+    loras = engine.runner.loras
+    steps = record_step_adapters(engine)
+    for wave, models in enumerate([("alpha", "beta"), ("gamma",), ("alpha",)]):
+        cases = {f"{wave}-{model}": (model, "own1") for model in models}
+        done = run(engine, cases, prompts)
+        for rid, (model, key) in cases.items():
+            assert done[rid].token_ids == expected[model, key][0], rid
+    # gamma evicted alpha (the least recently used), then alpha evicted beta: four loads, two evictions.
+    assert list(loras.loaded) == ["gamma", "alpha"]
+    assert (loras.num_loads, loras.num_evictions) == (4, 2)
+
+    # All three at once: two run, the third waits until one of them has no running request left.
+    cases = {f"all-{model}": (model, key) for model in ADAPTERS for key in ("shared", "own2")}
+    done = run(engine, cases, prompts)
+    for rid, (model, key) in cases.items():
+        assert done[rid].token_ids == expected[model, key][0], rid
+    assert max(len(step - {None}) for step in steps) == 2
+    assert len(loras.loaded) == 2
+
+
+@pytest.mark.slow  # makes its adapters with PEFT (the module fixture)
+def test_adapters_that_cannot_be_served_are_refused_and_the_rest_is_served(tiny_model_path, adapters_dir, prompts,
+                                                                            tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "adapters"
+    shutil.copytree(adapters_dir / "alpha", folder / "alpha")
+    shutil.copytree(adapters_dir / "gamma", folder / "big")  # rank 16, over the limit of 8 below
+    shutil.copytree(adapters_dir / "alpha", folder / "misfit")
+    tensors = load_file(folder / "misfit" / "adapter_model.safetensors")
+    name = next(n for n in tensors if "layers.1.self_attn.k_proj.lora_B" in n)
+    tensors[name] = torch.zeros(48, 8)  # the base's k_proj has 128 outputs
+    save_file(tensors, folder / "misfit" / "adapter_model.safetensors")
+    shutil.copytree(adapters_dir / "alpha", folder / "corrupt")
+    weights = folder / "corrupt" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    (folder / "badjson").mkdir()
+    (folder / "badjson" / "adapter_config.json").write_text("{not json")
+
+    engine = LLMEngine(tiny_settings(model=str(tiny_model_path), adapters_dir=str(folder), max_loras=4,
+                                     max_lora_rank=8))
+    reasons = {"big": ("big/adapter_config.json", "rank 16 is over this worker's limit of 8"),
+               "misfit": ("misfit/adapter_model.safetensors", f"layer 1 k_proj: lora_A (8, 64) and lora_B (48, 8)"),
+               "corrupt": ("corrupt/adapter_model.safetensors", "corrupt or unreadable"),
+               "badjson": ("badjson/adapter_config.json", "unreadable"),
+               "nowhere": ("unknown adapter 'nowhere'", "")}
+    for model, (file, why) in reasons.items():
+        [final] = engine.add_request(request(f"bad-{model}", model, prompts["own0"]))
+        assert (final.finished, final.finish_reason, final.error_code) == (True, "error", "invalid_request"), final
+        assert file in final.error_message and why in final.error_message, final.error_message
+    # Asked again, a refused adapter is refused from memory (its files unchanged), not read again.
+    [again] = engine.add_request(request("bad-big-again", "big", prompts["own0"]))
+    assert again.error_message == engine.add_request(request("bad-big-3", "big", prompts["own0"]))[0].error_message
+    assert list(engine.runner.loras.loaded) == []
+    done = run(engine, {"good": ("alpha", "own0"), "base": (None, "own0")}, prompts)
+    assert {rid: c.finish_reason for rid, c in done.items()} == {"good": "length", "base": "length"}
+    assert done["good"].token_ids != done["base"].token_ids
+    assert engine.stats().adapters == ("alpha", "badjson", "big", "corrupt", "misfit")
+    assert engine.stats().loaded_adapters == ("alpha",)
