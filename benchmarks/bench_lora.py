@@ -5,6 +5,9 @@ adapter takes to load.
               model, then the same batch spread round-robin over N adapters of rank r targeting every projection;
               the two alternate `--repeats` times and the best of each counts (other work on the machine only
               slows a run down). Reports both rates and their ratio.
+  step        milliseconds of one decode forward of the batch (each request 64 tokens into its context), base
+              against the adapters' rows side by side as the engine orders them: the minimum of `--step-repeats`
+              alternating runs, which contention on a shared machine cannot lower.
   load        milliseconds to read and check one rank-r adapter of the model (every projection of every layer)
               from a warm page cache into a fresh registry: the median of `--load-repeats` loads.
 
@@ -66,6 +69,26 @@ def run_batch(runner: ModelRunner, settings: EngineSettings, models: list[str | 
     return len(models) * (prompt_len + output_len) / seconds
 
 
+def step_ms(runner: ModelRunner, adapters: list[str | None], repeats: int) -> list[float]:
+    """Minimum milliseconds of one decode forward with these adapters per request; the base's when all None."""
+    from worker.model.step_batch import StepRequests
+
+    context, block = 64, runner.block_size
+    per_request = -(-(context + 1) // block)
+    step = StepRequests(request_ids=[f"s{i}" for i in range(len(adapters))],
+                        block_ids=[list(range(i * per_request, (i + 1) * per_request)) for i in range(len(adapters))],
+                        num_computed=[context] * len(adapters), num_new=[1] * len(adapters),
+                        samples=[True] * len(adapters), input_ids=[100] * len(adapters),
+                        adapters=adapters if any(a is not None for a in adapters) else [])
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runner.execute(runner.prepare_input(step))
+        times.append((time.perf_counter() - start) * 1000)
+    runner.release(step.request_ids)
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="", help="a model folder; default: the provisioned SmolLM2")
@@ -77,6 +100,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--load-repeats", type=int, default=10)
+    parser.add_argument("--step-repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0: torch's default")
     args = parser.parse_args()
     if args.threads:
@@ -99,6 +123,14 @@ def main() -> None:
             registry.get(names[0])
             load_ms.append((time.perf_counter() - start) * 1000)
 
+        for name in names:
+            runner.loras.get(name)
+        sorted_models = sorted((names[i % len(names)] for i in range(args.batch)))
+        base_step, mixed_step = [], []
+        for _ in range(args.step_repeats // 5):
+            base_step += step_ms(runner, [None] * args.batch, 5)
+            mixed_step += step_ms(runner, sorted_models, 5)
+
         base_models = [None] * args.batch
         mixed_models = [names[i % len(names)] for i in range(args.batch)]
         run_batch(runner, settings, mixed_models[:4], 8, 2)  # warm-up: kernels, adapters loaded
@@ -113,6 +145,8 @@ def main() -> None:
         "base_tokens_per_s": round(max(base), 1), "mixed_tokens_per_s": round(max(mixed), 1),
         "mixed_over_base": round(max(mixed) / max(base), 3),
         "all_base_runs": [round(x, 1) for x in base], "all_mixed_runs": [round(x, 1) for x in mixed],
+        "step_ms_base_min": round(min(base_step), 2), "step_ms_mixed_min": round(min(mixed_step), 2),
+        "step_mixed_over_base": round(min(mixed_step) / min(base_step), 3),
         "load_ms_median": round(statistics.median(load_ms), 1), "load_ms_max": round(max(load_ms), 1),
     }
     print(json.dumps(result, indent=2))

@@ -233,6 +233,9 @@ class LLMEngine:
         names = {entry.request.adapter for entry in sched.scheduled if entry.request.adapter is not None}
         if not names:
             return
+        # Each adapter's rows side by side: the runner's LoRA products then run over slices of the step's rows,
+        # with no gather and scatter per adapter (the logits follow this order, and nothing else reads it).
+        sched.scheduled.sort(key=lambda entry: entry.request.adapter or "")
         running = self._adapters_running()
         for name in names:
             try:
