@@ -183,7 +183,7 @@ def test_adapters_that_cannot_be_served_are_refused_and_the_rest_is_served(tiny_
     engine = LLMEngine(tiny_settings(model=str(tiny_model_path), adapters_dir=str(folder), max_loras=4,
                                      max_lora_rank=8))
     reasons = {"big": ("big/adapter_config.json", "rank 16 is over this worker's limit of 8"),
-               "misfit": ("misfit/adapter_model.safetensors", f"layer 1 k_proj: lora_A (8, 64) and lora_B (48, 8)"),
+               "misfit": ("misfit/adapter_model.safetensors", "layer 1 k_proj: lora_A (8, 64) and lora_B (48, 8)"),
                "corrupt": ("corrupt/adapter_model.safetensors", "corrupt or unreadable"),
                "badjson": ("badjson/adapter_config.json", "unreadable"),
                "nowhere": ("unknown adapter 'nowhere'", "")}

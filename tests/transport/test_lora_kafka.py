@@ -37,7 +37,8 @@ async def test_requests_for_different_adapters_get_their_adapters_tokens(kafka_t
                 for model in models for i, prompt in enumerate(prompts)]
     # The base model's folder name is a name for the base too.
     requests.append((1, GenerationRequest(id="named-base", prompt_token_ids=prompts[0], model=tiny_model_path.name,
-                                          max_new_tokens=MAX_NEW, stream=False, sampling=SamplingSpec(ignore_eos=True))))
+                                          max_new_tokens=MAX_NEW, stream=False,
+                                          sampling=SamplingSpec(ignore_eos=True))))
     requests.append((1, GenerationRequest(id="unknown", prompt_token_ids=prompts[0], model="no-such-adapter",
                                           max_new_tokens=MAX_NEW)))
     engine = LLMEngine(EngineSettings(model=str(tiny_model_path), device="cpu", dtype="float32", max_num_seqs=16,

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from worker.model.config import ModelConfig
 
@@ -152,9 +152,9 @@ def load_adapter(folder: Path, config: ModelConfig, max_rank: int, device: torch
                     raise _fail(path, f"tensor {name} targets {projection}, which this worker cannot adapt "
                                 f"(targets: {', '.join(PROJECTIONS if not moe else PROJECTIONS[:4])})")
                 found.setdefault((layer, projection), {})[which] = f.get_tensor(name)
-    except AdapterError:
-        raise
-    except Exception as exc:  # safetensors raises its own error types for a truncated or garbled file
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:  # a truncated or garbled file
+        if isinstance(exc, AdapterError):
+            raise
         raise _fail(path, f"corrupt or unreadable ({type(exc).__name__}: {exc})") from None
     if not found:
         raise _fail(path, "holds no LoRA tensors")
