@@ -295,7 +295,7 @@ class Gateway:
             body, endpoint, request_id, self.models, self.tiers,
             priority_header=headers.get("x-priority"), timeout_header=headers.get("x-timeout-ms"),
             tenant=caller.tenant(headers.get("x-tenant")), session_header=headers.get("x-session-id"),
-            most_urgent=caller.most_urgent)
+            most_urgent=caller.most_urgent, adapters=self._adapters())
         handle = await self._submit(request, wire, priority)
         watch = Disconnect(request)
         handed_over = False
@@ -390,12 +390,17 @@ class Gateway:
     def _model(self, name: str) -> dict:
         return {"id": name, "object": "model", "created": 0, "owned_by": "kafka-llm-worker"}
 
+    def _adapters(self) -> list[str]:
+        """LoRA adapters the workers report serving, less any that shares a base model's name."""
+        return [name for name in self.door.adapters() if name not in self.models]
+
     async def list_models(self, request: Request) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [self._model(m) for m in self.models]})
+        adapters = [{**self._model(name), "parent": self.models[0]} for name in self._adapters()]
+        return JSONResponse({"object": "list", "data": [self._model(m) for m in self.models] + adapters})
 
     async def get_model(self, request: Request) -> JSONResponse:
         name = request.path_params["model"]
-        if name not in self.models:
+        if name not in self.models and name not in self._adapters():
             raise ApiError(404, f"The model `{name}` does not exist", code="model_not_found", param="model")
         return JSONResponse(self._model(name))
 
@@ -471,7 +476,7 @@ class Gateway:
         wire, priority, options = to_wire(
             body, request_id, self.models, self.tiers, priority_header=headers.get("x-priority"),
             timeout_header=headers.get("x-timeout-ms"), tenant=tenant, session_header=headers.get("x-session-id"),
-            most_urgent=caller.most_urgent)
+            most_urgent=caller.most_urgent, adapters=self._adapters())
         if background:
             return JSONResponse(await self.responses.create(response_id, wire, priority, options, caller.owner,
                                                             tenant))

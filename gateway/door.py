@@ -233,6 +233,10 @@ class Door:
                     retry_s = max(retry_s, entry.est_wait_s)
         return why, min(MAX_RETRY_AFTER_S, max(1, math.ceil(retry_s)))
 
+    def adapters(self) -> list[str]:
+        """The LoRA adapters that the workers reporting lately serve (their status records), sorted."""
+        return sorted({name for status in self.client.board.fresh(STATUS_MAX_AGE_S) for name in status.adapters or ()})
+
     async def submit(self, request: GenerationRequest, priority: int, wait_s: float | None = None,
                      headers: list[tuple[str, bytes]] | None = None) -> RequestHandle:
         return await self.client.submit(request, priority, timeout_s=wait_s, headers=headers)

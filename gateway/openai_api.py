@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import re
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -266,20 +267,22 @@ def to_request(body: Any, endpoint: str, request_id: str, models: list[str], tie
                priority_header: str | None = None, timeout_header: str | None = None,
                reply_topic: str | None = None, default_timeout_ms: int | None = None,
                tenant: str | None = None, session_header: str | None = None, most_urgent: int = 0,
+               adapters: Collection[str] = (),
                ) -> tuple[GenerationRequest, int, Options]:
     """(the wire request, its priority, how to shape its answer); raises ApiError for what cannot be served.
 
     Tenants and sessions: the tenant is the caller's API key's, or the X-Tenant header's where the caller may
     name one (a trusted key, or a gateway without keys behind an authenticating proxy), never the body's; the
     session from `prompt_cache_key` (OpenAI's key for requests that share a prefix) or the X-Session-Id header;
-    `cache_salt` as vLLM takes it."""
+    `cache_salt` as vLLM takes it. `adapters`: the LoRA adapters the workers serve besides `models` (their
+    status reports); a `model` naming one travels in the wire's `model`, the base models' names do not."""
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("model is required", "model")
-    if model not in models:
-        raise ApiError(404, f"The model `{model}` does not exist; served: {', '.join(models)}",
+    if model not in models and model not in adapters:
+        raise ApiError(404, f"The model `{model}` does not exist; served: {', '.join([*models, *adapters])}",
                        code="model_not_found", param="model")
     for name in UNSUPPORTED_FIELDS:
         if body.get(name) not in (None, [], {}, ""):
@@ -333,6 +336,8 @@ def to_request(body: Any, endpoint: str, request_id: str, models: list[str], tie
         record["reply_topic"] = reply_topic
     if tenant:
         record["tenant"] = tenant
+    if model not in models:
+        record["model"] = model
     session = _opt(body, "prompt_cache_key", str) or session_header
     if session:
         record["session_id"] = session

@@ -9,6 +9,8 @@ priced by the same tiers and key ceiling as a chat request. `response_object` bu
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import os
 import time
 from dataclasses import dataclass, field
@@ -153,7 +155,7 @@ class ResponseOptions:
 
 def to_wire(body: Any, request_id: str, models: list[str], tiers: Tiers, *, priority_header: str | None = None,
             timeout_header: str | None = None, tenant: str | None = None, session_header: str | None = None,
-            most_urgent: int = 0) -> tuple[GenerationRequest, int, ResponseOptions]:
+            most_urgent: int = 0, adapters: Collection[str] = ()) -> tuple[GenerationRequest, int, ResponseOptions]:
     """(the wire request, its priority, the options echoed in the answer); ApiError for what cannot be served."""
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object")
@@ -194,13 +196,13 @@ def to_wire(body: Any, request_id: str, models: list[str], tiers: Tiers, *, prio
     response_format = text_format(body)
     if response_format is not None:
         chat["response_format"] = response_format
-    if isinstance(chat["model"], str) and chat["model"] not in models:
-        raise ApiError(404, f"The model `{chat['model']}` does not exist; served: {', '.join(models)}",
+    if isinstance(chat["model"], str) and chat["model"] not in models and chat["model"] not in adapters:
+        raise ApiError(404, f"The model `{chat['model']}` does not exist; served: {', '.join([*models, *adapters])}",
                        code="model_not_found", param="model")
     try:
         wire, priority, chat_options = to_request(
             chat, CHAT, request_id, models, tiers, priority_header=priority_header, timeout_header=timeout_header,
-            tenant=tenant, session_header=session_header, most_urgent=most_urgent)
+            tenant=tenant, session_header=session_header, most_urgent=most_urgent, adapters=adapters)
     except ApiError as error:
         if error.param == "max_tokens" or error.param == "max_completion_tokens":
             error.param = "max_output_tokens"

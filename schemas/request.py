@@ -360,6 +360,14 @@ class GenerationRequest(WireRecord, kw_only=True):
             "tenant. The completions of one request (n > 1) always share."))]
         | None
     ) = None
+    model: (
+        Annotated[RequestId, Meta(description=(
+            "Which model answers: the name of a LoRA adapter the workers serve (a folder under their "
+            "ENGINE_ADAPTERS_DIR), or the base model's name. Absent: the base model. An adapter no worker knows "
+            "ends in an error final (invalid_request) naming it. Requests for different adapters and the base run "
+            "in one batch; prefix-cache blocks are never shared between adapters. See docs/lora.md."))]
+        | None
+    ) = None
 
     def __post_init__(self) -> None:
         # Checked here rather than in decode.py so that a request built in Python is held to it too.

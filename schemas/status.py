@@ -102,3 +102,9 @@ class WorkerStatus(WireRecord, kw_only=True):
         "The reply-topic prefixes it allows (KAFKA_ALLOWED_REPLY_TOPIC_PREFIXES): a client whose reply topic "
         "matches neither list learns from these that its requests would be answered on the result topic. Absent "
         "from workers that do not report them."))] | None = None
+    adapters: Annotated[list[str], Meta(description=(
+        "LoRA adapters this worker can serve (the folders of its ENGINE_ADAPTERS_DIR), a request's `model` names "
+        "one; the gateway lists them in GET /v1/models. Absent from workers that serve none."))] | None = None
+    loaded_adapters: Annotated[list[str], Meta(description=(
+        "The adapters loaded now (at most ENGINE_MAX_LORAS), least recently used first: a request for another "
+        "one waits for its load, milliseconds."))] | None = None

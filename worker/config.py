@@ -185,6 +185,16 @@ class EngineSettings(BaseSettings):
     """dynamic policy: the longest the oldest waiting request waits before a partial batch starts."""
     seed: int = 0
     """Seed for requests that sample without a seed of their own."""
+    adapters_dir: str = ""
+    """A folder of LoRA adapters in PEFT's format, one subfolder each (adapter_config.json and
+    adapter_model.safetensors); a request names one by its folder name in `model`. Loaded on first use, no restart
+    needed (docs/lora.md). Empty: the worker serves the base model only."""
+    max_loras: int = Field(4, ge=1)
+    """LoRA adapters loaded at once, and distinct adapters among the running requests (so every step's adapters
+    are loaded): a request for another adapter waits until one is free. The least recently used adapter that no
+    running request uses is evicted to load another."""
+    max_lora_rank: int = Field(64, ge=1)
+    """Highest LoRA rank served; an adapter above it is refused at load."""
     sim_model: str = ""
     """Simulated devices: the model shape, smollm2-135m or llama-3.1-8b (shipped config.json copies), a folder or a
     config.json path; empty: ENGINE_MODEL's own config.json. ENGINE_MODEL's tokenizer serves the text."""

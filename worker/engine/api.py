@@ -152,6 +152,9 @@ class EngineRequest:
     tenant: str = ""
     """Whose request it is: within a priority, a request may preempt another tenant's running one (fair_preempts),
     never its own tenant's."""
+    model: str | None = None
+    """The wire's `model`: a LoRA adapter's name (a folder under ENGINE_ADAPTERS_DIR), or None or the base
+    model's name for the base model."""
 
 
 @dataclass(slots=True)
@@ -208,6 +211,10 @@ class EngineStats:
     num_waiting_by_priority: tuple[int, ...] = ()
     """Requests in the scheduler's waiting queue (not started, or preempted), by priority 0, 1, ...; () where
     an engine does not count them."""
+    adapters: tuple[str, ...] = ()
+    """LoRA adapters this worker can serve (the folders under ENGINE_ADAPTERS_DIR)."""
+    loaded_adapters: tuple[str, ...] = ()
+    """The adapters loaded now, least recently used first."""
     num_compiling: int = 0
     """Structured-output requests held outside the scheduler while their grammars compile (in num_waiting too):
     they hold no seat yet, and most hostile formats end there."""

@@ -35,6 +35,7 @@ def build_step_requests(output: SchedulerOutput) -> StepRequests:
     from its persistent buffers. A decode entry costs a few list appends."""
     scheduled = output.scheduled
     requests = [entry.request for entry in scheduled]
+    adapters = [request.adapter for request in requests]
     input_ids: list[int] = []
     pending: list[tuple[int, str]] = []
     for entry in scheduled:  # runs for every request at every step: properties inlined
@@ -56,6 +57,7 @@ def build_step_requests(output: SchedulerOutput) -> StepRequests:
         num_new=[entry.num_new_tokens for entry in scheduled],
         samples=[entry.samples for entry in scheduled],
         input_ids=input_ids,
+        adapters=adapters if any(name is not None for name in adapters) else [],
         pending=pending,
         num_freed=[request.num_freed_blocks for request in requests],
     )

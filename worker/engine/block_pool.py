@@ -37,12 +37,16 @@ FREED_BLOCK = -1
 block id: attention must not read it (worker/model/torch_attention.py gathers only from a window's first block)."""
 
 
-def salt_key(cache_salt: str | None) -> bytes:
-    """The parent key of a request's first block: b"" for the shared namespace, else a key of the salt, so the
-    same tokens under two salts never share a block (a tenant cannot time another's prompts)."""
-    if cache_salt is None:
+def salt_key(cache_salt: str | None, adapter: str | None = None) -> bytes:
+    """The parent key of a request's first block: b"" for the shared namespace of the base model, else a key of
+    the salt and the adapter, so the same tokens under two salts never share a block (a tenant cannot time
+    another's prompts), nor under two LoRA adapters (their K/V differ: an adapter changes q, k and v)."""
+    if cache_salt is None and adapter is None:
         return b""
-    return hashlib.sha256(b"salt\0" + cache_salt.encode("utf-8", "surrogatepass")).digest()
+    key = b"salt\0" + (cache_salt or "").encode("utf-8", "surrogatepass")
+    if adapter is not None:
+        key += b"\0adapter\0" + adapter.encode("utf-8", "surrogatepass")
+    return hashlib.sha256(key).digest()
 
 
 def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:

@@ -14,6 +14,7 @@ import logging
 import time
 import zlib
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from worker.config import EngineSettings
 from worker.engine.api import EngineRequest, EngineStats, RequestOutput, SamplingParams, TokenLogprobs
@@ -26,6 +27,7 @@ from worker.engine.scheduler_output import RequestUpdate, ScheduledRequest, Sche
 from worker.engine.step_time import StepTimeModel
 from worker.model.structured.compile import GrammarLimits
 from worker.model.input import Launched, StepArrays
+from worker.model.lora import AdapterError
 from worker.model.step_batch import StepRequests
 from worker.model.structured.manager import StructuredOutputManager
 from worker.tools.render import render_chat, template_renders_tools
@@ -98,6 +100,10 @@ class LLMEngine:
         self.runner = runner or make_runner(self.settings)
         self.runner.reset()  # a shared runner may still hold rows of another engine's unfinished requests
         self.tokenizer = self.runner.tokenizer
+        model_path = getattr(self.runner, "model_path", None)
+        self.base_model_names = tuple(dict.fromkeys(
+            [self.settings.model, Path(self.settings.model).name] + ([model_path.name] if model_path else [])))
+        """What a request's `model` may say for the base model: ENGINE_MODEL as set, and its folder's name."""
         self.native_tools = template_renders_tools(getattr(self.tokenizer, "chat_template", None))
         """The model's template shows tools in the convention the worker parses; else the generic format."""
         # Runners stood in by tests may not say; their models then keep every block.
@@ -158,6 +164,7 @@ class LLMEngine:
         now = time.monotonic()
         arrival = request.arrival_time if request.arrival_time is not None else now
         try:
+            adapter = self._adapter_of(request.model)
             token_ids = self.tokenize(request)
         except InvalidRequest as exc:
             return [RequestOutput(request.request_id, [], "", True, "error", exc.code, str(exc), arrival_time=arrival,
@@ -172,9 +179,10 @@ class LLMEngine:
             deadline=request.deadline,
             eos_token_ids=() if sampling.ignore_eos else tuple(self.runner.eos_token_ids),
             prefix_leader=request.prefix_leader,
-            cache_salt=salt_key(request.cache_salt),
+            cache_salt=salt_key(request.cache_salt, None if adapter is None else self.runner.loras.key(adapter)),
             fair_tag=request.fair_tag,
             tenant=request.tenant,
+            adapter=adapter,
         )
         live = _Live(
             IncrementalDetokenizer(self.tokenizer, token_ids, stop=sampling.stop),
@@ -199,6 +207,50 @@ class LLMEngine:
         ready = self.structured.add(req.request_id, sampling.structured.kind, sampling.structured.spec, (req, live),
                                     now)
         return [] if ready is None else self._start_constrained(*ready.payload, ready.error)
+
+    def _adapter_of(self, model: str | None) -> str | None:
+        """The adapter a request's `model` names (None: the base model). An adapter is loaded here on first use
+        where a slot is free, so that one which cannot be served is refused before it queues."""
+        if model is None or model in self.base_model_names:
+            return None
+        loras = getattr(self.runner, "loras", None)
+        if loras is None:
+            raise InvalidRequest("invalid_request", f"unknown model {model!r}: this worker serves "
+                                 f"{self.base_model_names[0]!r} and no LoRA adapters (ENGINE_ADAPTERS_DIR)")
+        try:
+            loras.get(model, self._adapters_running())
+        except AdapterError as exc:
+            raise InvalidRequest("invalid_request", str(exc)) from None
+        except RuntimeError:
+            pass  # every slot in use: it loads when a slot frees and the scheduler starts it
+        return model
+
+    def _adapters_running(self) -> set[str]:
+        return {r.adapter for r in self.scheduler.running if r.adapter is not None}
+
+    def _load_adapters(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> None:
+        """Every adapter of the step loaded (evicting ones no running request uses: the scheduler keeps the
+        running requests' adapters within max_loras). One whose files changed into something that cannot be
+        served ends its requests with invalid_request, and they leave the step."""
+        names = {entry.request.adapter for entry in sched.scheduled if entry.request.adapter is not None}
+        if not names:
+            return
+        # Each adapter's rows side by side: the runner's LoRA products then run over slices of the step's rows,
+        # with no gather and scatter per adapter (the logits follow this order, and nothing else reads it).
+        sched.scheduled.sort(key=lambda entry: entry.request.adapter or "")
+        running = self._adapters_running()
+        for name in names:
+            try:
+                self.runner.loras.get(name, running)
+            except (AdapterError, RuntimeError) as exc:
+                gone = [e for e in sched.scheduled if e.request.adapter == name]
+                sched.scheduled = [e for e in sched.scheduled if e.request.adapter != name]
+                sched.num_batched_tokens -= sum(e.num_new_tokens for e in gone)
+                for request in self.scheduler.finish_requests([e.request_id for e in gone],
+                                                              RequestStatus.FINISHED_ABORTED):
+                    out = self._final(request)
+                    out.finish_reason, out.error_code, out.error_message = "error", "invalid_request", str(exc)
+                    outputs.append(out)
 
     def _start_constrained(self, req: Request, live: _Live, error: str | None) -> list[RequestOutput]:
         if error is not None:  # the format cannot be kept: the request ends before it runs
@@ -345,6 +397,8 @@ class LLMEngine:
         outputs += [self._final(request) for request in sched.deadline_dropped]
         if sched.preempted_request_ids:
             self.runner.release(sched.preempted_request_ids)  # they come back with new block tables
+        if getattr(self.runner, "loras", None) is not None:
+            self._load_adapters(sched, outputs)
         return sched
 
     def _launch(self, sched: SchedulerOutput, step: StepRequests, arrays: StepArrays) -> _InFlight:
@@ -504,7 +558,14 @@ class LLMEngine:
             protected_priorities=self.scheduler.protected_priorities,
             num_waiting_by_priority=self.scheduler.num_waiting_by_priority(),
             num_compiling=self.structured.num_held,
+            **self._adapter_stats(),
         )
+
+    def _adapter_stats(self) -> dict:
+        loras = getattr(self.runner, "loras", None)
+        if loras is None:
+            return {}
+        return {"adapters": tuple(loras.available()), "loaded_adapters": tuple(loras.loaded)}
 
     def generate(self, requests: list[EngineRequest]) -> dict[str, Completion]:
         """Run requests to completion (all known up front) and gather each one's tokens and text."""

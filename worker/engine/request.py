@@ -49,6 +49,8 @@ class Request:
     """Waiting order within a priority before arrival time (api.EngineRequest.fair_tag)."""
     tenant: str = ""
     """api.EngineRequest.tenant: fair preemption happens only between tenants."""
+    adapter: str | None = None
+    """The LoRA adapter it runs with (None: the base model); the scheduler bounds the distinct adapters running."""
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -44,6 +44,8 @@ class Scheduler:
         self.block_size = settings.block_size
         self.max_num_batched_tokens = settings.max_num_batched_tokens
         self.max_num_seqs = settings.max_num_seqs
+        self.max_loras = settings.max_loras
+        """Distinct LoRA adapters among the running requests, at most: the runner keeps that many loaded."""
         self.deadlines = DeadlinePlanner(self.max_num_batched_tokens, settings.protected_priorities)
         # A request alone must always fit the pool, or preempting it would never help: cap its length there.
         # Under windows on every layer it holds at most its window and a step's chunk, however long it grows.
@@ -240,9 +242,15 @@ class Scheduler:
         # The size the next steps will have, for judging whether a waiting request can still finish.
         next_tokens = min(self.max_num_batched_tokens, len(self.running) + self.waiting.num_prompt_tokens
                           ) if step_cost[1] > 0 else 0
+        adapters: set[str] | None = None
         for request in self.policy.candidates(self.waiting, now):
             if budget == 0:
                 break
+            if request.adapter is not None:
+                if adapters is None:
+                    adapters = {r.adapter for r in self.running if r.adapter is not None}
+                if request.adapter not in adapters and len(adapters) >= self.max_loras:
+                    continue  # waits for an adapter's requests to finish; other adapters' and the base's go on
             if self.deadlines.cannot_finish(request, now, step_cost, next_tokens, len(self.running)):
                 hopeless.append(request)
                 continue
@@ -263,6 +271,8 @@ class Scheduler:
             if not placed:
                 break
             admitted.append(request)
+            if adapters is not None and request.adapter is not None:
+                adapters.add(request.adapter)
         for request in admitted:
             self.waiting.remove(request)
         for request in hopeless:
@@ -380,6 +390,7 @@ class Scheduler:
         waiting_ids = {request.request_id for request in self.waiting}
         assert len(running_ids) == len(self.running) and len(waiting_ids) == len(self.waiting)
         assert not running_ids & waiting_ids and running_ids | waiting_ids == self.requests.keys()
+        assert len({r.adapter for r in self.running if r.adapter is not None}) <= self.max_loras
         for request in self.running:
             assert request.status is RequestStatus.RUNNING and request.block_ids, request.request_id
             assert request.num_computed_tokens < request.num_tokens <= self.max_model_len, request.request_id

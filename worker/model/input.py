@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,6 +23,9 @@ from worker.model.step_batch import StepBatch, StepRequests
 
 FREED_BLOCK = -1
 """worker.engine.block_pool.FREED_BLOCK (the model layer does not import the engine's)."""
+
+if TYPE_CHECKING:
+    from worker.model.lora import LoraStep
 
 
 @dataclass(slots=True)
@@ -51,6 +55,8 @@ class ModelInput:
     attn: AttentionMetadata
     logits_indices: torch.Tensor
     """[S] int64: indices into T whose logits are computed (last token of each request that samples)."""
+    lora: LoraStep | None = None
+    """The step's rows grouped by adapter (worker/model/lora.py); None when every row runs the base model."""
 
 
 @dataclass(slots=True)

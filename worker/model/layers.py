@@ -19,6 +19,7 @@ from torch import nn
 from worker.model.attention import AttentionBackend
 from worker.model.config import ModelConfig, rope_cos_sin
 from worker.model.input import AttentionMetadata
+from worker.model.lora import LayerLora
 
 Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
@@ -116,10 +117,14 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
         num_tokens: int,
+        lora: LayerLora | None = None,
     ) -> torch.Tensor:  # [R, H]; rows past num_tokens are padding, left out of attention
         c = self.config
         num_rows = x.shape[0]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)[:num_tokens]  # [T, (Hq + 2 Hkv) D]
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        if lora is not None:
+            qkv = lora.add("qkv", x, qkv)
+        qkv = qkv[:num_tokens]  # [T, (Hq + 2 Hkv) D]
         qk = qkv[:, : c.q_size + c.kv_size].view(num_tokens, c.num_heads + c.num_kv_heads, c.head_dim)
         if self.q_norm is not None:
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
@@ -136,7 +141,8 @@ class Attention(nn.Module):
         attn = attn.reshape(num_tokens, c.q_size)
         if num_rows > num_tokens:
             attn = F.pad(attn, (0, 0, 0, num_rows - num_tokens))
-        return F.linear(attn, self.o_weight, self.o_bias)
+        out = F.linear(attn, self.o_weight, self.o_bias)
+        return out if lora is None else lora.add("o", attn, out)
 
     def matmuls(self) -> list[tuple[int, torch.Tensor, torch.Tensor | None]]:
         """(input width, weight, bias) of each matmul, for building kernels ahead (ModelRunner)."""
@@ -167,10 +173,14 @@ class GatedMLP(nn.Module):
             out[prefix + "down_proj.bias"] = self.down_bias.data
         return out
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [R, H] -> [R, H]
+    def forward(self, x: torch.Tensor, lora: LayerLora | None = None) -> torch.Tensor:  # [R, H] -> [R, H]
         gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)  # [R, 2I]
+        if lora is not None:
+            gate_up = lora.add("gate_up", x, gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
-        return F.linear(self.act(gate) * up, self.down_weight, self.down_bias)
+        h = self.act(gate) * up  # [R, I]
+        out = F.linear(h, self.down_weight, self.down_bias)
+        return out if lora is None else lora.add("down", h, out)
 
     def matmuls(self) -> list[tuple[int, torch.Tensor, torch.Tensor | None]]:
         return [(self.hidden_size, self.gate_up_weight, self.gate_up_bias),

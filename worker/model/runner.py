@@ -16,6 +16,7 @@ import logging
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -26,6 +27,7 @@ from worker.model.config import (ModelConfig, UnsupportedModelError, load_config
 from worker.model.cuda_graphs import BucketedInput, DecodeGraphs, batch_sizes, graph_mode, triton_interpreted
 from worker.model.input import Launched, ModelInput, PersistentInput, PersistentInputRunner, StepArrays
 from worker.model.loader import load_model
+from worker.model.lora import AdapterRegistry, LoraStep
 from worker.model.pull import resolve_model
 from worker.model.step_batch import StepRequests
 
@@ -143,6 +145,11 @@ class ModelRunner(PersistentInputRunner):
         self.model = load_model(
             self.config, self.model_path, self.backend, self.max_model_len, self.device, self.dtype
         )
+        self.loras: AdapterRegistry | None = None
+        """The LoRA adapters of ENGINE_ADAPTERS_DIR (worker/model/lora.py); None when it is not set."""
+        if settings.adapters_dir:
+            self.loras = AdapterRegistry(settings.adapters_dir, self.config, settings.max_loras,
+                                         settings.max_lora_rank, self.device, self.dtype)
         self.eos_token_ids = load_eos_token_ids(self.model_path, self.config)
         self.vocab_size = self.config.vocab_size
         if not any((self.model_path / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
@@ -339,6 +346,14 @@ class ModelRunner(PersistentInputRunner):
         return self._tokenizer
 
     def input_from(self, step: StepRequests, arrays: StepArrays) -> ModelInput:
+        if step.adapters:  # the captured graphs hold the base model's matmuls only: an adapter's step runs eagerly
+            model_input = self.inputs.tensors(arrays)
+            loaded = self.loras.loaded if self.loras is not None else {}
+            # An adapter that is not loaded (its load failed at this step: the engine ended its requests) runs
+            # as the base; nothing reads those rows.
+            adapters = [None if name is None else loaded.get(name) for name in step.adapters]
+            model_input.lora = LoraStep.build(adapters, np.asarray(step.num_new), self.device)
+            return model_input
         graphs = self.graphs
         if graphs is not None:
             bucket = graphs.bucket_for(step)
@@ -367,6 +382,7 @@ class ModelRunner(PersistentInputRunner):
             attn,
             model_input.logits_indices,
             self._kept_logits if keep else None,
+            model_input.lora,
         )
         kept = keep and self._kept_logits is not None and logits.data_ptr() == self._kept_logits.data_ptr()
         if not kept or self._kept_logits_f32 is None:  # not in the buffer (a step larger than it), or float32

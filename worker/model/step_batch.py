@@ -57,6 +57,8 @@ class StepRequests:
     num_freed: list[int] = field(default_factory=list)
     """[B] leading entries of each block table given back to the pool (block_pool.FREED_BLOCK, -1): they only
     grow until the request's release. Empty: none anywhere."""
+    adapters: list[str | None] = field(default_factory=list)
+    """[B] the LoRA adapter each request runs with (None: the base model); empty when none uses one."""
     pending: list[tuple[int, str]] = field(default_factory=list)
     """(index into input_ids, request id) of each input that is the token a step still in flight samples for
     that request (async scheduling): input_ids holds 0 there until the engine writes the sampled token into the

@@ -116,6 +116,8 @@ class StatusReporter:
             tenants=[TenantStatus(tenant=t.label, tokens_per_s=round(t.tokens_per_s, 3), prompt_tokens=t.prompt_tokens,
                                   output_tokens=t.output_tokens, num_waiting=t.num_waiting,
                                   num_over_quota=t.num_over_quota, over_quota=t.over_quota) for t in view.tenants],
+            adapters=list(stats.adapters) if stats.adapters else None,
+            loaded_adapters=list(stats.loaded_adapters) if stats.adapters else None,
         )
 
     async def publish(self, view: LoadView) -> None:

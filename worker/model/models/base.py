@@ -16,6 +16,7 @@ from torch import nn
 from worker.model.attention import AttentionBackend
 from worker.model.config import ModelConfig
 from worker.model.input import AttentionMetadata
+from worker.model.lora import LoraStep
 from worker.model.layers import Norm, param, rms_norm, rope_tables
 
 
@@ -85,6 +86,7 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [S] int64
         logits_out: torch.Tensor | None = None,  # [>= padded S, V] in the model dtype
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:  # [S, V] in the model dtype; a view of logits_out when given
         num_tokens, num_sampled = input_ids.shape[0], logits_indices.shape[0]
         hidden = self.embed[self._pad(input_ids)]  # [T, H]
@@ -93,9 +95,12 @@ class CausalLM(nn.Module):
         rope = [(self.rope_cos[positions].unsqueeze(1), self.rope_signed_sin[positions].unsqueeze(1))]  # [T, 1, D]
         if self.local_rope is not None:
             rope.append((self.local_rope[0][positions].unsqueeze(1), self.local_rope[1][positions].unsqueeze(1)))
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             cos, sin = rope[layer.rope_index]
-            hidden = layer(hidden, cos, sin, kv_cache, meta, self.backend, num_tokens)
+            if lora is None:
+                hidden = layer(hidden, cos, sin, kv_cache, meta, self.backend, num_tokens)
+            else:
+                hidden = layer(hidden, cos, sin, kv_cache, meta, self.backend, num_tokens, lora.layer(index))
         # Norm and LM head only for the rows that sample: the head is the largest matmul per token.
         hidden = self.norm(hidden[self._pad(logits_indices)], self.final_norm, self.config.rms_norm_eps)  # [S, H]
         return self.lm_head_logits(hidden, logits_out)[:num_sampled]  # [S, V]

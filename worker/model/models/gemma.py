@@ -16,6 +16,7 @@ from torch import nn
 from worker.model.attention import AttentionBackend
 from worker.model.config import ModelConfig
 from worker.model.input import AttentionMetadata
+from worker.model.lora import LayerLora
 from worker.model.layers import Attention, GatedMLP, offset_rms_norm, param, rope_tables
 from worker.model.models.base import CausalLM
 
@@ -49,12 +50,13 @@ class GemmaLayer(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
         num_tokens: int,
+        lora: LayerLora | None = None,
     ) -> torch.Tensor:  # [R, H]
         eps = self.config.rms_norm_eps
         x = self.attn.forward(offset_rms_norm(hidden, self.input_layernorm, eps), cos, sin, kv_cache, meta, backend,
-                              num_tokens)
+                              num_tokens, lora)
         hidden = hidden + offset_rms_norm(x, self.post_attention_layernorm, eps)
-        x = self.mlp.forward(offset_rms_norm(hidden, self.pre_feedforward_layernorm, eps))
+        x = self.mlp.forward(offset_rms_norm(hidden, self.pre_feedforward_layernorm, eps), lora)
         return hidden + offset_rms_norm(x, self.post_feedforward_layernorm, eps)
 
 

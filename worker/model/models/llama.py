@@ -14,6 +14,7 @@ from torch import nn
 from worker.model.attention import AttentionBackend
 from worker.model.config import ModelConfig
 from worker.model.input import AttentionMetadata
+from worker.model.lora import LayerLora
 from worker.model.layers import Attention, GatedMLP, param, rms_norm
 from worker.model.models.base import CausalLM
 from worker.model.models.moe import SparseMoE
@@ -51,14 +52,18 @@ class LlamaLayer(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
         num_tokens: int,
+        lora: LayerLora | None = None,
     ) -> torch.Tensor:  # [R, H]
         """Rows past `num_tokens` are padding (see CausalLM.row_buckets), left out of attention; the matmuls run
         over all R rows. Sublayers are called through .forward: nn.Module's __call__ costs microseconds per
         call, and no hooks are used."""
         eps = self.config.rms_norm_eps
         hidden = hidden + self.attn.forward(rms_norm(hidden, self.input_norm, eps), cos, sin, kv_cache, meta, backend,
-                                    num_tokens)
-        return hidden + self.mlp.forward(rms_norm(hidden, self.post_attn_norm, eps))
+                                            num_tokens, lora)
+        x = rms_norm(hidden, self.post_attn_norm, eps)
+        # Adapters of a mixture of experts target attention only (worker/model/lora.py refuses the rest).
+        return hidden + (self.mlp.forward(x) if lora is None or isinstance(self.mlp, SparseMoE)
+                         else self.mlp.forward(x, lora))
 
 
 class LlamaModel(CausalLM):

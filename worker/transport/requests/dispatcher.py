@@ -151,6 +151,7 @@ def to_engine_requests(queued: QueuedRequest, fair_tag: float = 0.0) -> list[Eng
             cache_salt=cache_salt,
             fair_tag=fair_tag,
             tenant=queued.tenant,
+            model=req.model,
             resume_token_ids=list(resumed.token_ids) if resumed is not None and resumed.token_ids else None,
         ))
     return requests

@@ -1,0 +1,349 @@
+"""LoRA adapters in PEFT's format, loaded at run time and applied per adapter segment of a mixed batch.
+
+An adapter is a folder under ENGINE_ADAPTERS_DIR holding `adapter_config.json` and `adapter_model.safetensors`
+(what PEFT's `save_pretrained` writes); the folder's name is the adapter's name. Each targeted projection W of the
+base gets y = x W^T + s (x A^T) B^T, with A [r, in], B [out, r] and s = lora_alpha / r (lora_alpha / sqrt(r) with
+rsLoRA); s is folded into B when the adapter is loaded.
+
+A step's rows are grouped by adapter (as Punica's SGMV groups them into segments): each adapter present runs one
+shrink matmul (x @ A^T, the targets that share an input fused into one) and one expand per target over exactly
+its rows, and rows of the base model cost nothing. R = rows of the step's matmuls (tokens, or padded), T = tokens,
+r = rank, H = hidden size.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import SafetensorError, safe_open
+
+from worker.model.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The projections an adapter may target, by their Hugging Face names."""
+GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
+          "down": ("down_proj",)}
+"""Our fused matmuls and the projections whose outputs they hold, in row order: targets of one group read the
+same input, so their A matrices are stacked into one shrink."""
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be served: the message names the file and the reason."""
+
+
+def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(out, in) of each targetable projection of the base model."""
+    c = config
+    return {"q_proj": (c.q_size, c.hidden_size), "k_proj": (c.kv_size, c.hidden_size),
+            "v_proj": (c.kv_size, c.hidden_size), "o_proj": (c.hidden_size, c.q_size),
+            "gate_proj": (c.intermediate_size, c.hidden_size), "up_proj": (c.intermediate_size, c.hidden_size),
+            "down_proj": (c.hidden_size, c.intermediate_size)}
+
+
+@dataclass(slots=True)
+class GroupLora:
+    """One adapter's targets within one fused matmul of one layer."""
+
+    a: torch.Tensor
+    """[sum of the targets' r, in]: the targets' A stacked, one shrink for all of them."""
+    parts: list[tuple[int, int, int, torch.Tensor]]
+    """(column offset into the shrink's output, its rank, row offset into the fused output, B scaled [out, r])."""
+
+
+@dataclass(slots=True)
+class LoraAdapter:
+    name: str
+    path: Path
+    rank: int
+    scaling: float
+    layers: list[dict[str, GroupLora]]
+    """Per base layer: fused matmul name ("qkv", "o", "gate_up", "down") -> its LoRA; absent where untargeted."""
+    key: str
+    """Names the weights' version (name, file size and mtime): the prefix cache keys blocks by it, so a changed
+    adapter never meets blocks of its old weights."""
+    num_bytes: int = 0
+
+
+def _fail(path: Path, why: str) -> AdapterError:
+    return AdapterError(f"adapter {path}: {why}")
+
+
+def read_adapter_config(folder: Path) -> dict:
+    path = folder / CONFIG_FILE
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise _fail(path, "missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _fail(path, f"unreadable ({exc})") from None
+    if not isinstance(config, dict):
+        raise _fail(path, "not a JSON object")
+    return config
+
+
+def _scaling(path: Path, config: dict, max_rank: int) -> tuple[int, float]:
+    if config.get("peft_type", "LORA") != "LORA":
+        raise _fail(path, f"peft_type {config.get('peft_type')!r}; only LORA is served")
+    unsupported = {"use_dora": bool(config.get("use_dora")), "fan_in_fan_out": bool(config.get("fan_in_fan_out")),
+                   "bias": config.get("bias", "none") not in (None, "none"),
+                   "modules_to_save": bool(config.get("modules_to_save")),
+                   "rank_pattern": bool(config.get("rank_pattern")), "alpha_pattern": bool(config.get("alpha_pattern")),
+                   "lora_bias": bool(config.get("lora_bias")),
+                   "trainable_token_indices": bool(config.get("trainable_token_indices")),
+                   "layer_replication": bool(config.get("layer_replication"))}
+    named = [name for name, used in unsupported.items() if used]
+    if named:
+        raise _fail(path, f"uses {', '.join(named)}, which this worker does not serve")
+    rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
+    if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, (int, float)):
+        raise _fail(path, f"r must be a positive integer and lora_alpha a number, got r={rank!r} "
+                    f"lora_alpha={alpha!r}")
+    if rank > max_rank:
+        raise _fail(path, f"rank {rank} is over this worker's limit of {max_rank} (ENGINE_MAX_LORA_RANK)")
+    return rank, alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+
+
+def _target(name: str, num_layers: int) -> tuple[int, str, str] | None:
+    """(layer, projection, "lora_A"/"lora_B") of a PEFT tensor name such as
+    base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight; None for another name."""
+    parts = name.split(".")
+    if len(parts) < 5 or parts[-1] != "weight" or parts[-2] not in ("lora_A", "lora_B") or "layers" not in parts:
+        return None
+    index = parts.index("layers")
+    if index + 1 >= len(parts) or not parts[index + 1].isdigit():
+        return None
+    layer = int(parts[index + 1])
+    return (layer, parts[-3], parts[-2]) if layer < num_layers else None
+
+
+def load_adapter(folder: Path, config: ModelConfig, max_rank: int, device: torch.device | str,
+                 dtype: torch.dtype) -> LoraAdapter:
+    """Read and check an adapter folder; raises AdapterError naming the file and what does not fit the base."""
+    rank, scaling = _scaling(folder / CONFIG_FILE, read_adapter_config(folder), max_rank)
+    path = folder / WEIGHTS_FILE
+    if not path.is_file():
+        raise _fail(path, "missing (only safetensors weights are served)")
+    # A mixture of experts has no single gate/up/down to adapt: its adapters target attention only.
+    moe = any(config.is_moe_layer(i) for i in range(config.num_layers))
+    shapes = projection_shapes(config)
+    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                target = _target(name, config.num_layers)
+                if target is None:
+                    raise _fail(path, f"tensor {name} is not a LoRA A or B of a base layer's projection")
+                layer, projection, which = target
+                if projection not in shapes or (moe and projection in GROUPS["gate_up"] + GROUPS["down"]):
+                    raise _fail(path, f"tensor {name} targets {projection}, which this worker cannot adapt "
+                                f"(targets: {', '.join(PROJECTIONS if not moe else PROJECTIONS[:4])})")
+                found.setdefault((layer, projection), {})[which] = f.get_tensor(name)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:  # a truncated or garbled file
+        if isinstance(exc, AdapterError):
+            raise
+        raise _fail(path, f"corrupt or unreadable ({type(exc).__name__}: {exc})") from None
+    if not found:
+        raise _fail(path, "holds no LoRA tensors")
+    layers: list[dict[str, GroupLora]] = [{} for _ in range(config.num_layers)]
+    num_bytes = 0
+    for layer in range(config.num_layers):
+        for group, projections in GROUPS.items():
+            a_parts, parts, column, row = [], [], 0, 0
+            for projection in projections:
+                out_size, in_size = shapes[projection]
+                pair = found.get((layer, projection))
+                if pair is not None:
+                    if set(pair) != {"lora_A", "lora_B"}:
+                        raise _fail(path, f"layer {layer} {projection} has {', '.join(pair)} but not both A and B")
+                    a, b = pair["lora_A"], pair["lora_B"]
+                    r = a.shape[0]
+                    if a.shape != (r, in_size) or b.shape != (out_size, r) or r > max_rank:
+                        raise _fail(path, f"layer {layer} {projection}: lora_A {tuple(a.shape)} and lora_B "
+                                    f"{tuple(b.shape)} do not fit the base's ({out_size}, {in_size}) at a rank "
+                                    f"of at most {max_rank}")
+                    a_parts.append(a)
+                    # Scaled in float32 before the cast: one rounding, where PEFT scales the output.
+                    b_scaled = (b.float() * scaling).to(device=device, dtype=dtype)
+                    parts.append((column, r, row, b_scaled))
+                    column += r
+                    num_bytes += (a.numel() + b.numel()) * dtype.itemsize
+                row += out_size
+            if parts:
+                a_cat = torch.cat(a_parts).to(device=device, dtype=dtype)  # [sum r, in]
+                if not (torch.isfinite(a_cat).all() and all(torch.isfinite(p[3]).all() for p in parts)):
+                    raise _fail(path, f"layer {layer} {group}: weights hold NaN or infinity")
+                layers[layer][group] = GroupLora(a_cat, parts)
+    return LoraAdapter(folder.name, folder, rank, scaling, layers, _weights_key(folder), num_bytes)
+
+
+def _weights_key(folder: Path) -> str:
+    try:
+        stat = (folder / WEIGHTS_FILE).stat()
+    except OSError:
+        return folder.name
+    return f"{folder.name}:{stat.st_size}:{stat.st_mtime_ns}"
+
+
+class LoraStep:
+    """One step's rows grouped by adapter: for each adapter present, the token rows that use it."""
+
+    __slots__ = ("segments",)
+
+    def __init__(self, segments: list[tuple[LoraAdapter, slice | torch.Tensor]]) -> None:
+        self.segments = segments
+        """(adapter, its rows: a slice where they are contiguous, else an index tensor [n])."""
+
+    @classmethod
+    def build(cls, adapters: list[LoraAdapter | None], num_new: np.ndarray,
+              device: torch.device) -> LoraStep | None:
+        """`adapters` [B] (None for the base), `num_new` [B] tokens of each request this step."""
+        if all(a is None for a in adapters):
+            return None
+        starts = np.zeros(len(adapters) + 1, dtype=np.int64)
+        np.cumsum(num_new, out=starts[1:])
+        rows_of: dict[int, list[int]] = {}
+        by_id: dict[int, LoraAdapter] = {}
+        for b, adapter in enumerate(adapters):
+            if adapter is not None:
+                rows_of.setdefault(id(adapter), []).append(b)
+                by_id[id(adapter)] = adapter
+        segments = []
+        for key, requests in rows_of.items():
+            if requests[-1] - requests[0] + 1 == len(requests):  # adjacent requests: contiguous rows
+                rows: slice | torch.Tensor = slice(int(starts[requests[0]]), int(starts[requests[-1] + 1]))
+            else:
+                index = np.concatenate([np.arange(starts[b], starts[b + 1]) for b in requests])
+                rows = torch.from_numpy(index).to(device)
+            segments.append((by_id[key], rows))
+        return cls(segments)
+
+    def layer(self, index: int) -> LayerLora:
+        return LayerLora(self, index)
+
+
+class LayerLora:
+    """A step's LoRA at one layer: what the layer's matmuls add to their outputs."""
+
+    __slots__ = ("step", "index")
+
+    def __init__(self, step: LoraStep, index: int) -> None:
+        self.step, self.index = step, index
+
+    def add(self, group: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out [R, N] += each segment's x[rows] [n, in] @ A^T @ B^T, into the rows of `group`'s targets."""
+        for adapter, rows in self.step.segments:
+            lora = adapter.layers[self.index].get(group)
+            if lora is None:
+                continue
+            shrunk = x[rows] @ lora.a.t()  # [n, sum r]
+            if isinstance(rows, slice):
+                for column, r, row, b in lora.parts:
+                    out[rows, row : row + b.shape[0]] += shrunk[:, column : column + r] @ b.t()
+            else:
+                for column, r, row, b in lora.parts:
+                    target = out[:, row : row + b.shape[0]]
+                    target.index_add_(0, rows, shrunk[:, column : column + r] @ b.t())
+        return out
+
+
+class AdapterRegistry:
+    """The adapters of one folder: which exist, which are loaded (at most `max_loaded`, least recently used
+    evicted first, never one a running request uses), and the refusals of those that cannot be served."""
+
+    def __init__(self, folder: str | Path, config: ModelConfig, max_loaded: int, max_rank: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.folder = Path(folder)
+        self.config, self.max_loaded, self.max_rank = config, max_loaded, max_rank
+        self.device, self.dtype = device, dtype
+        self.loaded: OrderedDict[str, LoraAdapter] = OrderedDict()
+        """Name -> adapter, least recently used first."""
+        self._refused: dict[str, tuple[tuple, str]] = {}
+        """Name -> (the files' (size, mtime) when refused, why): refused again at once until the files change."""
+        self.num_loads = 0
+        self.num_evictions = 0
+        self._listed: tuple[float, list[str]] | None = None
+
+    def available(self) -> list[str]:
+        """Names of the folders that hold an adapter config, sorted; listed again at most once a second (the
+        engine's stats, which carry it, are read often)."""
+        now = time.monotonic()
+        if self._listed is None or now - self._listed[0] >= 1.0:
+            try:
+                names = sorted(p.name for p in self.folder.iterdir() if (p / CONFIG_FILE).is_file())
+            except OSError:
+                names = []
+            self._listed = (now, names)
+        return self._listed[1]
+
+    def exists(self, name: str) -> bool:
+        return _valid_name(name) and (self.folder / name / CONFIG_FILE).is_file()
+
+    def key(self, name: str) -> str:
+        """The version of an adapter's weights (LoraAdapter.key), loaded or not."""
+        adapter = self.loaded.get(name)
+        return adapter.key if adapter is not None else _weights_key(self.folder / name)
+
+    def _stamp(self, name: str) -> tuple:
+        stamps = []
+        for file in (CONFIG_FILE, WEIGHTS_FILE):
+            try:
+                stat = (self.folder / name / file).stat()
+                stamps.append((stat.st_size, stat.st_mtime_ns))
+            except OSError:
+                stamps.append(None)
+        return tuple(stamps)
+
+    def get(self, name: str, in_use: Iterable[str] = ()) -> LoraAdapter:
+        """The loaded adapter `name`, loading it (and evicting the least recently used one outside `in_use` if
+        `max_loaded` are loaded) where it is not. Raises AdapterError for an adapter that cannot be served, and
+        RuntimeError when every loaded adapter is in use."""
+        adapter = self.loaded.get(name)
+        if adapter is not None:
+            self.loaded.move_to_end(name)
+            return adapter
+        if not self.exists(name):
+            raise AdapterError(f"unknown adapter {name!r}: no {name}/{CONFIG_FILE} under {self.folder}")
+        stamp = self._stamp(name)
+        refused = self._refused.get(name)
+        if refused is not None and refused[0] == stamp:
+            raise AdapterError(refused[1])
+        if len(self.loaded) >= self.max_loaded:
+            busy = set(in_use)
+            victim = next((n for n in self.loaded if n not in busy), None)
+            if victim is None:
+                raise RuntimeError(f"all {self.max_loaded} loaded adapters are in use (ENGINE_MAX_LORAS)")
+            del self.loaded[victim]
+            self.num_evictions += 1
+            log.info("adapter %s evicted (least recently used; ENGINE_MAX_LORAS=%d)", victim, self.max_loaded)
+        start = time.perf_counter()
+        try:
+            adapter = load_adapter(self.folder / name, self.config, self.max_rank, self.device, self.dtype)
+        except AdapterError as exc:
+            self._refused[name] = (stamp, str(exc))
+            log.warning("%s", exc)
+            raise
+        self._refused.pop(name, None)
+        self.loaded[name] = adapter
+        self.num_loads += 1
+        log.info("adapter %s loaded: rank %d, %.1f MiB, %.0f ms", name, adapter.rank, adapter.num_bytes / 2**20,
+                 (time.perf_counter() - start) * 1000)
+        return adapter
+
+
+def _valid_name(name: str) -> bool:
+    """A folder name directly under the adapters folder (no path separators, no . or ..)."""
+    return bool(name) and "/" not in name and "\\" not in name and name not in (".", "..") and "\0" not in name
