@@ -310,9 +310,10 @@ class WorkerSettings(BaseSettings):
     """With KAFKA_EXACTLY_ONCE: how long a request partition's finals gather before they are written and
     committed in one transaction with the partition's offset. It bounds the extra time to a final for a
     read_committed reader, and how late such a reader sees chunks (it cannot read past an open transaction)."""
-    progress_interval_ms: float = Field(500.0, gt=0)
+    progress_interval_ms: float = Field(2000.0, gt=0)
     """With exactly-once finals and a progress topic: how often each partition's transactions carry a full
-    round of progress records (schemas/progress.py); a request's first one goes in the next transaction."""
+    round of progress records (schemas/progress.py); a request's first one goes in the next transaction that
+    answers something. Shorter rounds keep the tail a new owner reads back short, at the broker's cost."""
     destination_wait_s: float = Field(5.0, gt=0)
     """How long a topic that records are addressed to (a reply topic above all) may be absent from the broker's
     metadata, or hold a batch without an answer, before its records are answered elsewhere: a final as an

@@ -103,6 +103,10 @@ class Lane:
     progress: list[tuple[bytes, bytes]] = field(default_factory=list)
     """The progress records the next transaction writes (set by _progress_due)."""
     progress_full_round: bool = False
+    round_digest: int = 0
+    """Of the round the next transaction writes."""
+    last_round_digest: int | None = None
+    """Of the last full round committed: an unchanged round is not written again."""
 
 
 class FinalLanes:
@@ -307,13 +311,24 @@ class FinalLanes:
                 lane.writing = False
 
     def _progress_due(self, lane: Lane) -> bool:
-        """Whether the lane has progress records to write now (a round is due, or requests have none yet)."""
+        """Whether the lane has progress records to write now: a full round when one is due and differs from the
+        last; in between, the first records of requests that have none, but only in a transaction that answers
+        something anyway (a transaction of its own costs the broker several requests)."""
+        lane.progress, lane.progress_full_round = [], False
         if self.progress_source is None:
             return False
         full = time.monotonic() - lane.last_round_at >= self.progress_interval_s
-        lane.progress = self.progress_source(lane.partition, full)
-        lane.progress_full_round = full
-        return bool(lane.progress) or (full and lane.resume_from is not None)
+        if not full:
+            if lane.pending:
+                lane.progress = self.progress_source(lane.partition, False)
+            return False
+        records = self.progress_source(lane.partition, True)
+        digest = hash(tuple(records))
+        if digest == lane.last_round_digest and not lane.pending:
+            lane.last_round_at = time.monotonic()  # nothing moved: the last round still stands
+            return False
+        lane.progress, lane.progress_full_round, lane.round_digest = records, True, digest
+        return bool(records) or lane.resume_from is not None
 
     def keep_resume_point(self, partition: TopicPartition, offset: int | None) -> None:
         """The previous owner's resume point, committed again until this worker's first round replaces it."""
@@ -402,6 +417,7 @@ class FinalLanes:
             lane.last_round_at = time.monotonic()
             if found is not None:
                 lane.resume_from = resume_from
+                lane.last_round_digest = lane.round_digest
         # Only now are they done: a transaction that failed leaves them pending, to be written again.
         for offset in answered:
             self.tracker.done(lane.partition, offset)
