@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import tempfile
@@ -81,7 +80,8 @@ def moe_vs_dense(tokenizer_dir: Path, work: Path, num_experts: int, top_k: int, 
                  num_seqs: int, num_steps: int, reps: int) -> dict:
     shape = dict(hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
                  num_hidden_layers=4)
-    moe_path = build_tiny_model(work / "moe", tokenizer_dir, "MixtralForCausalLM", seed=1, intermediate_size=expert_size,
+    moe_path = build_tiny_model(work / "moe", tokenizer_dir, "MixtralForCausalLM", seed=1,
+                                intermediate_size=expert_size,
                                 num_local_experts=num_experts, num_experts_per_tok=top_k, **shape)
     dense_path = build_tiny_model(work / "dense", tokenizer_dir, "MistralForCausalLM", seed=1,
                                   intermediate_size=top_k * expert_size, **shape)

@@ -3,7 +3,8 @@ the worker that takes its partition over continues the stream there instead of s
 
 A worker with exactly-once finals writes, in the transactions of each request partition, a progress record for
 every request of that partition that has delivered output (a full round every WORKER_PROGRESS_INTERVAL_MS, and
-a request's first record in the next transaction that answers something after its first chunk is acknowledged). The record holds only
+a request's first record in the next transaction that answers something after its first chunk is acknowledged).
+The record holds only
 what a consumer can already see: the chunks acknowledged by Kafka, their token ids and text (or, for a request
 that does not stream, what it generated so far). The partition's committed offset metadata points at the
 latest full round; a new owner reads from there to the end with read_committed. Keyed by request id, one

@@ -33,7 +33,8 @@ def settings_for(kafka_bootstrap: str) -> KafkaSettings:
     return KafkaSettings(bootstrap_servers=kafka_bootstrap, request_topic=f"test.requests.{suffix}",
                          result_topic=f"test.results.{suffix}", dead_letter_topic=f"test.dead-letter.{suffix}",
                          status_topic=f"test.status.{suffix}", control_topic=f"test.control.{suffix}",
-                         usage_topic=f"test.usage.{suffix}", progress_topic=f"test.progress.{suffix}", group_id=f"test-workers-{suffix}",
+                         usage_topic=f"test.usage.{suffix}", progress_topic=f"test.progress.{suffix}",
+                         group_id=f"test-workers-{suffix}",
                          allowed_reply_topic_prefixes=[f"test.replies.{suffix}."])
 
 

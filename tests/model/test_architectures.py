@@ -3,7 +3,6 @@ gives the same logits through our loader and forward; what we do not implement f
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest

@@ -84,7 +84,8 @@ def test_moe_runs_each_expert_only_on_its_tokens(arch, norm_topk_prob, monkeypat
 
     num_tokens, num_experts, k, hidden, size = 37, 8, 2, 16, 24
     raw = {"architectures": [arch], "vocab_size": 10, "hidden_size": hidden, "intermediate_size": size,
-           "num_hidden_layers": 1, "num_attention_heads": 2, "num_local_experts": num_experts, "num_experts": num_experts,
+           "num_hidden_layers": 1, "num_attention_heads": 2, "num_local_experts": num_experts,
+           "num_experts": num_experts,
            "num_experts_per_tok": k, "moe_intermediate_size": size, "norm_topk_prob": norm_topk_prob}
     block = moe.SparseMoE(parse_config(raw), "cpu", torch.float32)
     generator = torch.Generator().manual_seed(0)

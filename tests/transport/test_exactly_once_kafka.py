@@ -117,7 +117,8 @@ async def test_one_final_per_request_across_a_broker_restart(tmp_path):
     kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers, request_topic=f"eos.requests.{suffix}",
                           result_topic=f"eos.results.{suffix}", dead_letter_topic=f"eos.dead-letter.{suffix}",
                           status_topic=f"eos.status.{suffix}", control_topic=f"eos.control.{suffix}",
-                          usage_topic=f"eos.usage.{suffix}", progress_topic=f"eos.progress.{suffix}", group_id=f"eos-{suffix}")
+                          usage_topic=f"eos.usage.{suffix}", progress_topic=f"eos.progress.{suffix}",
+                          group_id=f"eos-{suffix}")
     requests = requests_of("restart", 90)
     await asyncio.to_thread(broker.start)
     proc = None

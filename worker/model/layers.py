@@ -146,7 +146,8 @@ class Attention(nn.Module):
 
     def matmuls(self) -> list[tuple[int, torch.Tensor, torch.Tensor | None]]:
         """(input width, weight, bias) of each matmul, for building kernels ahead (ModelRunner)."""
-        return [(self.config.hidden_size, self.qkv_weight, self.qkv_bias), (self.config.q_size, self.o_weight, self.o_bias)]
+        return [(self.config.hidden_size, self.qkv_weight, self.qkv_bias),
+                (self.config.q_size, self.o_weight, self.o_bias)]
 
 
 class GatedMLP(nn.Module):

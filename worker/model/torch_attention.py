@@ -24,8 +24,9 @@ Sliding windows (a query at position p sees keys in (p - window, p]): a windowed
 from the one holding its earliest query's first key on (about window / block_size + 1 per decode request, however
 long the context), masked to the window; the gather and mask are made once per step and window. The blocks before
 are never read: for a model whose every layer is windowed the engine gives them back, and their block-table
-entries are -1 (FREED_BLOCK), which index_select would refuse. Soft-capped scores (Gemma2: cap * tanh(score / cap)) are not something scaled_dot_product_attention
-takes, so those layers attend through explicit matmuls and a float32 softmax, as transformers' eager path does.
+entries are -1 (FREED_BLOCK), which index_select would refuse. Soft-capped scores (Gemma2: cap * tanh(score /
+cap)) are not something scaled_dot_product_attention takes, so those layers attend through explicit matmuls and a
+float32 softmax, as transformers' eager path does.
 """
 
 from __future__ import annotations

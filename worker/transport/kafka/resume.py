@@ -63,7 +63,8 @@ async def _read_to_end(consumer: AIOKafkaConsumer, starts: dict[TopicPartition, 
                 consumer.pause(tp)
 
 
-async def read_progress(client_kwargs: dict, topic: str, starts: dict[int, int]) -> dict[int, dict[str, ProgressRecord]]:
+async def read_progress(client_kwargs: dict, topic: str,
+                        starts: dict[int, int]) -> dict[int, dict[str, ProgressRecord]]:
     """{request partition: {request id: its latest progress record}} read from these progress partitions, each
     from its resume point. Among records of one id the highest attempt wins, then the later one."""
     found: dict[int, dict[str, ProgressRecord]] = {p: {} for p in starts}

@@ -330,7 +330,8 @@ class Streamer:
                 continue
             record = ProgressRecord(id=queued.request.id, attempt=queued.attempt,
                                     partition=getattr(partition, "partition", 0), offset=queued.offset,
-                                    topic=queued.reply_topic, completions=completions, worker_id=self.worker_id, ts_ms=now_ms)
+                                    topic=queued.reply_topic, completions=completions, worker_id=self.worker_id,
+                                    ts_ms=now_ms)
             members[0].recorded = True
             out.append((queued.request.id.encode(), encode(record)))
         return out
