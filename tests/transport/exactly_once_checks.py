@@ -67,17 +67,8 @@ def check_exactly_one(collector: Collector, requests, what: str, shed_ok: bool =
 
 
 def stream_of(collector: Collector, final: FinalRecord, index: int = 0) -> list:
-    """The chunks of the stream `final` ends: its attempt's, and when that attempt resumed an earlier one's
-    stream (resumed_at), the earlier attempts' chunks below that seq (the latest attempt's where several sent
-    one)."""
-    mine = [c for c in collector.results.chunks[(final.id, final.attempt)] if c.index == index]
-    if final.resumed_at is None:
-        return mine
-    earlier: dict[int, object] = {}
-    for (request_id, attempt), chunks in sorted(collector.results.chunks.items(), key=lambda kv: kv[0][1]):
-        if request_id == final.id and attempt < final.attempt:
-            earlier.update({c.seq: c for c in chunks if c.index == index and c.seq < final.resumed_at})
-    return [earlier[seq] for seq in sorted(earlier)] + mine
+    """The chunks of the stream `final` ends (Results.stream_of)."""
+    return collector.results.stream_of(final, index)
 
 
 async def committed_offsets(kafka: KafkaSettings) -> dict[int, int]:

@@ -63,6 +63,19 @@ class Results:
     def latest_final(self, request_id: str) -> FinalRecord:
         return max(self.finals[request_id], key=lambda f: f.attempt)
 
+    def stream_of(self, final: FinalRecord, index: int = 0) -> list[StreamChunk]:
+        """The chunks of the stream `final` ends: its attempt's, and when that attempt resumed an earlier one's
+        stream (resumed_at), the earlier attempts' chunks below that seq (the latest attempt's where several
+        sent one), as a reader that follows resumed_at keeps them."""
+        mine = [c for c in self.chunks.get((final.id, final.attempt), []) if c.index == index]
+        if final.resumed_at is None:
+            return mine
+        earlier: dict[int, StreamChunk] = {}
+        for (request_id, attempt), chunks in sorted(self.chunks.items(), key=lambda kv: kv[0][1]):
+            if request_id == final.id and attempt < final.attempt:
+                earlier.update({c.seq: c for c in chunks if c.index == index and c.seq < final.resumed_at})
+        return [earlier[seq] for seq in sorted(earlier)] + mine
+
     def stream_text(self, request_id: str, attempt: int) -> str:
         return "".join(c.text for c in self.chunks[(request_id, attempt)])
 

@@ -55,9 +55,9 @@ def check_complete_streams(results, requests, expected: dict[str, str] | None) -
     for _, request in requests:
         final = results.latest_final(request.id)
         assert final.status == "completed", final
-        chunks = results.chunks[(request.id, final.attempt)]
+        chunks = results.stream_of(final)  # a resumed attempt's, with the chunks below resumed_at
         assert [c.seq for c in chunks] == list(range(final.num_chunks)), request.id
-        text = results.stream_text(request.id, final.attempt)
+        text = "".join(c.text for c in chunks)
         assert text == final.text and final.usage.completion_tokens > 0, request.id
         if expected is not None:
             assert text == expected[request.id]

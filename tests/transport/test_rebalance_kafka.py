@@ -50,10 +50,9 @@ def check_served_once_per_attempt(results, requests) -> None:
     for _, request in requests:
         final = results.latest_final(request.id)
         assert final.status == "completed", final
-        chunks = results.chunks[(request.id, final.attempt)]
+        chunks = results.stream_of(final)  # a resumed attempt's, with the chunks below resumed_at
         assert [c.seq for c in chunks] == list(range(final.num_chunks)), request.id
-        assert results.stream_text(request.id, final.attempt) == final.text == expected_text(
-            as_engine_request(request))
+        assert "".join(c.text for c in chunks) == final.text == expected_text(as_engine_request(request))
         per_attempt = [f.attempt for f in results.finals[request.id]]
         assert len(per_attempt) == len(set(per_attempt)), request.id
 

@@ -77,6 +77,13 @@ class InstantEngine:
         self._counter += 1
         state = _Running(request, zlib.crc32(prompt), max(1, len(prompt)), arrival, order=self._counter,
                          stop_at=self._stop_at(request))
+        # A resumed request goes on after the tokens it delivered: token t is a function of t, so they need no
+        # recompute here, and a request they already end finishes at once.
+        state.num_output_tokens = len(request.resume_token_ids or ())
+        if state.num_output_tokens:
+            reason = self._finish_reason(state)
+            if reason is not None:
+                return [self._finish(state, reason)]
         heapq.heappush(self._waiting, (request.priority, request.fair_tag, self._counter, state))
         return []
 
