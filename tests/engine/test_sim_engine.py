@@ -73,6 +73,7 @@ def test_preemption_on_the_simulated_device_keeps_outputs(tiny_model_path):
     assert {k: v.token_ids for k, v in tight.items()} == {k: v.token_ids for k, v in roomy.items()}
 
 
+@pytest.mark.slow  # ~3 s (calibrates an engine): in the full suite, not the fast subset
 def test_serve_builds_a_simulated_engine_from_the_settings(tiny_model_path, monkeypatch):
     from worker.serve import build_engine
 
