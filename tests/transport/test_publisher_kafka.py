@@ -86,3 +86,45 @@ async def test_records_gather_for_the_gather_time_before_a_send(kafka_topics):
     assert sent_batches[0.0] > 1  # sent as they came
     values = [r.value.decode() for r in await read_all(kafka, kafka.result_topic, 20)]
     assert values == [f"{g}:{i}" for g in (0.0, 0.5) for i in range(10)]  # nothing lost, order kept
+
+
+async def test_a_topic_limit_lowered_under_the_publisher_refuses_only_what_no_longer_fits(kafka_topics):
+    """The broker refuses a batch the publisher built for the topic's old limit: the producer is replaced (its
+    sequence has a gap) and every record that still fits arrives, in order; only the one that is now too large
+    on its own is answered as such. Before, every record of the refused batch was dropped with it."""
+    from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+    kafka = kafka_topics
+    publisher = Publisher(kafka.client_kwargs(), gather_s=lambda: 0.3)
+    publisher.retry_backoff_s = 0.1
+    await publisher.start()
+    acked: list[int] = []
+    try:
+        for i in range(5):  # the limit read while the topic was at its default
+            publisher.publish_nowait(kafka.result_topic, b"k", f"{i:04d}".encode(), lambda i=i: acked.append(i))
+        assert await publisher.wait_acked(20)
+        admin = AIOKafkaAdminClient(**kafka.client_kwargs())
+        await admin.start()
+        try:
+            await admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, kafka.result_topic,
+                                                      {"max.message.bytes": "4000"})])
+        finally:
+            await admin.close()
+        # 40 records of ~250 bytes gather into one batch of ~10 kB under the old limit: over the new one.
+        for i in range(5, 45):
+            publisher.publish_nowait(kafka.result_topic, b"k", f"{i:04d}".encode() + b"." * 250,
+                                     lambda i=i: acked.append(i))
+        publisher.publish_nowait(kafka.result_topic, b"k", b"9999" + b"x" * 6000, lambda: acked.append(-1))
+        for i in range(45, 50):
+            publisher.publish_nowait(kafka.result_topic, b"k", f"{i:04d}".encode(), lambda i=i: acked.append(i))
+        assert await publisher.wait_acked(30)
+    finally:
+        await publisher.stop()
+    assert sorted(acked) == [-1] + list(range(50))
+    assert publisher.num_dropped_records == 1  # the 6 kB record alone
+    assert publisher.num_producer_resets >= 1  # the fault hit: the broker refused a batch the producer sent
+    values = [int(r.value[:4]) for r in await read_all(kafka, kafka.result_topic, 50)]
+    # At least once: a record the old producer may have landed before the refusal can come again, in order.
+    assert sorted(set(values)) == list(range(50)) and 9999 not in values
+    assert [v for i, v in enumerate(values) if i == 0 or v > values[i - 1]] == list(range(50))

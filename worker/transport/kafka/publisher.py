@@ -102,6 +102,10 @@ class Publisher:
         topic gone from the producer's metadata) before the topic is looked up again and its records wait aside."""
         self._parked: dict[str, list[_BufferedRecord]] = defaultdict(list)
         self._inflight: dict[int, tuple[str, float]] = {}
+        self._batch_caps: dict[str, int] = {}
+        """Per topic, a batch size below the one the broker last refused as too large: the limit it reported may
+        have been lowered since, or be above the broker's own. Halved at each such refusal, so at worst records go
+        one to a batch and only a record too large on its own is refused."""
         """Batches handed to the producer and not yet resolved: (topic, when handed), by batch id."""
         self._batch_id = 0
         self._watchdog: asyncio.Task | None = None
@@ -273,7 +277,8 @@ class Publisher:
                 handed.add(record[4])
                 self._undeliverable(record, *problem)
             else:
-                limits[topic] = min(state.max_message_bytes, self._max_request_size)
+                limits[topic] = min(state.max_message_bytes, self._max_request_size,
+                                    self._batch_caps.get(topic, self._max_request_size))
                 groups[(topic, await self.partition_of(topic, record[1]))].append(record)
         try:
             for (topic, partition), group in groups.items():
@@ -366,6 +371,13 @@ class Publisher:
                 self._needs_new_producer = True
                 self._wake.set()
             self.destinations.forget(topic)
+            if len(chunk) > 1:
+                # Records that may each fit: sent again in smaller batches, in order, once the limit is read again
+                # (one that no longer fits on its own is answered then, before it reaches the producer).
+                refused = sum(record_size(record[1], record[2]) for record in chunk)
+                self._batch_caps[topic] = max(1, min(self._batch_caps.get(topic, refused), refused) // 2)
+                self._buffer = sorted(chunk + self._buffer, key=lambda record: record[4])
+                return
             for record in chunk:
                 self._undeliverable(record, "result_too_large", f"refused by the broker as too large ({exc!r})")
             return
