@@ -126,19 +126,31 @@ def hostile_crowd(num: int) -> list[GenerationRequest]:
 
 @pytest.mark.slow  # ~1 min on a shared 2-core machine
 async def test_hostile_crowd_beside_ordinary_requests(kafka_topics, tiny_model_path):
+    """Ordinary requests keep their latency beside a crowd of hostile formats: each completes on its first
+    attempt, and their time to first token stays near what the same worker gives them alone (the compiles run
+    beside the engine's steps, not in them)."""
     kafka = kafka_topics
     hostile = hostile_crowd(30)
+    alone = [request(f"alone-{i}", None, 16) for i in range(10)]
     ordinary = [request(f"ordinary-{i}", None, 16) for i in range(10)]
     mixed = [r for group in zip(hostile[::3], hostile[1::3], hostile[2::3], ordinary) for r in group]
     async with Collector(kafka) as collector:
         async with running_worker(kafka, worker_settings(), tiny_engine(tiny_model_path), max_num_seqs=16):
+            await produce_requests(kafka, [(1, r) for r in alone])  # the baseline, on the warmed-up worker
+            await collector.wait_until(lambda r: all(q.id in r.finals for q in alone), 120, "the baseline")
             await produce_requests(kafka, [(1, r) for r in mixed])
-            await collector.wait_until(lambda r: len(r.finals) == len(mixed), 240, "a final for each")
+            await collector.wait_until(lambda r: len(r.finals) == len(alone) + len(mixed), 240, "a final for each")
     results = collector.results
-    assert sorted(results.finals) == sorted(r.id for r in mixed)
-    assert all(len(results.finals[r.id]) == 1 for r in mixed)
+    ttft = {name: sorted(results.finals[q.id][0].timings.ttft_ms for q in group)
+            for name, group in (("alone", alone), ("beside", ordinary))}
+    print(f"\nordinary requests' TTFT ms alone: {ttft['alone']}\nbeside the hostile crowd: {ttft['beside']}")
+    # The crowd's valid formats and the ordinary requests share the engine's seats, so some wait is theirs; a
+    # compile held in the step loop would add its seconds to every ordinary request instead.
+    assert ttft["beside"][len(ordinary) // 2] <= 3 * ttft["alone"][len(alone) // 2] + 1500, ttft
+    assert sorted(results.finals) == sorted(r.id for r in alone + mixed)
+    assert all(len(results.finals[r.id]) == 1 for r in alone + mixed)
     first_attempt = min(f[0].attempt for f in results.finals.values())  # the group generation at the fetch
-    for r in ordinary:
+    for r in alone + ordinary:
         got = results.finals[r.id][0]
         # Completed, never restarted: one attempt, one stream.
         assert (got.status, got.attempt) == ("completed", first_attempt), got
