@@ -64,8 +64,8 @@ def make_request(i: int, run_id: str, rng: random.Random) -> tuple[int, Generati
 class Fleet:
     """The worker processes; a killed one is replaced by a new one under a new id."""
 
-    def __init__(self, kafka: KafkaSettings, tmp: Path, exactly_once: bool) -> None:
-        self.kafka, self.tmp, self.exactly_once = kafka, tmp, exactly_once
+    def __init__(self, kafka: KafkaSettings, tmp: Path, exactly_once: bool, progress: bool = True) -> None:
+        self.kafka, self.tmp, self.exactly_once, self.progress = kafka, tmp, exactly_once, progress
         self.procs: dict[str, subprocess.Popen] = {}
         self.num_started = 0
         self.kills: list[dict] = []
@@ -77,7 +77,9 @@ class Fleet:
             "KAFKA_BOOTSTRAP_SERVERS": k.bootstrap_servers, "KAFKA_REQUEST_TOPIC": k.request_topic,
             "KAFKA_RESULT_TOPIC": k.result_topic, "KAFKA_DEAD_LETTER_TOPIC": k.dead_letter_topic,
             "KAFKA_STATUS_TOPIC": k.status_topic, "KAFKA_CONTROL_TOPIC": k.control_topic,
-            "KAFKA_USAGE_TOPIC": k.usage_topic, "KAFKA_PROGRESS_TOPIC": k.progress_topic,
+            "KAFKA_USAGE_TOPIC": k.usage_topic,
+            # A topic that does not exist turns the progress records off (one WARNING): the cost of resuming.
+            "KAFKA_PROGRESS_TOPIC": k.progress_topic if self.progress else f"{k.progress_topic}.absent",
             "KAFKA_GROUP_ID": k.group_id,
             "KAFKA_EXACTLY_ONCE": "true" if self.exactly_once else "false",
             "WORKER_WORKER_ID": worker_id, "WORKER_METRICS_PORT": "0", "WORKER_MAX_QUEUE_TIME_S": NO_SHEDDING,
@@ -100,6 +102,9 @@ class Fleet:
         replacement = self.start()
         self.kills.append({"t_s": round(t, 1), "killed": victim, "started": replacement})
         return victim
+
+    def cpu_s(self) -> float:
+        return sum(cpu_seconds(proc.pid) for proc in self.procs.values())
 
     def stop(self) -> None:
         for proc in self.procs.values():
@@ -215,6 +220,27 @@ def stitched(reader: Reader, final: FinalRecord) -> list[StreamChunk]:
     return [earlier[seq] for seq in sorted(earlier)] + list(mine)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def broker_cpu_s(tmp: Path) -> float:
+    """CPU seconds of the session's broker (the java process whose command line names its folder)."""
+    total = 0.0
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(tmp).encode() in cmdline.read_bytes() and b"kafka" in cmdline.read_bytes():
+                total += cpu_seconds(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return total
+
+
 def fresh_topics(bootstrap: str, name: str) -> KafkaSettings:
     s = uuid.uuid4().hex[:8]
     return KafkaSettings(bootstrap_servers=bootstrap, request_topic=f"{name}.requests.{s}",
@@ -288,7 +314,9 @@ async def chaos(args: argparse.Namespace, bootstrap: str, tmp: Path) -> dict:
     return out
 
 
-async def throughput_once(args: argparse.Namespace, bootstrap: str, tmp: Path, exactly_once: bool, rep: int) -> dict:
+async def throughput_once(args: argparse.Namespace, bootstrap: str, tmp: Path, system: str, rep: int) -> dict:
+    """One run of `system`: "exactly-once", "exactly-once-no-progress" (no progress records: streams restart) or
+    "at-least-once"."""
     kafka = fresh_topics(bootstrap, "tput")
     await ensure_topics(kafka)
     rng = random.Random(args.seed + rep)
@@ -297,22 +325,27 @@ async def throughput_once(args: argparse.Namespace, bootstrap: str, tmp: Path, e
     await produce(kafka, requests, None)
     reader = Reader(kafka)
     reading = asyncio.create_task(reader.run())
-    fleet = Fleet(kafka, tmp / f"{'eo' if exactly_once else 'plain'}{rep}", exactly_once)
+    exactly_once = system != "at-least-once"
+    fleet = Fleet(kafka, tmp / f"{system}{rep}", exactly_once, progress=system == "exactly-once")
     fleet.tmp.mkdir(parents=True, exist_ok=True)
+    broker_cpu_at_start = broker_cpu_s(tmp)
     for _ in range(args.workers):
         fleet.start()
     try:
         await wait_for(lambda: reader.first_assigned_at is not None, 300, "first assignment")
         await wait_for(lambda: all(reader.finals.get(i) for i in ids), args.timeout_s, "every final")
+        worker_cpu = fleet.cpu_s()
+        broker_cpu = broker_cpu_s(tmp) - broker_cpu_at_start
         await asyncio.sleep(1.0)
     finally:
         fleet.stop()
         reading.cancel()
         await asyncio.gather(reading, return_exceptions=True)
     wall = reader.last_final_at - reader.first_assigned_at
-    return {"exactly_once": exactly_once, "rep": rep, "wall_s": round(wall, 2),
+    return {"system": system, "exactly_once": exactly_once, "rep": rep, "wall_s": round(wall, 2),
             "finals_per_s": round(len(ids) / wall, 3),
             "output_tokens_per_s": round(sum(reader.finals[i][-1].usage.completion_tokens for i in ids) / wall, 1),
+            "worker_cpu_s": round(worker_cpu, 1), "broker_cpu_s": round(broker_cpu, 1),
             "load_at_end": os.getloadavg()[0]}
 
 
@@ -323,15 +356,21 @@ async def amain(args: argparse.Namespace) -> dict:
         summary: dict = {"load_at_start": os.getloadavg()[0], "cpus": os.cpu_count()}
         if args.throughput:
             runs = []
+            systems = args.systems.split(",")
             for rep in range(args.reps):
-                for exactly_once in (True, False) if rep % 2 == 0 else (False, True):
-                    run = await throughput_once(args, session.bootstrap, session.tmp, exactly_once, rep)
+                for system in systems if rep % 2 == 0 else systems[::-1]:  # alternating order: drift cancels
+                    run = await throughput_once(args, session.bootstrap, session.tmp, system, rep)
                     print(json.dumps(run), flush=True)
                     runs.append(run)
-            on = [r["finals_per_s"] for r in runs if r["exactly_once"]]
-            off = [r["finals_per_s"] for r in runs if not r["exactly_once"]]
+
+            def mean_rate(system: str) -> float:
+                rates = [r["finals_per_s"] for r in runs if r["system"] == system]
+                return sum(rates) / len(rates)
+
+            base = mean_rate("at-least-once") if "at-least-once" in systems else None
             summary.update({"kind": "throughput", "runs": runs,
-                            "ratio_on_off": round(sum(on) / len(on) / (sum(off) / len(off)), 3)})
+                            "ratio_to_at_least_once": {s: round(mean_rate(s) / base, 3) for s in systems}
+                            if base else {}})
         else:
             summary.update({"kind": "chaos", **await chaos(args, session.bootstrap, session.tmp)})
             if summary["num_duplicate_finals"] or summary["num_missing_finals"]:
@@ -355,6 +394,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--throughput", action="store_true", help="exactly-once on against off, no kills")
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--systems", default="exactly-once,at-least-once",
+                   help="with --throughput: any of exactly-once, exactly-once-no-progress, at-least-once")
     p.add_argument("--label", default="")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)

@@ -546,7 +546,7 @@ class LogLimitSettings(BaseSettings):
     repeat_interval_s: float = 60.0
     """Length of one counting interval in seconds; the dropped count is reported when it ends. A broker
     outage keeps about six keys flooding (aiokafka's reconnect, metadata, fetch and coordinator errors),
-    so a key costs up to max_repeats + 1 lines per interval: with 10 s the outage test's minute still logged
+    so a key costs up to max_repeats + 1 lines per interval: with 10 s a one-minute outage still logged
     206 ERROR lines, with 60 s it logs about 50."""
     min_level: str = "WARNING"
     """Records below this level pass untouched (INFO and DEBUG carry progress, not reconnect floods)."""

@@ -4,26 +4,21 @@ offset order, so finals are committed above their partition's committed offset, 
 
 A read_committed reader of the results sees one final per request id when a worker is SIGKILLed, when a worker
 joins while requests run, when a worker frozen (SIGSTOP) past its session timeout resumes and writes its late
-finals (fenced: never visible), and when the broker restarts. Each case first waits, from outside the workers,
-until a final is committed above a committed offset of the partitions the fault moves while requests of them
-are still unanswered (exactly_once_checks.py), and asserts after it that the fault hit: the survivor skipped
-what was answered, the zombie was fenced, the joiner joined before the work ended. The real model does the
-same in test_exactly_once_real_kafka.py."""
+finals (fenced: never visible), and (test_security_kafka) when the broker restarts. Each case first waits, from
+outside the workers, until a final is committed above a committed offset of the partitions the fault moves
+while requests of them are still unanswered (exactly_once_checks.py), and asserts after it that the fault hit:
+the survivor skipped what was answered, the zombie was fenced, the joiner joined before the work ended. The real
+model does the same in test_exactly_once_real_kafka.py."""
 
 from __future__ import annotations
 
 import asyncio
 import signal
-import time
-import uuid
 from pathlib import Path
 
 import pytest
 
 from schemas.request import GenerationRequest
-from worker.broker.local import LocalBroker, free_ports
-from worker.broker.topics import ensure_topics
-from worker.config import KafkaSettings
 from tests.transport.exactly_once_checks import (all_answered, check_exactly_one, owned_by, skipped_in_log, stop,
                                                  third_party_final_counts, unanswered_on,
                                                  wait_for_answers_above_watermark)
@@ -109,40 +104,5 @@ async def test_one_final_per_request_across_a_sigkill_a_rebalance_and_a_frozen_z
     assert {i: c for i, c in counts.items() if c != 1} == {}, "librdkafka read_committed: not one final each"
 
 
-@pytest.mark.slow
-async def test_one_final_per_request_across_a_broker_restart(tmp_path):
-    port, controller_port = free_ports(2)
-    broker = LocalBroker(tmp_path / "broker", port, controller_port, detach=False)
-    suffix = uuid.uuid4().hex[:8]
-    kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers, request_topic=f"eos.requests.{suffix}",
-                          result_topic=f"eos.results.{suffix}", dead_letter_topic=f"eos.dead-letter.{suffix}",
-                          status_topic=f"eos.status.{suffix}", control_topic=f"eos.control.{suffix}",
-                          usage_topic=f"eos.usage.{suffix}", progress_topic=f"eos.progress.{suffix}",
-                          group_id=f"eos-{suffix}")
-    requests = requests_of("restart", 90)
-    await asyncio.to_thread(broker.start)
-    proc = None
-    try:
-        await ensure_topics(kafka)
-        async with Collector(kafka, isolation_level="read_committed") as committed:
-            proc = await run_worker(kafka, "eos", tmp_path)
-            await wait_assigned(committed, {"eos"}, kafka.num_request_partitions)
-            offsets = await produce_requests(kafka, requests)
-            # Stopped while finals are committed above committed offsets and requests still run: the worker's
-            # open transactions abort, and it writes them again once the broker is back.
-            await wait_for_answers_above_watermark(kafka, committed, set(range(kafka.num_request_partitions)),
-                                                   requests, offsets)
-            assert await asyncio.to_thread(broker.stop)
-            await asyncio.sleep(5.0)
-            await asyncio.to_thread(broker.start)
-            restarted = time.monotonic()
-            await committed.wait_until(lambda r: all_answered(committed, requests), 120, "finals after the restart")
-            answered_s = time.monotonic() - restarted
-            await asyncio.sleep(2.0)
-            check_exactly_one(committed, requests, "broker restart")
-        print(f"\nbroker restart: {len(requests)} requests, one final each; all answered {answered_s:.1f} s after "
-              "the broker came back")
-    finally:
-        if proc is not None:
-            await stop([proc])
-        await asyncio.to_thread(broker.stop)
+# A broker restart mid-stream, with exactly one committed final each: test_security_kafka's SASL_SSL broker
+# restart (the same requests and checks, every TLS connection and SASL login made again).

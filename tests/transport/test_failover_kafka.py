@@ -98,6 +98,8 @@ def streaming_on(results, requests, kafka, worker_id: str) -> int:
                and partition_for(priority, q.routing_key, kafka.num_request_partitions, kafka.num_priorities) in owned)
 
 
+# The tiny model's workers are SIGKILLed in test_resume_kafka, the real model's in test_exactly_once_real_kafka.
+@pytest.mark.parametrize("engine_kind", ["fake"], indirect=True)
 async def test_sigkill_one_of_two_workers_loses_nothing(kafka_topics, tmp_path, engine_kind):
     """Exactly-once finals are on by default, so a read_committed reader must see one final per request, not one
     per attempt: the stream of a request the kill cut short is superseded, its final never written."""

@@ -1,4 +1,4 @@
-"""The broker goes away for a minute while a worker runs, then comes back on the same port and data.
+"""The broker goes away for half a minute while a worker runs, then comes back on the same port and data.
 
 What a user cares about: the worker stays up, its log stays readable (no flood of reconnect errors), it
 serves again within seconds of the broker's return, and nothing sent before the outage is lost. A dedicated
@@ -29,7 +29,7 @@ from worker.engine.instant import expected_text
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
-OUTAGE_S = 60.0
+OUTAGE_S = 30.0
 MAX_ERROR_LINES_IN_OUTAGE = 100
 MAX_SERVE_AGAIN_S = 10.0
 LOG_LINE = re.compile(r"^\S+ \S+ (?P<level>[A-Z]+) (?P<logger>[\w.]+): (?P<message>.*)$")
@@ -92,7 +92,7 @@ def error_lines_by_source(log_text: str) -> collections.Counter:
     return counts
 
 
-async def test_worker_rides_out_a_one_minute_broker_outage(tmp_path: Path) -> None:
+async def test_worker_rides_out_a_broker_outage(tmp_path: Path) -> None:
     port, controller_port = free_ports(2)
     broker = LocalBroker(tmp_path / "broker", port, controller_port, detach=False)
     suffix = uuid.uuid4().hex[:12]
