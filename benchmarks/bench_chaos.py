@@ -127,6 +127,9 @@ class Reader:
         self.assigned: dict[str, list[int]] = {}
         self.first_assigned_at: float | None = None
         self.last_final_at = 0.0
+        self.statuses: list = []
+        self.assignment_changes: list[float] = []
+        self.final_times: list[float] = []
 
     async def run(self) -> None:
         k = self.kafka
@@ -145,7 +148,10 @@ class Reader:
     def take(self, topic: str, value: bytes) -> None:
         if topic == self.kafka.status_topic:
             status = decode_status(value)
+            if self.assigned.get(status.worker_id) != status.assigned_partitions:
+                self.assignment_changes.append(time.monotonic())
             self.assigned[status.worker_id] = status.assigned_partitions
+            self.statuses.append((time.monotonic(), status))
             if status.assigned_partitions and self.first_assigned_at is None:
                 self.first_assigned_at = time.monotonic()
         elif topic == self.kafka.usage_topic:
@@ -156,6 +162,7 @@ class Reader:
             if isinstance(record, FinalRecord):
                 self.finals.setdefault(record.id, []).append(record)
                 self.last_final_at = time.monotonic()
+                self.final_times.append(self.last_final_at)
             else:
                 self.chunks.setdefault((record.id, record.attempt), []).append(record)
 
@@ -342,11 +349,50 @@ async def throughput_once(args: argparse.Namespace, bootstrap: str, tmp: Path, s
         reading.cancel()
         await asyncio.gather(reading, return_exceptions=True)
     wall = reader.last_final_at - reader.first_assigned_at
+    # Where the time went: the group settles (the last assignment change), then the steady rate; the engines'
+    # batches and the partitions paused, from the status records (every 0.5 s per worker).
+    settled_at = max([t for t in reader.assignment_changes if t <= reader.last_final_at],
+                     default=reader.first_assigned_at)
+    after = sum(1 for t in reader.final_times if t > settled_at)
+    statuses = [st for t, st in reader.statuses if reader.first_assigned_at <= t <= reader.last_final_at]
+    moved = judge(reader, ids)
     return {"system": system, "exactly_once": exactly_once, "rep": rep, "wall_s": round(wall, 2),
             "finals_per_s": round(len(ids) / wall, 3),
             "output_tokens_per_s": round(sum(reader.finals[i][-1].usage.completion_tokens for i in ids) / wall, 1),
+            "settled_after_s": round(settled_at - reader.first_assigned_at, 1),
+            "finals_before_settled": len(ids) - after,
+            "finals_per_s_after_settled": round(after / max(reader.last_final_at - settled_at, 1e-9), 3),
+            "mean_running": round(sum(st.num_running for st in statuses) / max(len(statuses), 1), 2),
+            "mean_waiting": round(sum(st.num_waiting for st in statuses) / max(len(statuses), 1), 2),
+            "share_paused": round(sum(1 for st in statuses if st.paused_partitions) / max(len(statuses), 1), 3),
+            "share_commit_waiting": round(sum(1 for st in statuses if st.commit_waiting_partitions)
+                                          / max(len(statuses), 1), 3),
+            "requests_resumed": moved["requests_resumed"], "requests_restarted": moved["requests_restarted"],
             "worker_cpu_s": round(worker_cpu, 1), "broker_cpu_s": round(broker_cpu, 1),
             "load_at_end": os.getloadavg()[0]}
+
+
+async def warm_broker(bootstrap: str) -> None:
+    """A transaction and a group commit on the fresh broker, so neither system pays for the broker's internal
+    topics (__transaction_state: 50 partitions made on the first transactional id; __consumer_offsets) inside
+    its measurement, as no long-running cluster does."""
+    kafka = fresh_topics(bootstrap, "warm")
+    await ensure_topics(kafka)
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, transactional_id=f"warm-{uuid.uuid4().hex[:8]}")
+    await producer.start()
+    try:
+        async with producer.transaction():
+            await producer.send_and_wait(kafka.result_topic, b"warm")
+    finally:
+        await producer.stop()
+    consumer = AIOKafkaConsumer(kafka.result_topic, bootstrap_servers=bootstrap, group_id=kafka.group_id,
+                                enable_auto_commit=False, auto_offset_reset="earliest")
+    await consumer.start()
+    try:
+        await consumer.getmany(timeout_ms=2000)
+        await consumer.commit()
+    finally:
+        await consumer.stop()
 
 
 async def amain(args: argparse.Namespace) -> dict:
@@ -355,6 +401,7 @@ async def amain(args: argparse.Namespace) -> dict:
     with kafka_session(prefix="bench-chaos-") as session:
         summary: dict = {"load_at_start": os.getloadavg()[0], "cpus": os.cpu_count()}
         if args.throughput:
+            await warm_broker(session.bootstrap)
             runs = []
             systems = args.systems.split(",")
             for rep in range(args.reps):
