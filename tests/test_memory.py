@@ -372,3 +372,33 @@ def test_a_restart_with_the_tcache_off_keeps_no_freed_small_blocks_for_the_threa
     else:
         assert tunables == "None"
         assert int(held) > 7 * 60 * 256, held  # seven of each class, 16 to 1,008 bytes (about 230 KB)
+
+
+@pytest.mark.slow  # a few seconds: the CLI imports pydantic and the worker before the broker check
+def test_llm_worker_serve_runs_with_the_tcache_off_from_its_first_thread(tmp_path):
+    """The CLI sets the worker's process up before it imports `serve` (worker/process.py): the process that
+    then serves has glibc's tunable in its environment, same pid, whatever it goes on to do (here it waits
+    for a broker that is not there)."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES" and not k.startswith("WORKER_")}
+    proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "serve", "--engine", "instant", "--bootstrap",
+                             f"127.0.0.1:{port}"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            cwd=tmp_path)
+    try:
+        environ = b""
+        deadline = time.monotonic() + 30
+        while b"GLIBC_TUNABLES" not in environ and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+            environ = Path(f"/proc/{proc.pid}/environ").read_bytes()
+        assert b"GLIBC_TUNABLES=glibc.malloc.tcache_count=0" in environ.split(b"\0")
+    finally:
+        proc.kill()
+        proc.wait()

@@ -24,6 +24,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("worker.serve", "consume requests from Kafka, generate, stream results (the worker)"),
     "usage": ("worker.usage_report", "sum the usage topic per tenant and priority (table or JSON)"),
 }
+PROCESS_SETUP: dict[str, str] = {"serve": "worker.process:prepare_serve"}
+"""name -> "module:function" run first, before the command's module is imported: what its process must set up
+before any thread starts (the worker's allocator), kept out of the command's own path."""
 COMMANDS_GROUP = "llm_worker.commands"
 """Entry-point group of commands that other packages add (`name = "module"`; the module has a HELP line)."""
 
@@ -69,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     ours = [h for h in logging.getLogger().handlers if h not in root_handlers]
     install_transient_downgrade(ours)
     limiters = install_repeat_limits(ours)
+    if top.command in PROCESS_SETUP and not {"-h", "--help"} & set(rest):
+        setup_module, setup = PROCESS_SETUP[top.command].split(":")
+        getattr(importlib.import_module(setup_module), setup)()
     if top.command in SUBCOMMANDS:
         module_name, help_text = SUBCOMMANDS[top.command]
     else:

@@ -1,5 +1,6 @@
 """`llm-worker serve`: the worker process. Builds the engine named by the settings and runs a
-`worker.transport.worker.Worker` around it until SIGTERM/SIGINT.
+`worker.transport.worker.Worker` around it until SIGTERM/SIGINT. The process's allocator is set up before this
+module is imported (worker/process.py, run by the CLI).
 
 The one module that knows both sides: the transport only sees the `Engine` protocol (worker/engine/api.py).
 """
@@ -17,16 +18,12 @@ from worker.config import EngineSettings, KafkaSettings, WorkerSettings
 from worker.config_cli import masked_dump
 from worker.engine.api import Engine
 from worker import memory
+from worker.process import configure_allocator
 from worker.transport.kafka.access_check import AccessDenied, Needs, check_access
 from worker.transport.requests.engine_process import EngineProcess
 from worker.transport.worker import ACCESS_DENIED_EXIT, Worker
 
 log = logging.getLogger(__name__)
-
-
-def configure_allocator(settings: WorkerSettings) -> None:
-    memory.configure(settings.malloc_arena_max, settings.malloc_mmap_threshold_bytes, settings.numpy_huge_pages,
-                     settings.numpy_buffer_cache)
 
 
 def build_engine_process(settings: WorkerSettings, kind: str, engine_settings: EngineSettings,
@@ -94,8 +91,6 @@ def run(args: argparse.Namespace) -> int:
                                       ("sim_model", args.sim_model)) if v}
     kafka, settings, engine_settings = (KafkaSettings(**kafka_over), WorkerSettings(**worker_over),
                                         EngineSettings(**engine_over))
-    memory.restart_with_tcache_count(settings.malloc_tcache_count)  # returns where there is nothing to change
-    configure_allocator(settings)  # before the threads that would each make an arena (worker/memory.py)
     try:  # before the model loads: a wrong password or a missing ACL is known in a second, not after a minute
         asyncio.run(check_access(kafka, Needs.of_worker(kafka)))
     except AccessDenied as exc:
