@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.settings import DEFAULT_MODEL, set_threads
-from worker.config import EngineSettings
+from worker.engine.settings import EngineSettings
 from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.engine import LLMEngine
 from worker.memory import freeze_startup_objects

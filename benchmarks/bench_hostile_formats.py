@@ -52,7 +52,9 @@ from schemas.priority import partition_for
 from schemas.request import (GenerationRequest, GrammarFormat, JsonSchemaFormat, JsonSchemaSpec, RegexFormat,
                              SamplingSpec)
 from schemas.result import FinalRecord
-from worker.config import EngineSettings, KafkaSettings, WorkerSettings
+from worker.engine.settings import EngineSettings
+from worker.transport.kafka.settings import KafkaSettings
+from worker.transport.settings import WorkerSettings
 
 RECURSIVE = {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}, "required": ["next"]}}
 

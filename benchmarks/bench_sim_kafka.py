@@ -43,7 +43,8 @@ from benchmarks.settings import DEFAULT_MODEL, min_token_id, set_threads
 from benchmarks.token_times import TokenTimes
 from benchmarks.trace import Trace, TraceConfig, TraceRequest
 from schemas.result import StreamChunk
-from worker.config import EngineSettings, WorkerSettings
+from worker.engine.settings import EngineSettings
+from worker.transport.settings import WorkerSettings
 from worker.engine.engine import LLMEngine
 from worker.model.pull import resolve_model
 from worker.model.sim import SimRunner

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from worker.broker.topics import ensure_topics
-from worker.config import KafkaSettings
+from worker.transport.kafka.settings import KafkaSettings
 
 MODES = ("plaintext", "sasl_ssl", "ssl", "sasl_plaintext")
 

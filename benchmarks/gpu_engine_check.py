@@ -47,7 +47,7 @@ from benchmarks.random_model import build_random_model
 from benchmarks.run_result import compute_metrics
 from benchmarks.settings import engine_settings, set_threads
 from benchmarks.trace import TraceConfig, generate_trace, max_request_len
-from worker.config import EngineSettings
+from worker.engine.settings import EngineSettings
 from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.engine import LLMEngine
 from worker.model.runner import ModelRunner

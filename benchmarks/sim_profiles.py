@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.settings import DEFAULT_MODEL, set_threads
-from worker.config import EngineSettings
+from worker.engine.settings import EngineSettings
 from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.engine import LLMEngine
 from worker.model.sim import DEVICES, ModelShape, SimRunner, sim_config, step_cost

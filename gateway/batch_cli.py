@@ -18,7 +18,9 @@ from pathlib import Path
 from gateway.batch_run import AnswerFile, BatchRunner, Progress, Translator, parse_input
 from gateway.door import Door
 from gateway.openai_api import Tiers, load_token_text
-from worker.config import GatewaySettings, KafkaSettings, PathSettings
+from gateway.settings import GatewaySettings
+from worker.paths import PathSettings
+from worker.transport.kafka.settings import KafkaSettings
 
 HELP = "run an OpenAI batch file (JSONL) through the workers, resumably"
 """The one-line help of `llm-worker --help` (worker/cli.py finds this command by its entry point)."""

@@ -9,7 +9,9 @@ import sys
 import time
 
 from gateway.keys import TENANT, KeyEntry, KeyFileError, digest, new_key, read_keys, write_keys
-from worker.config import GatewaySettings, KafkaSettings, PathSettings
+from gateway.settings import GatewaySettings
+from worker.paths import PathSettings
+from worker.transport.kafka.settings import KafkaSettings
 
 HELP = "the OpenAI-compatible HTTP gateway (chat, completions, files, batches)"
 """The one-line help of `llm-worker --help` (worker/cli.py finds this command by its entry point)."""

@@ -32,7 +32,8 @@ from aiokafka.errors import TopicAlreadyExistsError, for_code
 
 from llm_client import BackoffPolicy, LLMClient, RequestHandle
 from schemas.request import GenerationRequest
-from worker.config import GatewaySettings, KafkaSettings
+from gateway.settings import GatewaySettings
+from worker.transport.kafka.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from gateway.files import write_json
-from worker.config import GatewaySettings
+from gateway.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
 

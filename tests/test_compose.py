@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import inspect
 import re
 import tomllib
 import xml.etree.ElementTree as ET
@@ -14,9 +13,9 @@ import pytest
 import yaml
 from pydantic_settings import BaseSettings
 
-import worker.config
 from worker.cli import SUBCOMMANDS
-from worker.config import GatewaySettings, KafkaSettings
+from gateway.settings import GatewaySettings
+from worker.transport.kafka.settings import KafkaSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIENT_SERVICES = ("topics", "worker", "worker-gpu", "gateway", "producer")
@@ -28,12 +27,9 @@ def services() -> dict[str, dict]:
 
 
 def _settings_by_prefix() -> dict[str, type[BaseSettings]]:
-    classes = [
-        cls
-        for _, cls in inspect.getmembers(worker.config, inspect.isclass)
-        if issubclass(cls, BaseSettings) and cls is not BaseSettings and cls.__module__ == worker.config.__name__
-    ]
-    return {cls.model_config["env_prefix"]: cls for cls in classes}
+    from worker.config_cli import SETTINGS_CLASSES
+
+    return {cls.model_config["env_prefix"]: cls for cls in SETTINGS_CLASSES}
 
 
 def _field_default(name: str):

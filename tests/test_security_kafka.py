@@ -22,7 +22,7 @@ from worker.broker.local import LocalBroker, free_ports
 from worker.broker.pki import CertificateAuthority
 from worker.broker.secure import Security, settings_for
 from worker.broker.topics import ensure_topics
-from worker.config import KafkaSettings
+from worker.transport.kafka.settings import KafkaSettings
 from worker.engine.instant import InstantEngine
 from tests.transport.test_failover_kafka import wait_assigned
 from tests.transport.kafka_helpers import (
@@ -305,7 +305,7 @@ async def test_a_gateway_serves_the_openai_sdk_on_the_sasl_ssl_broker(sasl_ssl: 
     import openai
 
     from tests.gateway.test_gateway_kafka import RunningGateway
-    from worker.config import GatewaySettings
+    from gateway.settings import GatewaySettings
 
     settings = GatewaySettings(data_dir=tmp_path / "gateway", reply_sweep_s=1.0)
     async with running_worker(sasl_ssl.as_("worker"), worker_settings(), InstantEngine(max_num_seqs=8)):

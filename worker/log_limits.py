@@ -22,7 +22,24 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from worker.config import LogLimitSettings
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class LogLimitSettings(BaseSettings):
+    """Limits on repeated log records, for every `llm-worker` command."""
+
+    model_config = SettingsConfigDict(env_prefix="LLM_WORKER_LOG_", extra="ignore", use_attribute_docstrings=True)
+
+    max_repeats: int = 5
+    """Records let through per key (logger, level, message template) per interval; 0 turns limiting off."""
+    repeat_interval_s: float = 60.0
+    """Length of one counting interval in seconds; the dropped count is reported when it ends. A broker
+    outage keeps about six keys flooding (aiokafka's reconnect, metadata, fetch and coordinator errors),
+    so a key costs up to max_repeats + 1 lines per interval: with 10 s a one-minute outage still logged
+    206 ERROR lines, with 60 s it logs about 50."""
+    min_level: str = "WARNING"
+    """Records below this level pass untouched (INFO and DEBUG carry progress, not reconnect floods)."""
+
 
 SUMMARY_ATTR = "repeat_summary"  # set on the summary records: the limiter lets them through as they are
 

@@ -14,7 +14,9 @@ import json
 import logging
 import signal
 
-from worker.config import EngineSettings, KafkaSettings, WorkerSettings
+from worker.engine.settings import EngineSettings
+from worker.transport.kafka.settings import KafkaSettings
+from worker.transport.settings import WorkerSettings
 from worker.config_cli import masked_dump
 from worker.engine.api import Engine
 from worker import memory

@@ -23,7 +23,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from schemas.decode import decode_usage
 from schemas.usage import UsageRecord
-from worker.config import KafkaSettings
+from worker.transport.kafka.settings import KafkaSettings
 
 HELP = "sum the usage topic per tenant and priority (table or JSON)"
 _RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")

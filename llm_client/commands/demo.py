@@ -26,7 +26,8 @@ from llm_client import BackoffPolicy, LLMClient, RequestTimeout
 from llm_client.commands.demo_view import LoadWatch, PrefixedLines, outcome_table, say, shedding_check
 from llm_client.commands.generate import summary_line
 from schemas.request import ChatMessage, GenerationRequest
-from worker.config import KafkaSettings, PathSettings
+from worker.paths import PathSettings
+from worker.transport.kafka.settings import KafkaSettings
 
 HELP = "start a broker and a worker, stream a few answers, then overload it"
 """The one-line help of `llm-worker --help` (worker/cli.py finds this command by its entry point)."""

@@ -19,7 +19,8 @@ from schemas.usage import UsageRecord
 from tests.client.helpers import read_topic
 from tests.gateway.test_gateway_kafka import RunningGateway
 from tests.transport.kafka_helpers import running_worker, worker_settings
-from worker.config import GatewaySettings, KafkaSettings
+from gateway.settings import GatewaySettings
+from worker.transport.kafka.settings import KafkaSettings
 from worker.engine.instant import InstantEngine
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]

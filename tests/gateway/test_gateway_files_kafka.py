@@ -26,7 +26,8 @@ from schemas.request import ChatMessage, GenerationRequest
 from tests.client.helpers import instant_text, read_topic
 from tests.gateway.test_gateway_kafka import RunningGateway, free_port
 from tests.transport.kafka_helpers import REPO, running_worker, subprocess_env, worker_settings
-from worker.config import GatewaySettings, KafkaSettings
+from gateway.settings import GatewaySettings
+from worker.transport.kafka.settings import KafkaSettings
 from worker.engine.instant import InstantEngine
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]

@@ -23,7 +23,8 @@ from schemas.status import PriorityStatus, WorkerStatus
 from tests.client.helpers import RawProducer, read_topic
 from tests.transport.kafka_helpers import Collector, running_worker, worker_settings
 from tests.transport.test_stream_kafka import tiny_engine
-from worker.config import GatewaySettings, KafkaSettings
+from gateway.settings import GatewaySettings
+from worker.transport.kafka.settings import KafkaSettings
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 

@@ -15,7 +15,7 @@ from gateway.app import Caller
 from gateway.cli import open_bind_refusal
 from gateway.keys import KeyEntry, KeyFileError, Keys, digest, new_key, read_keys, write_keys
 from gateway.openai_api import ApiError, Tiers
-from worker.config import GatewaySettings
+from gateway.settings import GatewaySettings
 
 
 def entry(key: str, ident: str, **kw) -> KeyEntry:

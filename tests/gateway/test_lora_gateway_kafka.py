@@ -14,7 +14,9 @@ import pytest
 from tests.gateway.test_gateway_kafka import MODEL, RunningGateway
 from tests.model.lora_adapters import ATTENTION, make_adapter
 from tests.transport.kafka_helpers import running_worker, worker_settings
-from worker.config import EngineSettings, GatewaySettings, KafkaSettings
+from gateway.settings import GatewaySettings
+from worker.engine.settings import EngineSettings
+from worker.transport.kafka.settings import KafkaSettings
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 

@@ -15,7 +15,7 @@ from gateway.responses_api import StreamEvents, outcome, response_object, to_wir
 from gateway.webhooks import configuration_error, new_secret, sign
 from schemas.result import FinalRecord, Usage
 from tests.transport.kafka_helpers import REPO
-from worker.config import GatewaySettings
+from gateway.settings import GatewaySettings
 
 MODEL = "smollm2-135m-instruct"
 TIERS = Tiers(3, 1)

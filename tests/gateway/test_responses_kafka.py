@@ -23,7 +23,7 @@ from tests.client.helpers import read_topic
 from tests.gateway.test_gateway_files_kafka import GatewayProcess, fresh_topics
 from tests.gateway.test_gateway_kafka import RunningGateway
 from tests.transport.kafka_helpers import running_worker, worker_settings
-from worker.config import GatewaySettings
+from gateway.settings import GatewaySettings
 from worker.engine.dynamic import DynamicEngine, eos_point
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]

@@ -11,7 +11,7 @@ import openai
 from prometheus_client import CollectorRegistry, generate_latest
 
 from gateway.webhooks import Webhooks, new_secret
-from worker.config import GatewaySettings
+from gateway.settings import GatewaySettings
 
 SECRET = new_secret()
 

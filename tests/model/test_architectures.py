@@ -175,7 +175,7 @@ def test_tensor_of_the_wrong_shape_fails_loading_naming_it(tiny_model_path, tmp_
 
 
 def test_unknown_model_name_is_a_clear_error(tmp_path):
-    from worker.config import PathSettings
+    from worker.paths import PathSettings
     from worker.model.pull import resolve_model
 
     with pytest.raises(FileNotFoundError, match="llm-worker model pull"):

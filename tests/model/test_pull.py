@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from worker import cli
-from worker.config import PathSettings
+from worker.paths import PathSettings
 from worker.model import pull
 
 

@@ -2,7 +2,8 @@
 
 from schemas.request import ChatMessage
 from worker.broker.acls import Acl, client_acls, worker_acls
-from worker.config import GatewaySettings, KafkaSettings
+from gateway.settings import GatewaySettings
+from worker.transport.kafka.settings import KafkaSettings
 from worker.engine.api import EngineStats
 from worker.transport.load.admission import DEADLINE_SAFETY_FACTOR, DEADLINE_SAFETY_S, Admission, estimate_prompt_tokens
 

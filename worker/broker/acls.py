@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from worker.config import GatewaySettings, KafkaSettings
+from gateway.settings import GatewaySettings
+from worker.transport.kafka.settings import KafkaSettings
 
 RESPONSES_TOPIC = GatewaySettings.model_fields["responses_topic"].default
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from worker.broker.jars import BrokerError, ensure_kafka_jars, find_java
 from worker.broker.net import free_port, free_ports, port_is_free, probe_api_versions
 from worker.broker.secure import Security
-from worker.config import PathSettings
+from worker.paths import PathSettings
 
 log = logging.getLogger(__name__)
 

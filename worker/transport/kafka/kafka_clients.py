@@ -7,7 +7,8 @@ from collections.abc import Awaitable, Callable
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 
-from worker.config import KafkaSettings, WorkerSettings
+from worker.transport.kafka.settings import KafkaSettings
+from worker.transport.settings import WorkerSettings
 from worker.transport.kafka.aiokafka_compat import group_generation
 from worker.transport.kafka.assignor import PriorityRoundRobinAssignor
 
