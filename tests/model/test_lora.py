@@ -104,11 +104,16 @@ def test_segments_of_interleaved_rows_equal_each_row_alone():
     rows nothing; a group's targets land in their own columns."""
     generator = torch.Generator().manual_seed(0)
 
+    parts_of: dict[str, list] = {}
+
     def adapter(name: str, rank: int) -> LoraAdapter:
         a = torch.randn(2 * rank, 6, generator=generator)  # two targets' A stacked
         b1, b2 = torch.randn(3, rank, generator=generator), torch.randn(4, rank, generator=generator)
-        group = GroupLora(a, [(0, rank, 0, b1), (rank, rank, 5, b2)])
-        return LoraAdapter(name, Path(name), rank, 1.0, [{"qkv": group}], name)
+        # Targets in columns 0:3 and 5:9 of the fused output, none in 3:5: the expand spans 0:9, zero there.
+        b = torch.zeros(2 * rank, 9)
+        b[:rank, 0:3], b[rank:, 5:9] = b1.t(), b2.t()
+        parts_of[name] = [(0, rank, 0, b1), (rank, rank, 5, b2)]
+        return LoraAdapter(name, Path(name), rank, 1.0, [{"qkv": GroupLora(a, b, 0, 9)}], name)
 
     first, second = adapter("a", 2), adapter("b", 3)
     per_request = [first, None, second, first, first]
@@ -125,7 +130,7 @@ def test_segments_of_interleaved_rows_equal_each_row_alone():
             if which is not None:
                 g = which.layers[0]["qkv"]
                 s = x[row] @ g.a.t()
-                for column, r, offset, b in g.parts:
+                for column, r, offset, b in parts_of[which.name]:
                     expected[row, offset : offset + b.shape[0]] += s[column : column + r] @ b.t()
             row += 1
     torch.testing.assert_close(out, expected)

@@ -56,12 +56,16 @@ def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
 
 @dataclass(slots=True)
 class GroupLora:
-    """One adapter's targets within one fused matmul of one layer."""
+    """One adapter's targets within one fused matmul of one layer: a shrink and an expand, whatever the number
+    of targets (each a small matmul: in a batch of several adapters their count, not their size, is the cost)."""
 
     a: torch.Tensor
     """[sum of the targets' r, in]: the targets' A stacked, one shrink for all of them."""
-    parts: list[tuple[int, int, int, torch.Tensor]]
-    """(column offset into the shrink's output, its rank, row offset into the fused output, B scaled [out, r])."""
+    b: torch.Tensor
+    """[sum of the targets' r, hi - lo]: the targets' B scaled and transposed, each in its rank's rows and its
+    projection's columns, zero elsewhere: one expand into the fused output's columns lo:hi."""
+    lo: int
+    hi: int
 
 
 @dataclass(slots=True)
@@ -186,7 +190,11 @@ def load_adapter(folder: Path, config: ModelConfig, max_rank: int, device: torch
                 a_cat = torch.cat(a_parts).to(device=device, dtype=dtype)  # [sum r, in]
                 if not (torch.isfinite(a_cat).all() and all(torch.isfinite(p[3]).all() for p in parts)):
                     raise _fail(path, f"layer {layer} {group}: weights hold NaN or infinity")
-                layers[layer][group] = GroupLora(a_cat, parts)
+                lo, hi = parts[0][2], parts[-1][2] + parts[-1][3].shape[0]
+                b_cat = torch.zeros(column, hi - lo, device=device, dtype=dtype)
+                for col, r, out_row, b in parts:
+                    b_cat[col : col + r, out_row - lo : out_row - lo + b.shape[0]] = b.t()
+                layers[layer][group] = GroupLora(a_cat, b_cat, lo, hi)
     return LoraAdapter(folder.name, folder, rank, scaling, layers, _weights_key(folder), num_bytes)
 
 
@@ -249,14 +257,11 @@ class LayerLora:
             lora = adapter.layers[self.index].get(group)
             if lora is None:
                 continue
-            shrunk = x[rows] @ lora.a.t()  # [n, sum r]
+            expanded = (x[rows] @ lora.a.t()) @ lora.b  # [n, hi - lo]
             if isinstance(rows, slice):
-                for column, r, row, b in lora.parts:
-                    out[rows, row : row + b.shape[0]] += shrunk[:, column : column + r] @ b.t()
+                out[rows, lora.lo : lora.hi] += expanded
             else:
-                for column, r, row, b in lora.parts:
-                    target = out[:, row : row + b.shape[0]]
-                    target.index_add_(0, rows, shrunk[:, column : column + r] @ b.t())
+                out[:, lora.lo : lora.hi].index_add_(0, rows, expanded)
         return out
 
 
