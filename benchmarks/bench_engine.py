@@ -5,11 +5,11 @@ Systems (all on one model instance per family, loaded once per process):
   dynamic     LLMEngine, windowed batches that run to completion
   static      LLMEngine, fixed batches of max_batch_size in arrival order
   hf-static   transformers `generate` on left-padded batches of max_batch_size in arrival order; each batch
-              runs to the longest output in it (benchmarks/hf_systems.py)
-  hf-cb       transformers' continuous batching manager (benchmarks/hf_systems.py)
+              runs to the longest output in it (benchmarks/lib/hf_systems.py)
+  hf-cb       transformers' continuous batching manager (benchmarks/lib/hf_systems.py)
 
 Every LLMEngine run gets a fresh scheduler and block pool over the same ModelRunner (weights and KV
-memory), with the same limits for every policy (benchmarks/settings.py). Requests ignore EOS, so each
+memory), with the same limits for every policy (benchmarks/lib/settings.py). Requests ignore EOS, so each
 produces exactly the output length the trace says. Arrivals are open-loop: a request that arrives while a
 step runs is added after it, with its arrival time set to when it arrived, so queueing counts in latency.
 
@@ -26,11 +26,11 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.hf_systems import HFBaselines
-from benchmarks.run_result import RequestRecord, RunResult, compute_metrics
-from benchmarks.settings import (ALL_SYSTEMS, DEFAULT_MODEL, ENGINE_POLICIES, MAX_NUM_SEQS, engine_settings,
-                                 load_runner, min_token_id, set_threads)
-from benchmarks.trace import Trace, TraceConfig, generate_trace
+from benchmarks.lib.hf_systems import HFBaselines
+from benchmarks.lib.run_result import RequestRecord, RunResult, compute_metrics
+from benchmarks.lib.settings import (ALL_SYSTEMS, DEFAULT_MODEL, ENGINE_POLICIES, MAX_NUM_SEQS, engine_settings,
+                                     load_runner, min_token_id, set_threads)
+from benchmarks.lib.trace import Trace, TraceConfig, generate_trace
 from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.engine import LLMEngine
 from worker.model.runner import ModelRunner

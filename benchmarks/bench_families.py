@@ -3,7 +3,7 @@
     .venv/bin/python -m benchmarks.bench_families --num-requests 32 --threads 1
 
 (a) throughput: one offline trace (every request at t=0, EOS ignored) through our engine (continuous policy) and
-    through transformers' continuous batching (`hf-cb`, benchmarks/hf_systems.py: paged sdpa, same token budget,
+    through transformers' continuous batching (`hf-cb`, benchmarks/lib/hf_systems.py: paged sdpa, same token budget,
     request limit, KV budget and page size); output tokens per second of each and their ratio. Where transformers'
     continuous batching fails on a family, its padded batched `generate` (`hf-static`) stands in, and the row
     says so. Floor: ours >= 2x.
@@ -28,10 +28,10 @@ import time
 from pathlib import Path
 
 from benchmarks.bench_engine import run_engine
-from benchmarks.hf_systems import HFBaselines
-from benchmarks.run_result import compute_metrics
-from benchmarks.settings import DEFAULT_MODEL, engine_settings, set_threads
-from benchmarks.trace import TraceConfig, generate_trace
+from benchmarks.lib.hf_systems import HFBaselines
+from benchmarks.lib.run_result import compute_metrics
+from benchmarks.lib.settings import DEFAULT_MODEL, engine_settings, set_threads
+from benchmarks.lib.trace import TraceConfig, generate_trace
 from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.engine import LLMEngine
 from worker.model.pull import resolve_model

@@ -47,7 +47,7 @@ from pathlib import Path
 import httpx2 as httpx
 
 from benchmarks.bench_plumbing import process_cpu_s
-from benchmarks.broker_target import start_broker
+from benchmarks.lib.broker_target import start_broker
 from llm_client import BackoffPolicy, LLMClient
 from schemas.request import ChatMessage, GenerationRequest
 from worker.broker.local import free_ports

@@ -15,7 +15,7 @@
 Repetitions alternate in-process and Kafka runs in ABBA order so drift in machine load affects both.
 
 `--security sasl_ssl` (or ssl, sasl_plaintext) adds a third system: the same Kafka run against a second local
-broker with that listener (benchmarks/broker_target.py), the worker connecting as the `worker` principal and the
+broker with that listener (benchmarks/lib/broker_target.py), the worker connecting as the `worker` principal and the
 client as `client`, each under its ACLs. Its output tok/s over the plaintext Kafka run's (ratio of medians) is
 checked against SECURED_FLOOR.
 Shedding is switched off in the worker (WORKER_MAX_QUEUE_TIME_S very large): the in-process engine never
@@ -23,7 +23,7 @@ sheds, and a saturating offline trace would otherwise trip it.
 
 Writes summary.json (every repetition's metrics) and report.md to benchmarks/results/<date>-kafka-path/, the
 trace and the full results.json (each request's record too) to the git-ignored
-benchmarks/results/raw/<date>-kafka-path/ (benchmarks/results_store.py).
+benchmarks/results/raw/<date>-kafka-path/ (benchmarks/lib/results_store.py).
 
     .venv/bin/python -m benchmarks.bench_kafka_path --num-requests 24 --reps 2
 """
@@ -51,12 +51,12 @@ from pathlib import Path
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from benchmarks.bench_engine import run_engine_policy
-from benchmarks.broker_target import Target, start_broker as start_target
-from benchmarks.floors import KAFKA_FLOOR
-from benchmarks.run_result import RequestRecord, RunResult, compute_metrics, records_to_json
-from benchmarks.results_store import raw_dir, write_results
-from benchmarks.settings import DEFAULT_MODEL, engine_settings, load_runner, min_token_id, set_threads
-from benchmarks.trace import Trace, TraceConfig, TraceRequest, generate_trace, is_offline
+from benchmarks.lib.broker_target import Target, start_broker as start_target
+from benchmarks.lib.floors import KAFKA_FLOOR
+from benchmarks.lib.run_result import RequestRecord, RunResult, compute_metrics, records_to_json
+from benchmarks.lib.results_store import raw_dir, write_results
+from benchmarks.lib.settings import DEFAULT_MODEL, engine_settings, load_runner, min_token_id, set_threads
+from benchmarks.lib.trace import Trace, TraceConfig, TraceRequest, generate_trace, is_offline
 from schemas.decode import decode_result, decode_status, encode
 from schemas.priority import partition_for
 from schemas.request import GenerationRequest, SamplingSpec

@@ -22,8 +22,8 @@ and status record, so a duplicate final cannot hide behind the client.
 Text prompts of 16-64 words, max_new_tokens 8 with ignore_eos, stream false, seeded. Writes summary.json
 (every phase less its per-request records and status samples), report.md and timeline-<factor>x.png to
 benchmarks/results/<date>-overload-control/, the full results.json and the worker logs to the git-ignored
-benchmarks/results/raw/<date>-overload-control/ (benchmarks/results_store.py), and exits 1 if a floor
-fails (benchmarks/overload_stats.py). About 5-7 minutes with the defaults on a fast CPU, 9-10 on a slow one;
+benchmarks/results/raw/<date>-overload-control/ (benchmarks/lib/results_store.py), and exits 1 if a floor
+fails (benchmarks/lib/overload_stats.py). About 5-7 minutes with the defaults on a fast CPU, 9-10 on a slow one;
 `--quick` (30 s capacity loops, 15 s per factor) 3-4.
 
     .venv/bin/python -m benchmarks.bench_overload --quick
@@ -46,12 +46,12 @@ from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from benchmarks.bench_kafka_path import REPO, KafkaRun, kafka_env, kafka_session
-from benchmarks.overload_stats import (
+from benchmarks.lib.overload_stats import (
     IN_TIME, LATE, FinalSeen, RequestLog, StatusSample, capacity_from_completions, check_floors, engine_summary,
     outcome, phase_summary, steady_span, time_series,
 )
-from benchmarks.results_store import raw_dir, write_results
-from benchmarks.settings import cpu_model, set_threads
+from benchmarks.lib.results_store import raw_dir, write_results
+from benchmarks.lib.settings import cpu_model, set_threads
 from llm_client import BackoffPolicy, LLMClient
 from llm_client.commands.loadgen import make_prompt
 from llm_client.commands.loadstats import poisson_gaps

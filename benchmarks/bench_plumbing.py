@@ -43,7 +43,7 @@ from schemas.priority import partition_for  # noqa: E402
 from schemas.request import GenerationRequest  # noqa: E402
 from schemas.result import FinalRecord  # noqa: E402
 from worker.transport.kafka.settings import KafkaSettings  # noqa: E402
-from benchmarks.broker_target import Target, start_broker  # noqa: E402
+from benchmarks.lib.broker_target import Target, start_broker  # noqa: E402
 
 
 async def preload(kafka: KafkaSettings, num_requests: int, max_new_tokens: int, stream: bool) -> float:

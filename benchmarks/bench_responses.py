@@ -35,7 +35,7 @@ from pathlib import Path
 import openai
 
 from benchmarks.bench_gateway import cpu_s, settings, spawn, wait_healthy
-from benchmarks.broker_target import start_broker
+from benchmarks.lib.broker_target import start_broker
 from gateway.webhooks import new_secret
 from worker.broker.local import free_ports
 from worker.broker.topics import ensure_topics

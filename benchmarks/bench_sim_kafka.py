@@ -13,7 +13,7 @@ all on `ENGINE_DEVICE=sim:h200` (worker/model/sim.py) with the same EngineSettin
     from the client's stream chunks (when the batch holding the chunk was read), counted from the first send.
 
 Reported per run: output tok/s, (b)/(a) and (c)/(b), TTFT, per-token ITL and chunk-gap p50/p90/p99
-(benchmarks/token_times.py), and for (c) the result records/s the client received (chunks + finals), which
+(benchmarks/lib/token_times.py), and for (c) the result records/s the client received (chunks + finals), which
 is what the worker's publisher sustained. Floor: (c) >= 0.85 x (b) at 256 running on the 8B shape, with the
 default chunk interval. The broker's JVM, the client and the worker share this machine's CPUs.
 
@@ -37,11 +37,11 @@ from pathlib import Path
 
 from benchmarks.bench_engine import run_engine
 from benchmarks.bench_kafka_path import NO_SHEDDING, KafkaRun, kafka_env, kafka_session, warmup_trace
-from benchmarks.run_result import compute_metrics
-from benchmarks.results_store import raw_dir, write_results
-from benchmarks.settings import DEFAULT_MODEL, min_token_id, set_threads
-from benchmarks.token_times import TokenTimes
-from benchmarks.trace import Trace, TraceConfig, TraceRequest
+from benchmarks.lib.run_result import compute_metrics
+from benchmarks.lib.results_store import raw_dir, write_results
+from benchmarks.lib.settings import DEFAULT_MODEL, min_token_id, set_threads
+from benchmarks.lib.token_times import TokenTimes
+from benchmarks.lib.trace import Trace, TraceConfig, TraceRequest
 from schemas.result import StreamChunk
 from worker.engine.settings import EngineSettings
 from worker.transport.settings import WorkerSettings

@@ -1,7 +1,7 @@
 """Structured output (issue #17): which grammar library, and what masking costs a CPU engine step.
 
 `libs`: xgrammar against llguidance on SmolLM2's tokenizer (vocabulary 49152) and the five schemas of
-benchmarks/structured_schemas.py. Per library: the tokenizer set-up, each schema's compile time (cold: a fresh
+benchmarks/lib/structured_schemas.py. Per library: the tokenizer set-up, each schema's compile time (cold: a fresh
 compiler, so no library cache helps), the per-step cost for 16 constrained rows (fill the 16 bitmasks, apply
 them to [16, 49152] float32 logits, advance each matcher by its token), and correctness: rows decode on random
 logits (the best allowed token of a fresh random row) until the grammar ends, and each finished text must parse
@@ -30,7 +30,7 @@ from pathlib import Path
 import jsonschema
 import numpy as np
 
-from benchmarks.structured_schemas import PROMPTS, SCHEMAS
+from benchmarks.lib.structured_schemas import PROMPTS, SCHEMAS
 
 VOCAB = 49152
 NUM_ROWS = 16
@@ -250,7 +250,7 @@ class GrammarTimer:
 def cmd_engine(args) -> None:
     import torch
 
-    from benchmarks.settings import set_threads
+    from benchmarks.lib.settings import set_threads
     from worker.engine.settings import EngineSettings
     from worker.engine.api import EngineRequest, SamplingParams, StructuredOutput
     from worker.engine.engine import LLMEngine

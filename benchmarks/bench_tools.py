@@ -94,7 +94,7 @@ def main() -> None:
 
     import torch
 
-    from benchmarks.settings import set_threads
+    from benchmarks.lib.settings import set_threads
     from worker.engine.settings import EngineSettings
     from worker.engine.api import EngineRequest, SamplingParams
     from worker.engine.engine import LLMEngine

@@ -1,6 +1,6 @@
 """The engine end to end on a GPU (benchmarks/gpu_check.sh runs it), in parts, each under its own time limit.
 
-Per model shape (SmolLM2-135M and Llama-3.2-1B, random weights built on the machine: benchmarks/random_model.py):
+Per model shape (SmolLM2-135M and Llama-3.2-1B, random weights built on the machine: benchmarks/lib/random_model.py):
   load     the bf16 runner, its CUDA graphs captured (time and memory of the capture)
   graphs   greedy tokens of one workload (staggered arrivals, every bucket, padding rows, mixed steps, a KV budget
            that forces preemption) three ways on the same weights: CUDA-graph replay, the same bucketed path run
@@ -9,8 +9,8 @@ Per model shape (SmolLM2-135M and Llama-3.2-1B, random weights built on the mach
            equal in float32 (a second runner)
   steps    decode step times at several batch sizes, replay vs off, and the prefill steps on the way, against the
            simulated H200's prediction for the same step (worker/model/sim.py step_cost)
-  systems  one offline trace (benchmarks/trace.py) through continuous batching (graphs and eager), the static
-           policy, the simulated H200 and transformers' continuous batching (benchmarks/hf_systems.py)
+  systems  one offline trace (benchmarks/lib/trace.py) through continuous batching (graphs and eager), the static
+           policy, the simulated H200 and transformers' continuous batching (benchmarks/lib/hf_systems.py)
 
 Results: results.json in --out, rewritten after every part, so a part that fails or runs out of time leaves the
 others' results; the exit status is 0 only if every part ran and every token check held. --smoke runs it all on
@@ -42,11 +42,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the GPU machine has the tree, not an install
 
 from benchmarks.bench_engine import run_engine
-from benchmarks.check_parts import PartTimeout, Report
-from benchmarks.random_model import build_random_model
-from benchmarks.run_result import compute_metrics
-from benchmarks.settings import engine_settings, set_threads
-from benchmarks.trace import TraceConfig, generate_trace, max_request_len
+from benchmarks.lib.check_parts import PartTimeout, Report
+from benchmarks.lib.random_model import build_random_model
+from benchmarks.lib.run_result import compute_metrics
+from benchmarks.lib.settings import engine_settings, set_threads
+from benchmarks.lib.trace import TraceConfig, generate_trace, max_request_len
 from worker.engine.settings import EngineSettings
 from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.engine import LLMEngine
@@ -364,7 +364,7 @@ def summarize_steps(records: list[dict]) -> list[dict]:
 
 
 def part_systems(runner: ModelRunner, folder: Path, plan: Plan, result: dict) -> None:
-    from benchmarks.hf_systems import HFBaselines
+    from benchmarks.lib.hf_systems import HFBaselines
 
     vocab = runner.vocab_size
     trace = generate_trace(TraceConfig(rate=math.inf, num_requests=plan.trace_requests, profile=plan.trace_profile,

@@ -5,7 +5,7 @@
     python -m benchmarks.report --systems continuous,static --rates 0.5,1,0 --reps 3
 
 Systems (default: all): the engine's policies `continuous`, `dynamic`, `static` (benchmarks/bench_engine.py),
-transformers' `hf-static` and `hf-cb` (benchmarks/hf_systems.py), and `kafka`: the continuous policy behind
+transformers' `hf-static` and `hf-cb` (benchmarks/lib/hf_systems.py), and `kafka`: the continuous policy behind
 the whole Kafka path (producer -> request topic -> `llm-worker serve` -> result topic, benchmarks/
 bench_kafka_path.py). With kafka in the list one LocalBroker (temporary folder) runs for the whole sweep, from
 before the warm-up to the end, and is stopped on every exit, Ctrl-C included; each Kafka run starts fresh
@@ -20,14 +20,14 @@ and beyond saturation), then the saturation point itself: offline, every request
 offline; --factors chooses others (0 = offline). Every system sees the same trace at a rate; repetitions replay
 it again (systems interleaved, so drift in machine load spreads over all of them). Writes
 benchmarks/results/<date>[-quick]/{summary.json, report.md, *.png} and, git-ignored,
-benchmarks/results/raw/<date>[-quick]/{results.json, traces/} (benchmarks/results_store.py).
+benchmarks/results/raw/<date>[-quick]/{results.json, traces/} (benchmarks/lib/results_store.py).
 
 The offline point's trace holds --offline-requests requests (default 48), more than the rated traces: with
 20 requests at t=0 the run's length is mostly the drain of its three or four long requests running nearly
 alone, which measures their latency, not the throughput a system sustains with a queue. hf-static sits the
 offline point out unless --offline-systems names it (6 min per repetition there, and no floor reads it).
 
-Floors (benchmarks/floors.py): continuous vs static at every rate (2x output tok/s, 1/3 of the short e2e
+Floors (benchmarks/lib/floors.py): continuous vs static at every rate (2x output tok/s, 1/3 of the short e2e
 p99) and, in issue #7's form, continuous's sustained output tok/s (its own p99 under 10 s) >= 2x static's at the
 highest rate where static's p99 e2e stays under 10 s (all requests, and short requests alone); continuous vs
 hf-cb 1.5x output tok/s at saturation (the highest rate both ran: the offline point); kafka vs continuous 0.90x
@@ -58,16 +58,16 @@ from pathlib import Path
 
 from benchmarks.bench_engine import format_run, kv_capacity, measure_overhead, run_engine_policy
 from benchmarks.bench_kafka_path import kafka_session, run_kafka, warmup_trace
-from benchmarks.floors import check_floors
-from benchmarks.hf_systems import HFBaselines
-from benchmarks.render import rate_label, render_markdown, render_plots
-from benchmarks.results_store import raw_dir, read_results, write_results
-from benchmarks.run_result import compute_metrics
-from benchmarks.settings import (ALL_SYSTEMS, BLOCK_SIZE, DEFAULT_MODEL, ENGINE_POLICIES, HF_SYSTEMS, KV_CACHE_BYTES,
-                                 MAX_BATCH_SIZE, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, load_runner, min_token_id,
-                                 cpu_model, set_threads)
-from benchmarks.stats import median_min_max
-from benchmarks.trace import Trace, TraceConfig, generate_trace, is_offline
+from benchmarks.lib.floors import check_floors
+from benchmarks.lib.hf_systems import HFBaselines
+from benchmarks.lib.render import rate_label, render_markdown, render_plots
+from benchmarks.lib.results_store import raw_dir, read_results, write_results
+from benchmarks.lib.run_result import compute_metrics
+from benchmarks.lib.settings import (ALL_SYSTEMS, BLOCK_SIZE, DEFAULT_MODEL, ENGINE_POLICIES, HF_SYSTEMS,
+                                     KV_CACHE_BYTES, MAX_BATCH_SIZE, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, load_runner,
+                                     min_token_id, cpu_model, set_threads)
+from benchmarks.lib.stats import median_min_max
+from benchmarks.lib.trace import Trace, TraceConfig, generate_trace, is_offline
 from worker.model.runner import ModelRunner
 
 RESULTS_DIR = Path(__file__).parent / "results"

@@ -1,6 +1,6 @@
 """benchmarks/results/ holds each run's report, plots and summary, not its raw data: every clone carries the
 folder, so it stays under RESULTS_MAX_BYTES and each tracked JSON under SUMMARY_MAX_BYTES (per-request data
-goes to the git-ignored benchmarks/results/raw/, benchmarks/results_store.py). Sizes are read from git's
+goes to the git-ignored benchmarks/results/raw/, benchmarks/lib/results_store.py). Sizes are read from git's
 index, so what counts is what a commit would hold, not what lies in the working tree."""
 
 import shutil
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.results_store import SUMMARY_MAX_BYTES
+from benchmarks.lib.results_store import SUMMARY_MAX_BYTES
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_MAX_BYTES = 10_000_000

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import bench_engine
-from benchmarks.trace import Trace, TraceConfig, TraceRequest
+from benchmarks.lib.trace import Trace, TraceConfig, TraceRequest
 from worker.engine.api import EngineStats, RequestOutput
 
 STEP_S = 0.1

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from benchmarks.gpu_engine_check import compare, failed_systems, main, tiny_shape
-from benchmarks.random_model import build_random_model, hf_tensor_shapes
+from benchmarks.lib.random_model import build_random_model, hf_tensor_shapes
 from worker.model.config import parse_config
 
 

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from benchmarks.bench_kafka_path import ResultTracker, compare, worker_env
-from benchmarks.trace import TraceRequest
+from benchmarks.lib.trace import TraceRequest
 from schemas.result import FinalRecord, StreamChunk, Timings, Usage
 from worker.engine.settings import EngineSettings
 from worker.transport.kafka.settings import KafkaSettings
@@ -68,7 +68,7 @@ def test_worker_env_reads_back_as_the_in_process_engine_settings(monkeypatch):
     for key, value in env.items():
         if key.startswith(("ENGINE_", "KAFKA_")):
             monkeypatch.setenv(key, value)
-    from benchmarks.settings import engine_settings
+    from benchmarks.lib.settings import engine_settings
 
     assert EngineSettings() == engine_settings("continuous", 1024)
     assert KafkaSettings().request_topic == "rq" and env["OMP_NUM_THREADS"] == "1"

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from benchmarks.overload_stats import (
+from benchmarks.lib.overload_stats import (
     FinalSeen, RequestLog, StatusSample, capacity_from_completions, check_floors, engine_summary, goodput, outcome,
     phase_summary, prediction_errors, priority_table, time_series, wasted_tokens,
 )

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from benchmarks.floors import check_floors
-from benchmarks.render import render_markdown, render_plots
+from benchmarks.lib.floors import check_floors
+from benchmarks.lib.render import render_markdown, render_plots
 from benchmarks.report import finite_or_none, summarize
 
 

@@ -4,9 +4,9 @@ import math
 
 import pytest
 
-from benchmarks.floors import check_floors, p99_e2e
+from benchmarks.lib.floors import check_floors, p99_e2e
 from benchmarks.report import DEFAULT_SYSTEMS, kafka_timeout_s, offline_systems, parse_systems
-from benchmarks.trace import Trace, TraceConfig, TraceRequest
+from benchmarks.lib.trace import Trace, TraceConfig, TraceRequest
 
 
 def _stat(value: float | None) -> dict:

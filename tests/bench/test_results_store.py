@@ -3,8 +3,8 @@
 import json
 from pathlib import Path
 
-from benchmarks import results_store
-from benchmarks.results_store import RAW_DIR, RESULTS_DIR, raw_path, read_results, write_results
+from benchmarks.lib import results_store
+from benchmarks.lib.results_store import RAW_DIR, RESULTS_DIR, raw_path, read_results, write_results
 
 
 def test_a_run_under_results_keeps_its_raw_data_under_raw() -> None:

@@ -5,7 +5,7 @@ import pytest
 
 from benchmarks.bench_kafka_path import SECURED_FLOOR, compare_secured, worker_env
 from benchmarks.bench_plumbing import security_ratios
-from benchmarks.broker_target import Target, start_broker
+from benchmarks.lib.broker_target import Target, start_broker
 from worker.transport.kafka.settings import KafkaSettings
 
 

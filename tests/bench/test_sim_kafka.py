@@ -5,7 +5,7 @@ import math
 import pytest
 
 from benchmarks.bench_sim_kafka import OUTPUT_LEN, PROMPT_LEN, floor_verdict, parse_point, settings_env, sim_trace
-from benchmarks.token_times import TokenTimes
+from benchmarks.lib.token_times import TokenTimes
 from worker.engine.settings import EngineSettings
 
 

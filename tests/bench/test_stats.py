@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from benchmarks.run_result import RequestRecord, RunResult, compute_metrics
-from benchmarks.stats import latency_summary, median_min_max, percentile, ratio
+from benchmarks.lib.run_result import RequestRecord, RunResult, compute_metrics
+from benchmarks.lib.stats import latency_summary, median_min_max, percentile, ratio
 
 
 def test_percentile_interpolates_like_numpy_linear():

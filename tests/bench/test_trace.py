@@ -5,7 +5,7 @@ import statistics
 
 import pytest
 
-from benchmarks.trace import PROFILES, Trace, TraceConfig, generate_trace, max_request_len
+from benchmarks.lib.trace import PROFILES, Trace, TraceConfig, generate_trace, max_request_len
 
 
 def test_same_seed_same_trace_and_other_seed_differs():

@@ -15,7 +15,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from benchmarks.structured_schemas import PROMPTS, SCHEMAS
+from benchmarks.lib.structured_schemas import PROMPTS, SCHEMAS
 from worker.engine.settings import EngineSettings
 from worker.engine.api import EngineRequest, SamplingParams, StructuredOutput
 from worker.engine.engine import LLMEngine

@@ -93,7 +93,7 @@ def test_a_started_runner_compiles_no_attention_kernel_for_any_prompt_step(tmp_p
     # Before the runner built them at start-up, a worker's first prompt of each tile height, and the first step
     # of each class (1, a multiple of 16, other) of request count or of longest context in blocks, waited 0.4 to
     # 1.1 s for a compile.
-    from benchmarks.random_model import build_random_model
+    from benchmarks.lib.random_model import build_random_model
     from kernels.ragged_prefill import _prefill_kernel
     from worker.engine.settings import EngineSettings
     from worker.model.runner import ModelRunner
@@ -128,7 +128,7 @@ def test_a_started_runner_compiles_no_attention_kernel_for_any_prompt_step(tmp_p
 def test_capture_reports_at_least_the_memory_its_graphs_outputs_hold(tmp_path) -> None:
     # torch.cuda.graph empties the allocator's cache as it starts; measured without emptying it first, the
     # blocks that return hid the pool's growth, and the first runner of a process reported 0 MiB.
-    from benchmarks.random_model import build_random_model
+    from benchmarks.lib.random_model import build_random_model
     from worker.engine.settings import EngineSettings
     from worker.model.runner import ModelRunner
 

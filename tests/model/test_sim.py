@@ -86,7 +86,7 @@ def test_kv_capacity_is_the_gpu_memory_left_by_the_weights_and_nothing_is_alloca
 def test_special_tokens_past_the_logits_width_leave_every_id_below_it_ordinary(tmp_path, tiny_model_path):
     # Llama 3's specials start at 128000, far past the 2048 columns the simulator narrows logits to; a special
     # below the width (7 here) is still never produced.
-    from benchmarks.random_model import write_synthetic_tokenizer
+    from benchmarks.lib.random_model import write_synthetic_tokenizer
 
     shutil.copy(tiny_model_path / "config.json", tmp_path)  # the folder is a model's; sim_model sets the shape
     write_synthetic_tokenizer(tmp_path, vocab_size=4096, bos_id=4000, eos_ids=(4001, 7), max_length=1024)

@@ -11,7 +11,7 @@ import re
 import jsonschema
 import pytest
 
-from benchmarks.structured_schemas import SCHEMAS
+from benchmarks.lib.structured_schemas import SCHEMAS
 from schemas.request import (ChatMessage, GenerationRequest, JsonObjectFormat, JsonSchemaFormat, JsonSchemaSpec,
                              RegexFormat, SamplingSpec)
 from tests.transport.kafka_helpers import Collector, produce_requests, running_worker, worker_settings

@@ -26,7 +26,7 @@ sync), layer_launch_s = 8 µs (a Llama layer is about ten kernels, each with abo
 that no bandwidth hides when its work is small). On an H200, with 1k-token contexts, a SmolLM2-135M decode step
 (30 layers) comes out at 0.40 ms for 16 running requests, 0.64 ms for 64 and 1.6 ms for 256 (the K/V reads
 dominate), and a Llama-3.1-8B step at 3.9, 5.2 and 10.7 ms: about 10 ms at 256, the step time the GPU
-regime's targets were set for (benchmarks/sim_profiles.py prints the table).
+regime's targets were set for (benchmarks/probes/sim_profiles.py prints the table).
 
 The wait is the step's time less what `launch` itself spent (the cost and the logits) and whatever the caller
 did before waiting: with ENGINE_ASYNC_SCHEDULING (engine.py) the engine schedules the next step and detokenizes

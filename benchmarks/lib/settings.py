@@ -11,14 +11,14 @@ import os
 import platform
 from pathlib import Path
 
-from benchmarks.trace import max_request_len
+from benchmarks.lib.trace import max_request_len
 from worker.engine.settings import EngineSettings
 from worker.model.runner import ModelRunner
 
 ENGINE_POLICIES = ("continuous", "dynamic", "static")
 """Systems that are LLMEngine with this policy (benchmarks/bench_engine.py)."""
 HF_SYSTEMS = ("hf-static", "hf-cb")
-"""transformers' baselines (benchmarks/hf_systems.py)."""
+"""transformers' baselines (benchmarks/lib/hf_systems.py)."""
 ALL_SYSTEMS = ENGINE_POLICIES + HF_SYSTEMS
 """Every system that runs in the benchmark's own process (the Kafka path runs a worker subprocess)."""
 DEFAULT_MODEL = "smollm2-135m-instruct"

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import math
 
-from benchmarks.render import rate_label
-from benchmarks.stats import ratio
+from benchmarks.lib.render import rate_label
+from benchmarks.lib.stats import ratio
 
 STATIC_P99_LIMIT_S = 10.0
 """Issue #7: the p99 end-to-end latency (s) under which a rate counts as served (see _slo_floor)."""

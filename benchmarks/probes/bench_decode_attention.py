@@ -2,7 +2,7 @@
 decode (rows cut into padded groups of similar context length) against one group padded to the longest
 context of the step (`decode_padding=inf`, how the backend worked before).
 
-    .venv/bin/python -m benchmarks.bench_decode_attention --num-seqs 64 --steps 8 --reps 3 --threads 1
+    .venv/bin/python -m benchmarks.probes.bench_decode_attention --num-seqs 64 --steps 8 --reps 3 --threads 1
 
 Requests get prompt lengths drawn from the report's `cpu` profile (80% short: 16-64 tokens, 20% long:
 128-384), are prefilled, then whole decode steps (everything in `LLMEngine.step`, the model included) are
@@ -21,9 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.settings import DEFAULT_MODEL, bench_max_model_len, engine_settings, set_threads
-from benchmarks.stats import median_min_max
-from benchmarks.trace import PROFILES
+from benchmarks.lib.settings import DEFAULT_MODEL, bench_max_model_len, engine_settings, set_threads
+from benchmarks.lib.stats import median_min_max
+from benchmarks.lib.trace import PROFILES
 from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.engine import LLMEngine
 from worker.model.runner import ModelRunner

@@ -10,7 +10,7 @@ is in flight (a step's tensors, a grammar being compiled) comes and goes between
 
     .venv/bin/python -m benchmarks.bench_soak --minutes 16 --rate 4 --kind mix --no-rebalance \
         --warmup-minutes 4 --worker-wrapper "heaptrack -o /tmp/worker-heap" --label heaptrack
-    .venv/bin/python -m benchmarks.heaptrack_growth /tmp/worker-heap.zst --from 330 --every 120 --to 930
+    .venv/bin/python -m benchmarks.probes.heaptrack_growth /tmp/worker-heap.zst --from 330 --every 120 --to 930
 
 Times are seconds since the worker's process started. Under heaptrack the worker runs about half as fast,
 and heaptrack's own bookkeeping lives in glibc's heap, so the soak's glibc figures are not the worker's then.

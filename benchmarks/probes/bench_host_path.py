@@ -10,8 +10,9 @@ Sampling configurations: greedy; temperature 0.8; temperature 0.8 with top_k 50 
 in issue #16's table) and the real vocabulary (49152). Logits live on the CPU here: on a GPU the sampler's
 tensor math runs on the device, so at V = 49152 the CPU columns overstate host work by that math.
 
-    .venv/bin/python -m benchmarks.bench_host_path --label baseline     # table + results/<date>-host-path/baseline.json
-    .venv/bin/python -m benchmarks.bench_host_path --runs 16,64 --vocabs 2048 --steps 20
+    # a table, and results/<date>-host-path/baseline.json:
+    .venv/bin/python -m benchmarks.probes.bench_host_path --label baseline
+    .venv/bin/python -m benchmarks.probes.bench_host_path --runs 16,64 --vocabs 2048 --steps 20
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.settings import DEFAULT_MODEL, set_threads
+from benchmarks.lib.settings import DEFAULT_MODEL, set_threads
 from worker.engine.settings import EngineSettings
 from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.engine import LLMEngine
@@ -171,7 +172,8 @@ def main() -> None:
     parser.add_argument("--samplings", default=",".join(SAMPLINGS))
     parser.add_argument("--steps", type=int, default=40, help="timed decode steps per point")
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: benchmarks.settings rule)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: benchmarks.lib.settings's rule)")
     parser.add_argument("--label", default="run", help="JSON file name under the results folder")
     parser.add_argument("--out", default=None, help=f"results folder (default {RESULTS}/<date>-host-path)")
     args = parser.parse_args()

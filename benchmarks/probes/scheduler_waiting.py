@@ -5,7 +5,7 @@ and W waiting behind a full set of seats, with a fitted step-time model so the d
 Run it in two source trees alternately to compare versions (the machine's speed drifts within minutes):
 
     for i in 1 2 3; do for t in /tmp/before .; do
-        (cd $t && PYTHONPATH=. python -m benchmarks.scheduler_waiting)
+        (cd $t && PYTHONPATH=. python -m benchmarks.probes.scheduler_waiting)
     done; done
 """
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from benchmarks.stats import latency_summary
+from benchmarks.lib.stats import latency_summary
 
 
 @dataclass(slots=True)

@@ -2,8 +2,8 @@
 "engine alone" runs it (the same trace and settings), with each phase of its step timed from outside, and the
 host time between the moment a forward is done and the launch of the next (what the device waits for).
 
-    .venv/bin/python -m benchmarks.sim_engine_phases                      # 8B@256, async scheduling on and off
-    .venv/bin/python -m benchmarks.sim_engine_phases --point llama-3.1-8b@64 --modes on
+    .venv/bin/python -m benchmarks.probes.sim_engine_phases                      # 8B@256, async scheduling on and off
+    .venv/bin/python -m benchmarks.probes.sim_engine_phases --point llama-3.1-8b@64 --modes on
 
 Prints, per mode: wall and simulated seconds and their ratio (the engine alone ÷ the forward-only ceiling, as
 in bench_sim_kafka), ms per step of each phase, and the median gap between a forward's end and the next launch.
@@ -19,7 +19,7 @@ import time
 
 from benchmarks.bench_engine import run_engine
 from benchmarks.bench_sim_kafka import parse_point, sim_settings, sim_trace
-from benchmarks.settings import min_token_id, set_threads
+from benchmarks.lib.settings import min_token_id, set_threads
 from worker.engine.engine import LLMEngine
 from worker.model.sim import SimRunner
 

@@ -5,9 +5,9 @@ the machine, not two versions of the code. Alternating the trees round after rou
 each round's pair) puts both versions through the same moments.
 
     git worktree add /tmp/before <commit>
-    .venv/bin/python -m benchmarks.host_path_ab --before /tmp/before --rounds 6 --label epyc-ab
+    .venv/bin/python -m benchmarks.probes.host_path_ab --before /tmp/before --rounds 6 --label epyc-ab
 
-Each round runs `python -m benchmarks.bench_host_path --runs N --vocabs V --samplings S` once in each tree (its
+Each round runs `python -m benchmarks.probes.bench_host_path --runs N --vocabs V --samplings S` once in each tree (its
 own code, this venv's packages), before first. Writes <label>.json (every round's ms per step) beside the
 host-path results and prints per sampling: the median and the minimum over rounds of each tree, their ratio
 (after / before), and each round's after / before.
@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.bench_host_path import RESULTS, SAMPLINGS
+from benchmarks.probes.bench_host_path import RESULTS, SAMPLINGS
 
 HERE = Path(__file__).resolve().parent.parent
 
@@ -34,7 +34,7 @@ def run_once(tree: Path, running: int, vocab: int, sampling: str, steps: int) ->
     """ms per step (median over `steps`) of bench_host_path in `tree`."""
     with tempfile.TemporaryDirectory() as out:
         env = dict(os.environ, PYTHONPATH=str(tree))
-        subprocess.run([sys.executable, "-m", "benchmarks.bench_host_path", "--runs", str(running), "--vocabs",
+        subprocess.run([sys.executable, "-m", "benchmarks.probes.bench_host_path", "--runs", str(running), "--vocabs",
                         str(vocab), "--samplings", sampling, "--steps", str(steps), "--label", "ab", "--out", out],
                        cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
         point = json.loads((Path(out) / "ab.json").read_text())["points"][0]

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from benchmarks.run_result import RequestRecord, RunResult
-from benchmarks.settings import BLOCK_SIZE, KV_CACHE_BYTES, MAX_BATCH_SIZE, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
-from benchmarks.trace import Trace, TraceRequest
+from benchmarks.lib.run_result import RequestRecord, RunResult
+from benchmarks.lib.settings import BLOCK_SIZE, KV_CACHE_BYTES, MAX_BATCH_SIZE, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
+from benchmarks.lib.trace import Trace, TraceRequest
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,8 @@ host when a GPU does the draw (issue #16). Also times the step with the real CPU
 Run it in two source trees alternately to compare versions (the machine's speed drifts within minutes):
 
     git worktree add /tmp/before <commit>
-    for i in 1 2 3; do for t in /tmp/before .; do (cd $t && PYTHONPATH=. python -m benchmarks.sampler_host); done; done
+    for i in 1 2 3; do for t in /tmp/before .; do
+        (cd $t && PYTHONPATH=. python -m benchmarks.probes.sampler_host); done; done
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ logits), so both versions share every moment of the machine; it checks that both
 prints the median and 10th percentile of each.
 
     git worktree add /tmp/before <commit>
-    .venv/bin/python -m benchmarks.draw_ab --before /tmp/before [--sampling t0.8]
+    .venv/bin/python -m benchmarks.probes.draw_ab --before /tmp/before [--sampling t0.8]
 """
 
 from __future__ import annotations

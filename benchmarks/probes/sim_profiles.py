@@ -9,8 +9,8 @@ Two tables:
    device is busy, for greedy and temperature 0.8 + top-k 50 + top-p 0.9. A sleep wakes up late by tens of
    microseconds or more on a loaded machine: wall - device - host.
 
-    .venv/bin/python -m benchmarks.sim_profiles                      # both tables, JSON to results/<date>-sim-profiles/
-    .venv/bin/python -m benchmarks.sim_profiles --runs 64 --models llama-3.1-8b --steps 20
+    .venv/bin/python -m benchmarks.probes.sim_profiles    # both tables, JSON to results/<date>-sim-profiles/
+    .venv/bin/python -m benchmarks.probes.sim_profiles --runs 64 --models llama-3.1-8b --steps 20
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.settings import DEFAULT_MODEL, set_threads
+from benchmarks.lib.settings import DEFAULT_MODEL, set_threads
 from worker.engine.settings import EngineSettings
 from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.engine import LLMEngine

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from benchmarks.stats import percentile
+from benchmarks.lib.stats import percentile
 
 QUANTILES = (50, 90, 99)
 

@@ -1,0 +1,1 @@
+"""What the benchmarks share: settings, traces, statistics, reports, baselines and helpers."""
