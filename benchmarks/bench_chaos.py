@@ -47,7 +47,7 @@ from schemas.priority import partition_for
 from schemas.request import GenerationRequest, SamplingSpec
 from schemas.result import FinalRecord, StreamChunk
 from worker.broker.topics import ensure_topics
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 
 REPO = Path(__file__).resolve().parents[1]
 NO_SHEDDING = "[1000000.0, 1000000.0, 1000000.0]"

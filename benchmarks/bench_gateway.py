@@ -52,7 +52,7 @@ from llm_client import BackoffPolicy, LLMClient
 from schemas.request import ChatMessage, GenerationRequest
 from worker.broker.local import free_ports
 from worker.broker.topics import ensure_topics
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"

@@ -68,7 +68,7 @@ def main() -> None:
 
     import torch
 
-    from worker.engine.settings import EngineSettings
+    from worker.model.settings import EngineSettings
     from worker.engine.engine import LLMEngine
     from worker.model.pull import ensure_default_model
 

@@ -52,9 +52,9 @@ from schemas.priority import partition_for
 from schemas.request import (GenerationRequest, GrammarFormat, JsonSchemaFormat, JsonSchemaSpec, RegexFormat,
                              SamplingSpec)
 from schemas.result import FinalRecord
-from worker.engine.settings import EngineSettings
-from worker.transport.kafka.settings import KafkaSettings
-from worker.transport.settings import WorkerSettings
+from worker.model.settings import EngineSettings
+from worker.kafka_settings import KafkaSettings
+from worker.worker_settings import WorkerSettings
 
 RECURSIVE = {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}, "required": ["next"]}}
 

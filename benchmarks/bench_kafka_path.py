@@ -63,7 +63,7 @@ from schemas.request import GenerationRequest, SamplingSpec
 from schemas.result import FinalRecord, StreamChunk
 from schemas.status import WorkerStatus
 from worker.broker.topics import ensure_topics
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 from worker.model.runner import ModelRunner
 
 REPO = Path(__file__).resolve().parents[1]

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from worker.engine.settings import EngineSettings
+from worker.model.settings import EngineSettings
 from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.engine import LLMEngine
 from worker.model.lora import GROUPS, AdapterRegistry, projection_shapes

@@ -42,7 +42,7 @@ from schemas.decode import decode_result, encode  # noqa: E402
 from schemas.priority import partition_for  # noqa: E402
 from schemas.request import GenerationRequest  # noqa: E402
 from schemas.result import FinalRecord  # noqa: E402
-from worker.transport.kafka.settings import KafkaSettings  # noqa: E402
+from worker.kafka_settings import KafkaSettings  # noqa: E402
 from benchmarks.lib.broker_target import Target, start_broker  # noqa: E402
 
 

@@ -43,8 +43,8 @@ from benchmarks.lib.settings import DEFAULT_MODEL, min_token_id, set_threads
 from benchmarks.lib.token_times import TokenTimes
 from benchmarks.lib.trace import Trace, TraceConfig, TraceRequest
 from schemas.result import StreamChunk
-from worker.engine.settings import EngineSettings
-from worker.transport.settings import WorkerSettings
+from worker.model.settings import EngineSettings
+from worker.worker_settings import WorkerSettings
 from worker.engine.engine import LLMEngine
 from worker.model.pull import resolve_model
 from worker.model.sim import SimRunner

@@ -64,8 +64,8 @@ from schemas.request import (
 from schemas.result import FinalRecord
 from worker.broker.net import free_port
 from worker.broker.topics import ensure_topics
-from worker.transport.kafka.settings import KafkaSettings
-from worker.transport.settings import WorkerSettings
+from worker.kafka_settings import KafkaSettings
+from worker.worker_settings import WorkerSettings
 from worker.memory import mappings, resident_bytes, resident_parts
 
 REPO = Path(__file__).resolve().parents[1]

@@ -251,7 +251,7 @@ def cmd_engine(args) -> None:
     import torch
 
     from benchmarks.lib.settings import set_threads
-    from worker.engine.settings import EngineSettings
+    from worker.model.settings import EngineSettings
     from worker.engine.api import EngineRequest, SamplingParams, StructuredOutput
     from worker.engine.engine import LLMEngine
     from worker.model.pull import ensure_default_model

@@ -46,7 +46,7 @@ from schemas.priority import partition_for
 from schemas.request import ChatMessage, GenerationRequest
 from schemas.result import FinalRecord
 from worker.broker.topics import ensure_topics
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 
 REPO = Path(__file__).resolve().parents[1]
 FLOOR_SHARE = 0.9

@@ -95,7 +95,7 @@ def main() -> None:
     import torch
 
     from benchmarks.lib.settings import set_threads
-    from worker.engine.settings import EngineSettings
+    from worker.model.settings import EngineSettings
     from worker.engine.api import EngineRequest, SamplingParams
     from worker.engine.engine import LLMEngine
     from worker.model.pull import ensure_default_model

@@ -47,7 +47,7 @@ from benchmarks.lib.random_model import build_random_model
 from benchmarks.lib.run_result import compute_metrics
 from benchmarks.lib.settings import engine_settings, set_threads
 from benchmarks.lib.trace import TraceConfig, generate_trace, max_request_len
-from worker.engine.settings import EngineSettings
+from worker.model.settings import EngineSettings
 from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.engine import LLMEngine
 from worker.model.runner import ModelRunner

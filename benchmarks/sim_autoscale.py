@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from worker.transport.settings import WorkerSettings
+from worker.worker_settings import WorkerSettings
 from worker.transport.load.autoscale import TARGET_UTILIZATION, ScaleSignal
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -20,7 +20,7 @@ from gateway.door import Door
 from gateway.openai_api import Tiers, load_token_text
 from gateway.settings import GatewaySettings
 from worker.paths import PathSettings
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 
 HELP = "run an OpenAI batch file (JSONL) through the workers, resumably"
 """The one-line help of `llm-worker --help` (worker/cli.py finds this command by its entry point)."""

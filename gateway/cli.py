@@ -11,7 +11,7 @@ import time
 from gateway.keys import TENANT, KeyEntry, KeyFileError, digest, new_key, read_keys, write_keys
 from gateway.settings import GatewaySettings
 from worker.paths import PathSettings
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 
 HELP = "the OpenAI-compatible HTTP gateway (chat, completions, files, batches)"
 """The one-line help of `llm-worker --help` (worker/cli.py finds this command by its entry point)."""

@@ -33,7 +33,7 @@ from aiokafka.errors import TopicAlreadyExistsError, for_code
 from llm_client import BackoffPolicy, LLMClient, RequestHandle
 from schemas.request import GenerationRequest
 from gateway.settings import GatewaySettings
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 
 log = logging.getLogger(__name__)
 

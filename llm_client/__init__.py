@@ -11,7 +11,7 @@ examples in producer_examples/ are built on it.
 from llm_client.backoff import BackoffPolicy
 from llm_client.client import LLMClient
 from llm_client.handle import ClientError, Delta, RequestHandle, RequestTimeout, StreamGap
-from worker.transport.kafka.settings import KafkaSettings  # where to connect and which topics: the workers' own
+from worker.kafka_settings import KafkaSettings  # where to connect and which topics: the workers' own
 
 __all__ = ["BackoffPolicy", "ClientError", "Delta", "KafkaSettings", "LLMClient", "RequestHandle", "RequestTimeout",
            "StreamGap"]

@@ -36,7 +36,7 @@ from schemas.decode import decode_result, decode_status, encode
 from schemas.priority import partition_for
 from schemas.request import GenerationRequest
 from schemas.status import WorkerStatus
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 from llm_client.backoff import BackoffPolicy, StatusBoard, wait_while_congested
 from llm_client.handle import ClientError, Delta, RequestHandle, RequestTimeout, StreamGap, wait_event
 

@@ -16,7 +16,7 @@ import uuid
 from llm_client import LLMClient, RequestTimeout
 from llm_client.commands.generate import stream_to, summary_line
 from schemas.request import ChatMessage, GenerationRequest, SamplingSpec
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 
 
 class Conversation:

@@ -28,7 +28,7 @@ from worker.broker.local import (
 )
 from worker.broker.topics import CONTROL_RETENTION_MS, STATUS_RETENTION_MS, ensure_topics, topic_specs
 from worker.cli import main as cli_main
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 
 # ---------------------------------------------------------------- fast unit tests (no Java, no broker)
 

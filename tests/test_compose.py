@@ -15,7 +15,7 @@ from pydantic_settings import BaseSettings
 
 from worker.cli import SUBCOMMANDS
 from gateway.settings import GatewaySettings
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIENT_SERVICES = ("topics", "worker", "worker-gpu", "gateway", "producer")

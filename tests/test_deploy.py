@@ -183,7 +183,7 @@ def test_gateway_manifests_match_the_kubernetes_schemas() -> None:
 
 def test_gateway_settings_agree_with_the_workers_and_its_pod() -> None:
     from gateway.settings import GatewaySettings
-    from worker.transport.kafka.settings import KafkaSettings
+    from worker.kafka_settings import KafkaSettings
 
     by_prefix = _settings_by_prefix()
     deployment = _gateway("Deployment")

@@ -22,7 +22,7 @@ from worker.broker.local import LocalBroker, free_ports
 from worker.broker.pki import CertificateAuthority
 from worker.broker.secure import Security, settings_for
 from worker.broker.topics import ensure_topics
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 from worker.engine.instant import InstantEngine
 from tests.transport.test_failover_kafka import wait_assigned
 from tests.transport.kafka_helpers import (

@@ -12,7 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from worker.broker.secure import Security, settings_for
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 from worker.config_cli import masked_dump
 from worker.security import SecuritySettingsError, run_token_command, ssl_context, token_provider
 

@@ -15,11 +15,11 @@ from pathlib import Path
 from pydantic import SecretStr
 from pydantic_settings import BaseSettings
 
-from worker.engine.settings import EngineSettings
+from worker.model.settings import EngineSettings
 from worker.log_limits import LogLimitSettings
 from worker.paths import PathSettings
-from worker.transport.kafka.settings import KafkaSettings
-from worker.transport.settings import WorkerSettings
+from worker.kafka_settings import KafkaSettings
+from worker.worker_settings import WorkerSettings
 
 SETTINGS_GROUP = "llm_worker.settings"
 """Entry-point group of the settings classes other installed packages add (the gateway's): printed, documented

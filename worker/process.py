@@ -8,7 +8,7 @@ imports `serve`, and an engine process runs `configure_allocator` before it buil
 from __future__ import annotations
 
 from worker import memory
-from worker.transport.settings import WorkerSettings
+from worker.worker_settings import WorkerSettings
 
 
 def configure_allocator(settings: WorkerSettings) -> None:

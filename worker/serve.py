@@ -14,9 +14,9 @@ import json
 import logging
 import signal
 
-from worker.engine.settings import EngineSettings
-from worker.transport.kafka.settings import KafkaSettings
-from worker.transport.settings import WorkerSettings
+from worker.model.settings import EngineSettings
+from worker.kafka_settings import KafkaSettings
+from worker.worker_settings import WorkerSettings
 from worker.config_cli import masked_dump
 from worker.engine.api import Engine
 from worker import memory

@@ -23,7 +23,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from schemas.decode import decode_usage
 from schemas.usage import UsageRecord
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 
 HELP = "sum the usage topic per tenant and priority (table or JSON)"
 _RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from worker.broker.topics import ensure_topics
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 
 MODES = ("plaintext", "sasl_ssl", "ssl", "sasl_plaintext")
 

@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RESULTS_DIR = REPO / "benchmarks" / "results"
 RAW_DIR = RESULTS_DIR / "raw"
 SUMMARY_NAME = "summary.json"

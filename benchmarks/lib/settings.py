@@ -12,7 +12,7 @@ import platform
 from pathlib import Path
 
 from benchmarks.lib.trace import max_request_len
-from worker.engine.settings import EngineSettings
+from worker.model.settings import EngineSettings
 from worker.model.runner import ModelRunner
 
 ENGINE_POLICIES = ("continuous", "dynamic", "static")

@@ -28,14 +28,14 @@ from pathlib import Path
 import torch
 
 from benchmarks.lib.settings import DEFAULT_MODEL, set_threads
-from worker.engine.settings import EngineSettings
+from worker.model.settings import EngineSettings
 from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.engine import LLMEngine
 from worker.memory import freeze_startup_objects
 from worker.model import sampler_numpy
 from worker.model.runner import ModelRunner
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 SAMPLINGS = {
     "greedy": dict(temperature=0.0),
     "t0.8": dict(temperature=0.8),

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from benchmarks.probes.bench_host_path import RESULTS, SAMPLINGS
 
-HERE = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parents[2]
 
 
 def run_once(tree: Path, running: int, vocab: int, sampling: str, steps: int) -> float:

@@ -17,7 +17,7 @@ import os
 import time
 from pathlib import Path
 
-from worker.engine.settings import EngineSettings
+from worker.model.settings import EngineSettings
 from worker.engine.api import SamplingParams
 from worker.engine.request import Request
 from worker.engine.scheduler import Scheduler

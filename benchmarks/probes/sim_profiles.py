@@ -26,13 +26,13 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.lib.settings import DEFAULT_MODEL, set_threads
-from worker.engine.settings import EngineSettings
+from worker.model.settings import EngineSettings
 from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.engine import LLMEngine
 from worker.model.sim import DEVICES, ModelShape, SimRunner, sim_config, step_cost
 from worker.model.pull import resolve_model
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 SAMPLINGS = {"greedy": dict(temperature=0.0), "t0.8-k50-p0.9": dict(temperature=0.8, top_k=50, top_p=0.9)}
 
 

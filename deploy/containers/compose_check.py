@@ -302,7 +302,7 @@ async def scale_down_under_load(files: list[str], num_requests: int, max_new_tok
     from schemas.decode import decode_result
     from schemas.request import GenerationRequest
     from schemas.result import FinalRecord
-    from worker.transport.kafka.settings import KafkaSettings
+    from worker.kafka_settings import KafkaSettings
 
     kafka = KafkaSettings(bootstrap_servers=HOST_BOOTSTRAP)
     run_id = uuid.uuid4().hex[:8]

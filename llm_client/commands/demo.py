@@ -27,7 +27,7 @@ from llm_client.commands.demo_view import LoadWatch, PrefixedLines, outcome_tabl
 from llm_client.commands.generate import summary_line
 from schemas.request import ChatMessage, GenerationRequest
 from worker.paths import PathSettings
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 
 HELP = "start a broker and a worker, stream a few answers, then overload it"
 """The one-line help of `llm-worker --help` (worker/cli.py finds this command by its entry point)."""

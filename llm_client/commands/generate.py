@@ -27,7 +27,7 @@ from llm_client import BackoffPolicy, ClientError, LLMClient, RequestHandle, Req
 from schemas.decode import encode
 from schemas.request import ChatMessage, GenerationRequest, JsonSchemaFormat, JsonSchemaSpec, SamplingSpec
 from schemas.result import FinalRecord
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 
 HELP = "send one prompt and stream the answer (example client)"
 """The one-line help of `llm-worker --help` (worker/cli.py finds this command by its entry point)."""

@@ -26,7 +26,7 @@ from llm_client.commands.loadstats import (
     LengthDist, format_table, parse_deadlines, parse_priority_mix, poisson_gaps, summarize,
 )
 from schemas.request import GenerationRequest
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 
 HELP = "Poisson load by priority; throughput and latency percentiles"
 """The one-line help of `llm-worker --help` (worker/cli.py finds this command by its entry point)."""

@@ -7,8 +7,8 @@ import pytest
 from benchmarks.bench_kafka_path import ResultTracker, compare, worker_env
 from benchmarks.lib.trace import TraceRequest
 from schemas.result import FinalRecord, StreamChunk, Timings, Usage
-from worker.engine.settings import EngineSettings
-from worker.transport.kafka.settings import KafkaSettings
+from worker.model.settings import EngineSettings
+from worker.kafka_settings import KafkaSettings
 
 
 def _trace() -> list[TraceRequest]:

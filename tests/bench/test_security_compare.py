@@ -6,7 +6,7 @@ import pytest
 from benchmarks.bench_kafka_path import SECURED_FLOOR, compare_secured, worker_env
 from benchmarks.bench_plumbing import security_ratios
 from benchmarks.lib.broker_target import Target, start_broker
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 
 
 def test_secured_over_plaintext_is_a_ratio_of_medians_with_pairs_per_repetition():

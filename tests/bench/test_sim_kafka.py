@@ -6,7 +6,7 @@ import pytest
 
 from benchmarks.bench_sim_kafka import OUTPUT_LEN, PROMPT_LEN, floor_verdict, parse_point, settings_env, sim_trace
 from benchmarks.lib.token_times import TokenTimes
-from worker.engine.settings import EngineSettings
+from worker.model.settings import EngineSettings
 
 
 def test_itl_spreads_a_coalesced_chunk_over_its_tokens_and_ttft_is_the_first_delivery():

@@ -113,7 +113,7 @@ def test_the_engine_only_heap_bench_sends_the_soaks_requests_as_the_worker_would
 
 def test_the_summary_of_a_run_with_three_rebalances_gives_each_ones_step(tmp_path):
     from benchmarks.bench_soak import Soak, parse_args
-    from worker.transport.kafka.settings import KafkaSettings
+    from worker.kafka_settings import KafkaSettings
 
     soak = Soak(parse_args(["--minutes", "10", "--rebalances", "3"]), KafkaSettings(), tmp_path / "worker.log")
     kb = 1024
@@ -133,7 +133,7 @@ def test_the_summary_of_a_run_with_three_rebalances_gives_each_ones_step(tmp_pat
 
 def test_a_run_longer_than_half_an_hour_is_judged_by_each_half_hour_too(tmp_path):
     from benchmarks.bench_soak import Soak, parse_args
-    from worker.transport.kafka.settings import KafkaSettings
+    from worker.kafka_settings import KafkaSettings
 
     soak = Soak(parse_args(["--minutes", "60", "--rebalances", "0"]), KafkaSettings(), tmp_path / "worker.log")
     kb = 1024

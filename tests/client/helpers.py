@@ -12,7 +12,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from schemas.decode import encode
 from schemas.request import GenerationRequest
 from schemas.result import FinalRecord, StreamChunk, Usage
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.instant import expected_text
 

@@ -15,7 +15,7 @@ from schemas.decode import decode_request
 from schemas.request import ChatMessage, GenerationRequest
 from tests.client.helpers import instant_text, read_topic
 from tests.transport.kafka_helpers import REPO, running_worker, subprocess_env, worker_settings
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 from worker.engine.instant import InstantEngine
 
 pytestmark = pytest.mark.kafka

@@ -11,7 +11,7 @@ reads only the keys the step's earliest query sees, and the next token comes fro
 
 from __future__ import annotations
 
-from worker.engine.settings import EngineSettings
+from worker.model.settings import EngineSettings
 from worker.engine.api import SamplingParams
 from worker.engine.request import Request, RequestStatus
 from worker.engine.scheduler import Scheduler

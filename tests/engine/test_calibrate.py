@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.engine.settings import EngineSettings
+from worker.model.settings import EngineSettings
 from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.calibrate import calibrate
 from worker.engine.engine import LLMEngine

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.engine.settings import EngineSettings
+from worker.model.settings import EngineSettings
 from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.engine import LLMEngine
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.engine.settings import EngineSettings
+from worker.model.settings import EngineSettings
 from worker.engine.api import EngineRequest, SamplingParams, StructuredOutput
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.engine import LLMEngine

@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from worker.engine.settings import EngineSettings
+from worker.model.settings import EngineSettings
 from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.engine import LLMEngine
 from worker.model.sim import SimRunner

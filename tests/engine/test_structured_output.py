@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 
 from benchmarks.lib.structured_schemas import PROMPTS, SCHEMAS
-from worker.engine.settings import EngineSettings
+from worker.model.settings import EngineSettings
 from worker.engine.api import EngineRequest, SamplingParams, StructuredOutput
 from worker.engine.engine import LLMEngine
 from worker.model.structured.manager import GRAMMAR_POLL_S

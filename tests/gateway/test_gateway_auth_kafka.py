@@ -20,7 +20,7 @@ from tests.client.helpers import read_topic
 from tests.gateway.test_gateway_kafka import RunningGateway
 from tests.transport.kafka_helpers import running_worker, worker_settings
 from gateway.settings import GatewaySettings
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 from worker.engine.instant import InstantEngine
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]

@@ -27,7 +27,7 @@ from tests.client.helpers import instant_text, read_topic
 from tests.gateway.test_gateway_kafka import RunningGateway, free_port
 from tests.transport.kafka_helpers import REPO, running_worker, subprocess_env, worker_settings
 from gateway.settings import GatewaySettings
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 from worker.engine.instant import InstantEngine
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]

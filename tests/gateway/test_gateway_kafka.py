@@ -24,7 +24,7 @@ from tests.client.helpers import RawProducer, read_topic
 from tests.transport.kafka_helpers import Collector, running_worker, worker_settings
 from tests.transport.test_stream_kafka import tiny_engine
 from gateway.settings import GatewaySettings
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 

@@ -15,8 +15,8 @@ from tests.gateway.test_gateway_kafka import MODEL, RunningGateway
 from tests.model.lora_adapters import ATTENTION, make_adapter
 from tests.transport.kafka_helpers import running_worker, worker_settings
 from gateway.settings import GatewaySettings
-from worker.engine.settings import EngineSettings
-from worker.transport.kafka.settings import KafkaSettings
+from worker.model.settings import EngineSettings
+from worker.kafka_settings import KafkaSettings
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 

@@ -95,7 +95,7 @@ def test_a_started_runner_compiles_no_attention_kernel_for_any_prompt_step(tmp_p
     # 1.1 s for a compile.
     from benchmarks.lib.random_model import build_random_model
     from kernels.ragged_prefill import _prefill_kernel
-    from worker.engine.settings import EngineSettings
+    from worker.model.settings import EngineSettings
     from worker.model.runner import ModelRunner
     from worker.model.step_batch import StepRequests
 
@@ -129,7 +129,7 @@ def test_capture_reports_at_least_the_memory_its_graphs_outputs_hold(tmp_path) -
     # torch.cuda.graph empties the allocator's cache as it starts; measured without emptying it first, the
     # blocks that return hid the pool's growth, and the first runner of a process reported 0 MiB.
     from benchmarks.lib.random_model import build_random_model
-    from worker.engine.settings import EngineSettings
+    from worker.model.settings import EngineSettings
     from worker.model.runner import ModelRunner
 
     folder = build_random_model(tmp_path, "smollm2-135m", num_hidden_layers=2)

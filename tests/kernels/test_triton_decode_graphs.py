@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.engine.test_engine_correctness import run_trace
-from worker.engine.settings import EngineSettings
+from worker.model.settings import EngineSettings
 from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.engine import LLMEngine
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.engine.test_engine_correctness import hf_reference, run_trace
-from worker.engine.settings import EngineSettings
+from worker.model.settings import EngineSettings
 from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.engine import LLMEngine
 

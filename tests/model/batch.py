@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.engine.settings import EngineSettings
+from worker.model.settings import EngineSettings
 from worker.model.input import ModelInput, build_model_input
 from worker.model.step_batch import StepBatch
 

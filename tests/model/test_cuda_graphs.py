@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.model.batch import BLOCK, assert_logits_close, random_tokens, tiny_settings
-from worker.engine.settings import EngineSettings
+from worker.model.settings import EngineSettings
 from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.engine import LLMEngine
 from worker.model.cuda_graphs import BucketedInput, batch_sizes, default_batch_sizes, graph_mode, pick_bucket

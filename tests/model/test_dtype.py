@@ -41,7 +41,7 @@ def _prompts(model_path: Path) -> list[list[int]]:
 
 
 def _greedy(model_path: Path, dtype: str, prompts: list[list[int]]) -> tuple[torch.dtype, list[list[int]]]:
-    from worker.engine.settings import EngineSettings
+    from worker.model.settings import EngineSettings
     from worker.engine.api import EngineRequest, SamplingParams
     from worker.engine.engine import LLMEngine
 

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from worker.engine.settings import EngineSettings
+from worker.model.settings import EngineSettings
 from worker.model.sim import DEVICES, ModelShape, SimRunner, sim_config, step_cost
 from worker.model.step_batch import StepRequests
 

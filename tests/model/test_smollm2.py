@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.model.batch import Chunk, make_input
-from worker.engine.settings import EngineSettings
+from worker.model.settings import EngineSettings
 from worker.model.runner import ModelRunner
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.engine.settings import EngineSettings
+from worker.model.settings import EngineSettings
 from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.engine import LLMEngine
 from worker.engine.scheduler import Scheduler

@@ -23,7 +23,7 @@ PARAMETERS = {"type": "object", "properties": {"city": {"type": "string", "maxLe
 
 
 def test_a_forced_call_on_smollm2_names_the_city_asked_about(smollm2_path):
-    from worker.engine.settings import EngineSettings
+    from worker.model.settings import EngineSettings
     from worker.engine.engine import LLMEngine
 
     engine = LLMEngine(EngineSettings(model=str(smollm2_path), device="cpu", dtype="float32", max_num_seqs=2,

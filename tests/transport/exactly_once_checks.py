@@ -15,7 +15,7 @@ from confluent_kafka import Consumer
 from schemas.decode import decode_result
 from schemas.priority import partition_for
 from schemas.result import FinalRecord
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 from tests.transport.kafka_helpers import Collector
 
 SKIPPED = re.compile(r"(\d+) offsets above its committed offset \d+ are answered already; skipped")

@@ -13,7 +13,7 @@ from schemas.decode import encode
 from schemas.priority import partition_for
 from schemas.request import GenerationRequest
 from schemas.result import FinalRecord, StreamChunk
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 from worker.engine.api import EngineRequest, EngineStats
 from schemas.decode import decode_dead_letter, decode_result
 

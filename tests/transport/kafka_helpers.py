@@ -18,8 +18,8 @@ from schemas.decode import decode_dead_letter, decode_result, decode_status, enc
 from schemas.priority import partition_for
 from schemas.request import GenerationRequest
 from schemas.result import FinalRecord, StreamChunk
-from worker.transport.kafka.settings import KafkaSettings
-from worker.transport.settings import WorkerSettings
+from worker.kafka_settings import KafkaSettings
+from worker.worker_settings import WorkerSettings
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -10,7 +10,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from confluent_kafka import Producer
 
 from schemas.priority import partition_for
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 
 CODECS = ("none", "gzip", "snappy", "lz4", "zstd")
 

@@ -3,7 +3,7 @@
 from schemas.request import ChatMessage
 from worker.broker.acls import Acl, client_acls, worker_acls
 from gateway.settings import GatewaySettings
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 from worker.engine.api import EngineStats
 from worker.transport.load.admission import DEADLINE_SAFETY_FACTOR, DEADLINE_SAFETY_S, Admission, estimate_prompt_tokens
 

@@ -1,7 +1,7 @@
 """Pause/resume decisions: queue pressure per priority (counting only more urgent work), KV pressure least
 urgent first one level per dwell period, hysteresis between watermarks."""
 
-from worker.transport.settings import WorkerSettings
+from worker.worker_settings import WorkerSettings
 from worker.transport.load.backpressure import Backpressure, LoadSnapshot
 
 

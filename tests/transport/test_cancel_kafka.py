@@ -13,7 +13,7 @@ import pytest
 from aiokafka import AIOKafkaProducer
 
 from schemas.request import GenerationRequest, SamplingSpec
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 from worker.engine.api import EngineStats
 from worker.engine.instant import InstantEngine, expected_text
 from tests.transport.kafka_helpers import Collector, produce_requests, running_worker, worker_settings

@@ -238,7 +238,7 @@ async def test_a_reply_topic_the_worker_may_not_write_gets_an_error_final_and_th
 
     from worker.broker.local import LocalBroker, free_ports
     from worker.broker.topics import ensure_topics
-    from worker.transport.kafka.settings import KafkaSettings
+    from worker.kafka_settings import KafkaSettings
 
     port, controller_port = free_ports(2)
     broker = LocalBroker(tmp_path / "acl-broker", port, controller_port, detach=False, extra_properties={

@@ -12,7 +12,7 @@ import pytest
 from schemas.request import GenerationRequest, SamplingSpec
 from tests.transport.kafka_helpers import Collector, produce_requests, running_worker, worker_settings
 from tests.transport.test_stream_kafka import as_engine_request, direct_texts, tiny_engine
-from worker.engine.settings import EngineSettings
+from worker.model.settings import EngineSettings
 from worker.engine.api import EngineRequest, SamplingParams
 from worker.serve import build_engine, build_engine_process
 from worker.transport.requests.engine_process import EngineProcess

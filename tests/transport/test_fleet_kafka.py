@@ -20,7 +20,7 @@ import yaml
 
 from schemas.request import GenerationRequest
 from worker.broker.net import free_port
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 from worker.engine.instant import InstantEngine
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 from aiokafka import TopicPartition
 
 from schemas.limits import DEFAULT_LIMITS
-from worker.transport.kafka.settings import KafkaSettings
-from worker.transport.settings import WorkerSettings
+from worker.kafka_settings import KafkaSettings
+from worker.worker_settings import WorkerSettings
 from worker.engine.api import EngineStats
 from worker.transport.load.admission import Admission
 from worker.transport.requests.answers import Answers

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from worker.transport.settings import WorkerSettings
+from worker.worker_settings import WorkerSettings
 from worker.transport.load.backpressure import Backpressure
 from worker.transport.load.load_control import LoadControl
 from worker.transport.load.service_model import ServiceModel

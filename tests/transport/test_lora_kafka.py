@@ -17,7 +17,7 @@ MAX_NEW = 6
 
 
 async def test_requests_for_different_adapters_get_their_adapters_tokens(kafka_topics, tiny_model_path, tmp_path):
-    from worker.engine.settings import EngineSettings
+    from worker.model.settings import EngineSettings
     from worker.engine.engine import LLMEngine
 
     make_adapter(tiny_model_path, tmp_path / "alpha", seed=11, rank=8)

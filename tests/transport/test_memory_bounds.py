@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 from worker.engine.instant import InstantEngine
 from worker.transport.kafka import publisher as publisher_module
 from worker.transport.load.admission import Admission

@@ -26,7 +26,7 @@ def test_tables_and_heap_gauges_are_exposed_and_a_failing_table_is_left_out():
 
 def test_a_worker_exposes_every_per_request_table():
     from tests.transport.kafka_helpers import worker_settings
-    from worker.transport.kafka.settings import KafkaSettings
+    from worker.kafka_settings import KafkaSettings
     from worker.engine.instant import InstantEngine
     from worker.transport.worker import Worker
 

@@ -24,7 +24,7 @@ from tests.transport.test_failover_kafka import check_complete_streams, wait_ass
 from tests.transport.test_stream_kafka import as_engine_request
 from worker.broker.local import LocalBroker, free_ports
 from worker.broker.topics import ensure_topics
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 from worker.engine.instant import expected_text
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from schemas.request import GenerationRequest, SamplingSpec
-from worker.engine.settings import EngineSettings
+from worker.model.settings import EngineSettings
 from tests.transport.kafka_helpers import Collector, produce_requests, running_worker, worker_settings
 
 pytestmark = pytest.mark.kafka

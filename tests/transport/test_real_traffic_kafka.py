@@ -33,7 +33,7 @@ from worker.engine.calibrate import calibrate
 from tests.transport.kafka_helpers import Collector, running_worker, worker_settings
 from tests.transport.real_producers import CODECS, request_partition, wait_until_committed_to_end
 from tests.transport.test_stream_kafka import tiny_engine
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 from worker.transport.requests.answers import MAX_DEAD_LETTER_KEY
 
 pytestmark = pytest.mark.kafka

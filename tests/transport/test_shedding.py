@@ -43,7 +43,7 @@ def test_least_urgent_shed_first_and_priority_zero_never():
 
 
 def test_by_default_the_bulk_priority_waits_instead_of_being_shed():
-    from worker.transport.settings import WorkerSettings
+    from worker.worker_settings import WorkerSettings
 
     shedder = Shedder(list(WorkerSettings().max_queue_time_s), num_priorities=3)
     # A backlog of an hour at every priority: priority 1 (bounded at 30 s) is shed, the bulk priority is not.

@@ -46,7 +46,7 @@ KEPT = {
 
 
 def tiny_engine(model_path, **overrides):
-    from worker.engine.settings import EngineSettings
+    from worker.model.settings import EngineSettings
     from worker.engine.engine import LLMEngine
 
     # A generous compile budget: on a shared machine the library's limits, not the clock, should decide.

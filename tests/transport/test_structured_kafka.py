@@ -22,7 +22,7 @@ NAMES = ("enums", "numbers", "arrays")
 
 
 def tiny_engine(model_path):
-    from worker.engine.settings import EngineSettings
+    from worker.model.settings import EngineSettings
     from worker.engine.engine import LLMEngine
 
     return LLMEngine(EngineSettings(model=str(model_path), device="cpu", dtype="float32", max_num_seqs=16,

@@ -6,7 +6,7 @@ import logging
 import pytest
 
 from worker.broker.local import free_port
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 from worker.engine.instant import InstantEngine
 from worker.transport.worker import Worker
 from tests.transport.kafka_helpers import worker_settings

@@ -20,10 +20,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.settings import GatewaySettings
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 
-RESPONSES_TOPIC = GatewaySettings.model_fields["responses_topic"].default
+
+def default_responses_topic() -> str:
+    """GATEWAY_RESPONSES_TOPIC's default, from the gateway's settings class where it is installed (the worker
+    never imports the gateway: config_cli finds the class through its entry point)."""
+    from worker.config_cli import SETTINGS_CLASSES
+
+    for cls in SETTINGS_CLASSES:
+        if "responses_topic" in cls.model_fields:
+            return cls.model_fields["responses_topic"].default
+    return "llm.responses"
 
 # Kafka's protocol codes (org.apache.kafka.common.resource.ResourceType, acl.AclOperation, acl.AclPermissionType,
 # resource.PatternType).
@@ -70,7 +78,8 @@ def worker_acls(kafka: KafkaSettings, principal: str = "worker") -> list[Acl]:
     ]
 
 
-def client_acls(kafka: KafkaSettings, principal: str = "client", responses_topic: str = RESPONSES_TOPIC) -> list[Acl]:
+def client_acls(kafka: KafkaSettings, principal: str = "client", responses_topic: str | None = None) -> list[Acl]:
+    responses_topic = responses_topic or default_responses_topic()
     return [
         Acl(principal, "TOPIC", kafka.request_topic, "WRITE"),
         Acl(principal, "TOPIC", kafka.control_topic, "WRITE"),

@@ -20,7 +20,7 @@ from worker.broker.jars import BrokerError, ensure_kafka_jars
 from worker.broker.local import LocalBroker
 from worker.broker.secure import MODES, client_files, settings_for
 from worker.paths import PathSettings
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:

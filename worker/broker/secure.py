@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from worker.broker.jars import BrokerError
 
 if TYPE_CHECKING:
-    from worker.transport.kafka.settings import KafkaSettings
+    from worker.kafka_settings import KafkaSettings
 
 MODES = ("plaintext", "sasl_plaintext", "sasl_ssl", "ssl")
 PRINCIPALS = ("admin", "worker", "client")
@@ -255,7 +255,7 @@ def _write_private(path: Path, text: str) -> Path:
 
 def settings_for(security: Security, principal: str, bootstrap_servers: str, base: "KafkaSettings") -> "KafkaSettings":
     """`base` (topic names, group) with the security settings of `principal`."""
-    from worker.transport.kafka.settings import KafkaSettings
+    from worker.kafka_settings import KafkaSettings
 
     fields = {key.removeprefix("KAFKA_").lower(): value
               for key, value in security.client_env(principal, bootstrap_servers).items()}

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from aiokafka.admin import AIOKafkaAdminClient, NewPartitions, NewTopic
 from aiokafka.errors import InvalidPartitionsError, KafkaConnectionError, TopicAlreadyExistsError, for_code
 
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from worker.engine.settings import EngineSettings
+from worker.model.settings import EngineSettings
 from worker.engine.api import EngineRequest, EngineStats, RequestOutput, SamplingParams, TokenLogprobs
 from worker.engine.batch_builder import build_step_requests
 from worker.engine.block_pool import salt_key

@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from worker.engine.settings import EngineSettings
+from worker.model.settings import EngineSettings
 from worker.engine.block_pool import BlockPool
 from worker.engine.api import fair_preempts
 from worker.engine.deadlines import DeadlinePlanner, StepCost

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from worker.engine.settings import EngineSettings
+from worker.model.settings import EngineSettings
 from worker.model.attention import AttentionBackend
 from worker.model.config import (ModelConfig, UnsupportedModelError, load_config, load_eos_token_ids,
                                  load_tokenizer)

@@ -60,7 +60,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from worker.engine.settings import EngineSettings
+from worker.model.settings import EngineSettings
 from worker.model.config import ModelConfig, load_eos_token_ids, load_tokenizer, parse_config
 from worker.model.input import Launched, ModelInput, PersistentInput, PersistentInputRunner
 from worker.model.pull import resolve_model

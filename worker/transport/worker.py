@@ -38,8 +38,8 @@ from aiokafka.errors import GroupAuthorizationFailedError, KafkaError, TopicAuth
 
 from schemas.limits import DEFAULT_LIMITS, Limits
 from schemas.priority import priority_of_partition
-from worker.transport.kafka.settings import KafkaSettings
-from worker.transport.settings import WorkerSettings
+from worker.kafka_settings import KafkaSettings
+from worker.worker_settings import WorkerSettings
 from worker.config_cli import masked_dump
 from worker.engine.api import Engine, EngineStats
 from worker.transport.kafka.access_check import AccessDenied, Needs, check_access

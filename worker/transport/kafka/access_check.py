@@ -26,7 +26,7 @@ from aiokafka.protocol.admin import DescribeGroupsRequest_v3, DescribeGroupsResp
 from aiokafka.protocol.api import Request, RequestStruct, Response
 from aiokafka.protocol.types import Array, Boolean, Int16, Int32, Schema, String
 
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 from worker.security import SecuritySettingsError
 
 log = logging.getLogger(__name__)

@@ -7,8 +7,8 @@ from collections.abc import Awaitable, Callable
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 
-from worker.transport.kafka.settings import KafkaSettings
-from worker.transport.settings import WorkerSettings
+from worker.kafka_settings import KafkaSettings
+from worker.worker_settings import WorkerSettings
 from worker.transport.kafka.aiokafka_compat import group_generation
 from worker.transport.kafka.assignor import PriorityRoundRobinAssignor
 

@@ -24,7 +24,7 @@ import msgspec
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from schemas.decode import decode_control
-from worker.transport.kafka.settings import KafkaSettings
+from worker.kafka_settings import KafkaSettings
 from worker.transport.requests.cancels import Cancel, CancelledIds
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,7 @@
-"""The engine settings (ENGINE_*): the model, the device, batching, the KV cache and the kernels. Every field
-carries a docstring: docs/configuration.md is generated from them (`llm-worker config --markdown`)."""
+"""The engine settings (ENGINE_*): the model, the device, batching, the KV cache and the kernels. They live in the
+model layer, the lowest that reads them (the runner), so the engine above it imports them and the model never
+imports the engine. Every field carries a docstring: docs/configuration.md is generated from them
+(`llm-worker config --markdown`)."""
 
 from __future__ import annotations
 

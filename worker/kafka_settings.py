@@ -1,5 +1,7 @@
 """The Kafka settings (KAFKA_*): the broker, the topics, the consumer group, security and delivery
-semantics. Every field carries a docstring: the settings table in docs/configuration.md is generated from them
+semantics. Shared by everything that talks to Kafka (the worker's transport, the client, the gateway, the
+commands), so beside worker/security.py, which turns them into client options, not inside the transport, which
+clients never import. Every field carries a docstring: docs/configuration.md is generated from them
 (`llm-worker config --markdown`)."""
 
 from __future__ import annotations

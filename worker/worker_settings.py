@@ -1,6 +1,7 @@
 """The worker settings (WORKER_*): admission, queues, shedding, streaming, tenants, fleet signals and the
-process's allocator. Every field carries a docstring: docs/configuration.md is generated from them
-(`llm-worker config --markdown`)."""
+process's allocator. Read by every room of the transport (kafka, load, requests), which never import each other's
+modules or the transport's wiring, so beside the Kafka settings rather than inside the transport. Every field
+carries a docstring: docs/configuration.md is generated from them (`llm-worker config --markdown`)."""
 
 from __future__ import annotations
 
