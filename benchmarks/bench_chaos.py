@@ -419,6 +419,7 @@ async def amain(args: argparse.Namespace) -> dict:
                             "ratio_to_at_least_once": {s: round(mean_rate(s) / base, 3) for s in systems}
                             if base else {}})
         else:
+            session.keep = args.keep
             summary.update({"kind": "chaos", **await chaos(args, session.bootstrap, session.tmp)})
             if summary["num_duplicate_finals"] or summary["num_missing_finals"]:
                 session.keep = True
@@ -444,6 +445,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--systems", default="exactly-once,at-least-once",
                    help="with --throughput: any of exactly-once, exactly-once-no-progress, at-least-once")
     p.add_argument("--label", default="")
+    p.add_argument("--keep", action="store_true", help="keep the broker data and worker logs (the path is printed)")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     return args

@@ -67,7 +67,8 @@ class WorkerSettings(BaseSettings):
     progress_interval_ms: float = Field(2000.0, gt=0)
     """With exactly-once finals and a progress topic: how often each partition's transactions carry a full
     round of progress records (schemas/progress.py); a request's first one goes in the next transaction that
-    answers something. Shorter rounds keep the tail a new owner reads back short, at the broker's cost."""
+    answers something, or in one of its own within 0.2 s. Shorter rounds keep the tail a new owner reads back
+    short, at the broker's cost."""
     destination_wait_s: float = Field(5.0, gt=0)
     """How long a topic that records are addressed to (a reply topic above all) may be absent from the broker's
     metadata, or hold a batch without an answer, before its records are answered elsewhere: a final as an

@@ -47,6 +47,10 @@ log = logging.getLogger(__name__)
 
 ProgressSource = Callable[[TopicPartition, bool], list[tuple[bytes, bytes]]]
 """(partition, full round) -> (key, value) progress records: Streamer.progress_records."""
+
+FIRST_RECORD_WAIT_S = 0.2
+"""Longest a lane with nothing to answer waits before a transaction of its own carries the first progress records
+of the streams that started since its last one."""
 AnswerRecord = tuple[str, bytes | None, bytes, FinalRecord | None]
 """(topic, key, value, the final it encodes or None): one record that answers a request record."""
 Replacement = Callable[[str, FinalRecord, str, str], tuple[str, FinalRecord] | None]
@@ -317,10 +321,18 @@ class FinalLanes:
         lane.progress, lane.progress_full_round = [], False
         if self.progress_source is None:
             return False
-        full = time.monotonic() - lane.last_round_at >= self.progress_interval_s
+        now = time.monotonic()
+        full = now - lane.last_round_at >= self.progress_interval_s
         if not full:
             if lane.pending:
                 lane.progress = self.progress_source(lane.partition, False)
+                return False
+            if now - lane.last_write_at >= FIRST_RECORD_WAIT_S:
+                # Streams under way with none yet: a short request streams its whole output within one round,
+                # and a kill before its first record makes the next owner start it over. Alone, at most every
+                # FIRST_RECORD_WAIT_S a lane; under load they ride on transactions that answer something.
+                lane.progress = self.progress_source(lane.partition, False)
+                return bool(lane.progress)
             return False
         records = self.progress_source(lane.partition, True)
         digest = hash(tuple(records))
