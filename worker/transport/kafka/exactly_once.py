@@ -316,8 +316,9 @@ class FinalLanes:
 
     def _progress_due(self, lane: Lane) -> bool:
         """Whether the lane has progress records to write now: a full round when one is due and differs from the
-        last; in between, the first records of requests that have none, but only in a transaction that answers
-        something anyway (a transaction of its own costs the broker several requests)."""
+        last; in between, the first records of requests that have none, in the next transaction that answers
+        something, or in one of their own once FIRST_RECORD_WAIT_S passed since the lane's last (a transaction
+        costs the broker several requests, so they wait a little to share one)."""
         lane.progress, lane.progress_full_round = [], False
         if self.progress_source is None:
             return False
