@@ -66,16 +66,18 @@ async def produce_paced(kafka, requests_by_tick: list[list[tuple[int, Generation
         await asyncio.sleep(max(0.0, tick_s - (time.monotonic() - started)))
 
 
-def p99(values: list[float]) -> float:
+def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def test_overload_keeps_urgent_deadlines_and_sheds_the_rest(kafka_topics):
     """Urgent traffic at a quarter of capacity, first alone (its unloaded latency), then beside bulk traffic at
-    several times capacity: the urgent requests all complete, their p99 stays near the unloaded one (not merely
+    several times capacity: the urgent requests all complete, their p95 stays near the unloaded one (not merely
     under a deadline a hundred times their service time), the bulk is shed or rejected, and the worker keeps
-    serving near its capacity (goodput) instead of thrashing."""
+    serving near its capacity (goodput) instead of thrashing. The p95 of 120 requests, not the p99 (their
+    second worst): on a shared 2-core host one scheduling hiccup of the test process moves the p99 alone, while
+    urgent requests served behind the bulk queue (64 waiting at 160 requests/s: 400 ms) would move the p95."""
     kafka = kafka_topics
     # Capacity: 8 sequences x 5 tokens x 10 ms steps, about 160 requests/s. Urgent: 40/s. Bulk: about 520/s.
     settings = worker_settings(max_waiting=64, resume_waiting=32, max_poll_records=32, pause_dwell_s=0.2,
@@ -110,8 +112,10 @@ async def test_overload_keeps_urgent_deadlines_and_sheds_the_rest(kafka_topics):
     unloaded = [results.finals[i][0].timings.e2e_ms for i in alone_ids[len(alone_ids) // 2:]]  # warmed up
     urgent_finals = [results.finals[i][0] for i in all_ids if i.startswith("uo-")]
     assert all(f.status == "completed" for f in urgent_finals)
-    loaded_p99, unloaded_p99 = p99([f.timings.e2e_ms for f in urgent_finals]), p99(unloaded)
-    assert loaded_p99 <= max(3 * unloaded_p99, unloaded_p99 + 250.0), (loaded_p99, unloaded_p99)
+    loaded = [f.timings.e2e_ms for f in urgent_finals]
+    loaded_p95, unloaded_p95 = percentile(loaded, 0.95), percentile(unloaded, 0.95)
+    assert loaded_p95 <= max(3 * unloaded_p95, unloaded_p95 + 250.0), (loaded_p95, unloaded_p95)
+    assert max(loaded) <= 1000.0  # every one within its deadline
     bulk = [results.finals[i][0] for i in all_ids if i.startswith("b-")]
     reasons = {f.reason for f in bulk if f.status == "rejected"}
     assert len([f for f in bulk if f.status == "rejected"]) > len(bulk) // 3
@@ -121,5 +125,6 @@ async def test_overload_keeps_urgent_deadlines_and_sheds_the_rest(kafka_topics):
     tokens = sum(results.finals[i][0].usage.completion_tokens for i in all_ids
                  if results.finals[i][0].status == "completed")
     assert tokens / served_s >= 0.5 * 800, (tokens, served_s)
-    print(f"\nurgent p99 {loaded_p99:.0f} ms under overload, {unloaded_p99:.0f} ms alone; goodput "
+    print(f"\nurgent p95 {loaded_p95:.0f} ms (p99 {percentile(loaded, 0.99):.0f}) under overload, "
+          f"{unloaded_p95:.0f} ms alone; goodput "
           f"{tokens / served_s:.0f} tokens/s of 800")

@@ -7,6 +7,7 @@ import time
 
 from aiokafka import TopicPartition
 
+from schemas.progress import decode_progress
 from schemas.request import ChatMessage, GenerationRequest
 from schemas.tools import FunctionSpec, Tool
 from worker.engine.api import RequestOutput
@@ -295,3 +296,27 @@ async def test_tool_calls_are_parsed_into_chunks_and_the_final_streamed_or_not()
     assert pieces[0].id == finals["s"].tool_calls[0].id and pieces[0].name == "get_time"
     assert "".join(p.arguments for p in pieces) == '{"tz": "CET"}'
     assert all(c.content is None and c.tool_calls is None for c in publisher.chunks() if c.id == "o")
+
+
+async def test_a_progress_record_of_unchanged_progress_is_the_one_before_byte_for_byte():
+    """The lanes skip a full round of progress that repeats the last one by comparing its records: a record
+    stamped with the time of asking would never repeat. Its time is when its progress was first recorded, so
+    the next owner still reads the stream's tail from before any chunk the record does not hold."""
+    publisher, tracker = FakePublisher(), OffsetTracker()
+    streamer = make_streamer(publisher, tracker)
+    a, b = queued("a", 0), queued("b", 1, stream=False)
+    for q in (a, b):
+        tracker.track(q.partition, q.offset)
+        streamer.open(q)
+    await streamer.handle([output(a, 1), output(b, 1)])
+    publisher.ack_all()
+    first = streamer.progress_records(a.partition, True)
+    assert [key for key, _ in first] == [b"a", b"b"]
+    time.sleep(0.005)
+    assert streamer.progress_records(a.partition, True) == first
+    await streamer.handle([output(a, 2)])
+    assert streamer.progress_records(a.partition, True) == first  # its chunk not acknowledged yet
+    publisher.ack_all()
+    moved = dict(streamer.progress_records(a.partition, True))
+    assert moved[b"b"] == dict(first)[b"b"] and moved[b"a"] != dict(first)[b"a"]
+    assert decode_progress(moved[b"a"]).ts_ms > decode_progress(dict(first)[b"a"]).ts_ms

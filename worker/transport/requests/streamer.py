@@ -103,6 +103,11 @@ class RequestStream:
     """The progress record's view of `acked`, built when a round asks (cached while `acked` stays)."""
     recorded: bool = False
     """Its request has had a progress record written (set on the first completion's stream)."""
+    progress_mark: tuple = ()
+    progress_ts_ms: int = 0
+    """The progress its last record showed and when that progress was first recorded (on the first completion's
+    stream): a record of unchanged progress is byte for byte the one before, so an unchanged round is seen as
+    such and not written again."""
     started: bool = False
     """The engine gave it its first token (or ended it before one): its tenant's charge is no longer pending."""
 
@@ -328,11 +333,17 @@ class Streamer:
             completions = [m.progress() for m in members]
             if not any(c.token_ids for c in completions):
                 continue
+            first = members[0]
+            mark = tuple((c.index, c.seq, len(c.token_ids)) for c in completions)
+            if mark != first.progress_mark:
+                # Earlier than the send of any chunk beyond this progress: a new owner reads its stream's tail
+                # from there.
+                first.progress_mark, first.progress_ts_ms = mark, now_ms
             record = ProgressRecord(id=queued.request.id, attempt=queued.attempt,
                                     partition=getattr(partition, "partition", 0), offset=queued.offset,
                                     topic=queued.reply_topic, completions=completions, worker_id=self.worker_id,
-                                    ts_ms=now_ms)
-            members[0].recorded = True
+                                    ts_ms=first.progress_ts_ms)
+            first.recorded = True
             out.append((queued.request.id.encode(), encode(record)))
         return out
 
