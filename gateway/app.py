@@ -135,11 +135,13 @@ class Gateway:
         finally:
             sweeper.cancel()
             await asyncio.gather(sweeper, return_exceptions=True)
-            await self.batches.stop()
-            await self.responses.stop()
-            await self.webhooks.stop()
-            await self.keys.stop()
-            await self.door.stop()
+            # Each part stops even when one before it fails (a broker gone mid-shutdown): a part left running
+            # keeps its clients polling the dead address.
+            for part in (self.batches, self.responses, self.webhooks, self.keys, self.door):
+                try:
+                    await part.stop()
+                except Exception:  # logged; the next part still stops
+                    log.exception("the gateway's %s did not stop cleanly", type(part).__name__)
 
     def app(self):
         routes = [

@@ -30,6 +30,7 @@ from aiokafka.structs import OffsetAndMetadata
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError, for_code
 
+from worker.kafka_stop import stop_client
 from llm_client import BackoffPolicy, LLMClient, RequestHandle
 from schemas.request import GenerationRequest
 from gateway.settings import GatewaySettings
@@ -104,7 +105,7 @@ class Door:
         self._tasks.clear()
         await self.client.stop()
         if self._presence is not None:
-            await self._presence.stop()
+            await stop_client(self._presence, "gateway's reply-topic presence")
             self._presence = None
         if self.ephemeral:
             await self._delete_reply_topic()

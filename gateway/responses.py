@@ -33,6 +33,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError, for_code
 
+from worker.kafka_stop import stop_client
 from gateway.door import Door
 from gateway.files import not_found
 from gateway.openai_api import ApiError
@@ -127,7 +128,7 @@ class Responses:
         await asyncio.gather(*self._background, return_exceptions=True)
         for client in (self._producer, self._consumer):
             if client is not None:
-                await client.stop()
+                await stop_client(client, "responses store")
 
     async def _ensure_topic(self) -> None:
         admin = AIOKafkaAdminClient(**self.door.kafka.client_kwargs())

@@ -31,6 +31,7 @@ import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
+from worker.kafka_stop import stop_client
 from schemas.control import CancelRecord
 from schemas.decode import decode_result, decode_status, encode
 from schemas.priority import partition_for
@@ -138,7 +139,7 @@ class LLMClient:
             self._task = None
         for client in (self._consumer, self._producer):
             if client is not None:
-                await client.stop()
+                await stop_client(client, "client")
         self._consumer = self._producer = None
 
     async def _partitions(self, topic: str) -> list[TopicPartition]:

@@ -18,7 +18,7 @@ from schemas.decode import decode_request
 from schemas.usage import UsageRecord
 from tests.client.helpers import read_topic
 from tests.gateway.test_gateway_kafka import RunningGateway
-from tests.transport.kafka_helpers import running_worker, worker_settings
+from tests.transport.kafka_helpers import polling_clients, running_worker, worker_settings
 from gateway.settings import GatewaySettings
 from worker.kafka_settings import KafkaSettings
 from worker.engine.instant import InstantEngine
@@ -219,8 +219,13 @@ async def test_a_broker_outage_is_answered_503_with_openais_error_json(tmp_path)
             assert refused.value.body["type"] == "server_error" and refused.value.response.headers["retry-after"]
             # What needs no broker still answers.
             assert [m.id async for m in client.models.list()] == [MODEL]
+            stopping = time.monotonic()
+        # It stops whole and in bounded time with the broker gone: no client of it goes on polling the address.
+        assert time.monotonic() - stopping < 20
+        assert polling_clients(broker.bootstrap_servers) == []
     finally:
         broker.stop()
+
 
 
 async def test_reply_topics_of_crashed_random_instances_expire_and_others_stay(door, tmp_path):

@@ -197,3 +197,14 @@ async def start_worker_process(kafka: KafkaSettings, args: list[str], log_path: 
         str(REPO / ".venv" / "bin" / "llm-worker"), "serve", *args, env=subprocess_env(kafka, **worker_env),
         stdout=log, stderr=log, cwd=str(REPO),
     )
+
+
+def polling_clients(bootstrap_servers: str) -> list:
+    """aiokafka clients of this address whose metadata task still runs (a client never closed)."""
+    import gc
+
+    from aiokafka.client import AIOKafkaClient
+
+    gc.collect()
+    return [o for o in gc.get_objects() if isinstance(o, AIOKafkaClient) and o._sync_task is not None
+            and not o._sync_task.done() and bootstrap_servers in str(o._bootstrap_servers)]

@@ -1,5 +1,5 @@
-"""aiokafka's private state that worker/transport/kafka/aiokafka_compat.py reads: these fail when a new aiokafka
-release moves it, before a worker would fail in production."""
+"""aiokafka's private state that worker/transport/kafka/aiokafka_compat.py (and worker/kafka_stop.py) reads:
+these fail when a new aiokafka release moves it, before a worker would fail in production."""
 
 from __future__ import annotations
 
@@ -24,6 +24,16 @@ async def test_a_producer_holds_an_accumulator_whose_batches_can_be_failed():
     producer = AIOKafkaProducer(bootstrap_servers="127.0.0.1:1")
     fail_unsent_batches(producer, KafkaError("test"))  # nothing pending: a no-op, but every name must exist
     await producer.stop()
+
+
+async def test_clients_hold_what_a_failed_stop_is_finished_with():
+    """worker/kafka_stop.py closes by hand what a failed or overlong stop left open."""
+    from aiokafka.client import AIOKafkaClient
+
+    producer = AIOKafkaProducer(bootstrap_servers="127.0.0.1:1")
+    consumer = AIOKafkaConsumer(bootstrap_servers="127.0.0.1:1")
+    assert callable(producer._message_accumulator.fail_all) and callable(producer._sender.close)
+    assert isinstance(producer.client, AIOKafkaClient) and isinstance(consumer._client, AIOKafkaClient)
 
 
 async def test_a_producer_whose_sender_died_is_dead():

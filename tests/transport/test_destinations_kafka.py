@@ -18,7 +18,7 @@ from schemas.decode import encode
 from schemas.priority import partition_for
 from schemas.request import GenerationRequest, SamplingSpec
 from worker.engine.instant import InstantEngine
-from tests.transport.kafka_helpers import Collector, produce_requests, running_worker, worker_settings
+from tests.transport.kafka_helpers import Collector, polling_clients, produce_requests, running_worker, worker_settings
 
 pytestmark = pytest.mark.kafka
 
@@ -277,3 +277,18 @@ async def test_a_reply_topic_the_worker_may_not_write_gets_an_error_final_and_th
         assert percentile(ordinary, 0.99) < 3.0, report("ordinary", ordinary)
     finally:
         broker.stop()
+
+
+async def test_topics_looked_up_together_leave_no_client_open_once_stopped(kafka_topics):
+    """Several destinations are checked at once when a worker starts (its result, status and reply topics): their
+    record limits come from one admin client, which stopping closes; none goes on polling the broker."""
+    from worker.transport.kafka.destinations import BrokerProbe
+
+    kafka = kafka_topics
+    before = {id(c) for c in polling_clients(kafka.bootstrap_servers)}
+    probe = BrokerProbe(lambda: None, kafka.client_kwargs())
+    limits = await asyncio.gather(*(probe.max_message_bytes(t) for t in (
+        kafka.result_topic, kafka.status_topic, kafka.dead_letter_topic, kafka.request_topic)))
+    assert all(limit and limit > 0 for limit in limits), limits
+    await probe.close()
+    assert [c for c in polling_clients(kafka.bootstrap_servers) if id(c) not in before] == []

@@ -36,6 +36,7 @@ import time
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import GroupAuthorizationFailedError, KafkaError, TopicAuthorizationFailedError
 
+from worker.kafka_stop import stop_client
 from schemas.limits import DEFAULT_LIMITS, Limits
 from schemas.priority import priority_of_partition
 from worker.kafka_settings import KafkaSettings
@@ -513,7 +514,7 @@ class Worker:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await self.consumer.stop()
+        await stop_client(self.consumer, "request consumer")
         await self.publisher.stop()
         self.engine_thread.stop()
 

@@ -177,6 +177,9 @@ class BrokerProbe:
         """The producer's client (the producer may be replaced, hence a callable)."""
         self._admin_kwargs = admin_kwargs
         self._admin: AIOKafkaAdminClient | None = None
+        self._admin_lock = asyncio.Lock()
+        """Topics are checked concurrently: without it each would start an admin client of its own and all but
+        the last would never be closed (their metadata tasks polling the broker for the life of the process)."""
 
     async def topics(self) -> set[str]:
         """Every topic a broker lists for this principal, from a fresh metadata request (raises when none
@@ -185,13 +188,20 @@ class BrokerProbe:
         return set(metadata.topics())
 
     async def max_message_bytes(self, topic: str) -> int | None:
-        if self._admin is None:
-            admin = AIOKafkaAdminClient(**self._admin_kwargs)
-            await asyncio.wait_for(admin.start(), 10.0)
-            self._admin = admin
-        return await asyncio.wait_for(describe_topic_max_message_bytes(self._admin, topic), 10.0)
+        async with self._admin_lock:
+            if self._admin is None:
+                admin = AIOKafkaAdminClient(**self._admin_kwargs)
+                try:
+                    await asyncio.wait_for(admin.start(), 10.0)
+                except BaseException:
+                    await admin.close()  # a half-started client polls the broker until closed
+                    raise
+                self._admin = admin
+            admin = self._admin
+        return await asyncio.wait_for(describe_topic_max_message_bytes(admin, topic), 10.0)
 
     async def close(self) -> None:
-        if self._admin is not None:
-            admin, self._admin = self._admin, None
-            await admin.close()
+        async with self._admin_lock:
+            if self._admin is not None:
+                admin, self._admin = self._admin, None
+                await admin.close()

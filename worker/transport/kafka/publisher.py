@@ -35,6 +35,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError, RecordTooLargeError, TopicAuthorizationFailedError
 from aiokafka.partitioner import DefaultPartitioner
 
+from worker.kafka_stop import stop_client
 from worker.transport.kafka.aiokafka_compat import fail_unsent_batches, stop_tracking_topic
 from worker.transport.kafka.destinations import BrokerProbe, Destinations, TopicState, record_problem, record_size
 
@@ -150,7 +151,7 @@ class Publisher:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
         await self.destinations.stop()
-        await self._producer.stop()
+        await stop_client(self._producer, "result producer")
 
     @property
     def num_cached_keys(self) -> int:
