@@ -14,7 +14,7 @@ from tests.model.batch import tiny_settings
 from tests.model.lora_adapters import ATTENTION, greedy, make_adapter, reference_model
 from worker.engine.api import EngineRequest, SamplingParams
 from worker.engine.engine import LLMEngine
-from worker.model.lora import LoraAdapter, LoraStep, GroupLora
+from worker.model.lora import GroupLora, LoraAdapter, LoraStack, LoraStep
 
 MAX_NEW = 8
 ADAPTERS = {"alpha": dict(seed=1, rank=8), "beta": dict(seed=2, rank=4, targets=ATTENTION, use_rslora=True),
@@ -134,6 +134,16 @@ def test_segments_of_interleaved_rows_equal_each_row_alone():
                     expected[row, offset : offset + b.shape[0]] += s[column : column + r] @ b.t()
             row += 1
     torch.testing.assert_close(out, expected)
+    # The same step over the adapters stacked (how a step mixing adapters runs), with a third adapter loaded
+    # that no row uses and one of a wider rank: the same sums.
+    unused = adapter("c", 4)
+    stack = LoraStack([second, unused, first], num_layers=1)
+    stacked = LoraStep.build(per_request, torch.tensor(num_new).numpy(), torch.device("cpu"), stack)
+    assert stacked.stacked is not None and stacked.stacked.width == 5  # the first adapter's rows: 2 + 1 + 2 tokens
+    torch.testing.assert_close(stacked.layer(0).add("qkv", x, base.clone()), expected)
+    # One adapter in the step: its segment alone, not the stack.
+    alone = LoraStep.build([first, None], torch.tensor([2, 1]).numpy(), torch.device("cpu"), stack)
+    assert alone.stacked is None
     assert LoraStep.build([None, None], torch.tensor([1, 2]).numpy(), torch.device("cpu")) is None
 
 

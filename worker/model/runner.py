@@ -352,7 +352,8 @@ class ModelRunner(PersistentInputRunner):
             # An adapter that is not loaded (its load failed at this step: the engine ended its requests) runs
             # as the base; nothing reads those rows.
             adapters = [None if name is None else loaded.get(name) for name in step.adapters]
-            model_input.lora = LoraStep.build(adapters, np.asarray(step.num_new), self.device)
+            model_input.lora = LoraStep.build(adapters, np.asarray(step.num_new), self.device,
+                                              self.loras.stack() if self.loras is not None else None)
             return model_input
         graphs = self.graphs
         if graphs is not None:
