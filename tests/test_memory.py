@@ -62,16 +62,16 @@ def test_the_arena_cap_is_accepted_and_zero_leaves_the_default():
 
 _AS_SERVE_DOES = """
 from worker import memory
-from worker.worker_settings import WorkerSettings
-memory.limit_arenas(WorkerSettings().malloc_arena_max)  # as serve() does, before any thread
+from worker.allocator_settings import AllocatorSettings
+memory.limit_arenas(AllocatorSettings().malloc_arena_max)  # as serve() does, before any thread
 """
 
 _AS_THE_ENGINE_PROCESS_DOES = """
 import threading
 from worker.model.settings import EngineSettings
-from worker.worker_settings import WorkerSettings
+from worker.allocator_settings import AllocatorSettings
 from worker.serve import build_engine_process
-build_engine_process(WorkerSettings(malloc_trim_interval_s=0.05), "instant", EngineSettings(max_num_seqs=2), 0.0)
+build_engine_process(AllocatorSettings(malloc_trim_interval_s=0.05), "instant", EngineSettings(max_num_seqs=2), 0.0)
 assert any(t.name == "malloc-trim" and t.is_alive() for t in threading.enumerate())
 import os
 assert os.environ["NUMPY_MADVISE_HUGEPAGE"] == "0"

@@ -8,17 +8,17 @@ imports `serve`, and an engine process runs `configure_allocator` before it buil
 from __future__ import annotations
 
 from worker import memory
-from worker.worker_settings import WorkerSettings
+from worker.allocator_settings import AllocatorSettings
 
 
-def configure_allocator(settings: WorkerSettings) -> None:
+def configure_allocator(settings: AllocatorSettings) -> None:
     memory.configure(settings.malloc_arena_max, settings.malloc_mmap_threshold_bytes, settings.numpy_huge_pages,
                      settings.numpy_buffer_cache)
 
 
 def prepare_serve() -> None:
-    """`llm-worker serve`'s process, from the WORKER_* settings of its environment (the command line sets none
+    """`llm-worker serve`'s process, from the allocator settings of its environment (the command line sets none
     of these)."""
-    settings = WorkerSettings()
+    settings = AllocatorSettings()
     memory.restart_with_tcache_count(settings.malloc_tcache_count)  # returns where there is nothing to change
     configure_allocator(settings)

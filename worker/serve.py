@@ -14,6 +14,7 @@ import json
 import logging
 import signal
 
+from worker.allocator_settings import AllocatorSettings
 from worker.model.settings import EngineSettings
 from worker.kafka_settings import KafkaSettings
 from worker.worker_settings import WorkerSettings
@@ -28,14 +29,14 @@ from worker.transport.worker import ACCESS_DENIED_EXIT, Worker
 log = logging.getLogger(__name__)
 
 
-def build_engine_process(settings: WorkerSettings, kind: str, engine_settings: EngineSettings,
+def build_engine_process(allocator: AllocatorSettings, kind: str, engine_settings: EngineSettings,
                          instant_step_ms: float, fake: dict | None = None) -> Engine:
     """The build of an engine in a process of its own (WORKER_ENGINE_PROCESS): that process allocates the
     engine's native memory, so it gets the worker's allocator settings first and trims its heap on the
     worker's interval from a thread of its own (it runs no event loop)."""
-    configure_allocator(settings)
+    configure_allocator(allocator)
     engine = build_engine(kind, engine_settings, instant_step_ms, fake)
-    memory.trim_every(settings.malloc_trim_interval_s)
+    memory.trim_every(allocator.malloc_trim_interval_s)
     return engine
 
 
@@ -103,11 +104,15 @@ def run(args: argparse.Namespace) -> int:
     fake = {"step_time_s": args.fake_step_ms / 1000.0, "per_seq_s": args.fake_per_seq_ms / 1000.0,
             "prefill_s_per_token": args.fake_prefill_us_per_token / 1e6,
             "eos_probability": args.fake_eos_probability}
+    allocator = AllocatorSettings()
     if settings.engine_process:
-        engine = EngineProcess.spawn(functools.partial(build_engine_process, settings, args.engine, engine_settings,
+        engine = EngineProcess.spawn(functools.partial(build_engine_process, allocator, args.engine, engine_settings,
                                                        args.instant_step_ms, fake))
     else:
         engine = build_engine(args.engine, engine_settings, args.instant_step_ms, fake)
+    # What a burst freed stops counting in the resident size (worker/memory.py); a thread of its own, since a
+    # trim of a fragmented heap takes tens of milliseconds.
+    memory.trim_every(allocator.malloc_trim_interval_s)
     return asyncio.run(_serve(kafka, settings, engine, engine_settings))
 
 

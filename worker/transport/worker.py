@@ -60,7 +60,6 @@ from worker.transport.kafka.kafka_clients import RebalanceListener, make_consume
 from worker.transport.load.load_control import LoadControl
 from worker.transport.requests.local_queue import LocalQueue
 from worker.transport.loop_watchdog import LoopWatchdog
-from worker.memory import trim as trim_heap
 from worker.transport.memory_metrics import MemoryCollector
 from worker.transport.metrics import WorkerMetrics
 from worker.transport.kafka.offsets import OffsetTracker
@@ -479,8 +478,7 @@ class Worker:
         self.engine_thread.start()
         self.watchdog = LoopWatchdog()
         tasks = [asyncio.create_task(coro) for coro in (self._output_loop(), self._commit_loop(), self._control_loop(),
-                                                        self._destination_loop(), self.watchdog.run(),
-                                                        self._trim_loop())]
+                                                        self._destination_loop(), self.watchdog.run())]
         await self._wait_for_cancels()
         intake_task = asyncio.create_task(self._intake_loop())
         self.started.set()
@@ -581,14 +579,6 @@ class Worker:
                 self.dispatcher.admit()
             except Exception:  # publishing must go on for the other requests
                 log.exception("output handling failed")
-
-    async def _trim_loop(self) -> None:
-        """Free heap pages back to the kernel now and then (worker/memory.py): what a burst freed stops counting
-        in the worker's resident size."""
-        interval = self.settings.malloc_trim_interval_s
-        while not self.closing and interval > 0:
-            await asyncio.sleep(interval)
-            await asyncio.to_thread(trim_heap)  # tens of ms with a fragmented heap: not on the loop
 
     async def _commit_loop(self) -> None:
         while not self.closing:
