@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import argparse
 import importlib
 import re
@@ -11,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from pydantic_settings import BaseSettings
 
 from worker.cli import SUBCOMMANDS
 from gateway.settings import GatewaySettings
@@ -26,10 +27,17 @@ def services() -> dict[str, dict]:
     return yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
 
 
-def _settings_by_prefix() -> dict[str, type[BaseSettings]]:
+def _settings_by_prefix() -> dict[str, SimpleNamespace]:
+    """Per variable prefix, the fields of every settings class that reads it (WORKER_ is the worker's and the
+    allocator's): `model_fields` and `__name__`, as one class would have them."""
     from worker.config_cli import SETTINGS_CLASSES
 
-    return {cls.model_config["env_prefix"]: cls for cls in SETTINGS_CLASSES}
+    merged: dict[str, SimpleNamespace] = {}
+    for cls in SETTINGS_CLASSES:
+        entry = merged.setdefault(cls.model_config["env_prefix"], SimpleNamespace(model_fields={}, __name__=""))
+        entry.model_fields.update(cls.model_fields)
+        entry.__name__ = f"{entry.__name__} or {cls.__name__}" if entry.__name__ else cls.__name__
+    return merged
 
 
 def _field_default(name: str):
