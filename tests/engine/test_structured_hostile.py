@@ -130,7 +130,12 @@ def started(manager: StructuredOutputManager, request_id: str, kind: str, spec: 
     ready = manager.add(request_id, kind, spec, request_id, time.monotonic())
     if ready is None:
         manager.compiler.submit(kind, spec).result(timeout=60)
-        [ready] = manager.take_ready(time.monotonic())
+        # The compile's done-callback hands it to the manager just after the future's waiters wake: poll, as the
+        # engine does each step.
+        deadline = time.monotonic() + 10
+        while not (found := manager.take_ready(time.monotonic())) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        [ready] = found
     assert ready.error is None and ready.payload == request_id, ready.error
     return request_id
 
