@@ -304,3 +304,47 @@ async def test_tenant_series_and_status_are_bounded_by_the_label_count():
     text = metrics.exposition()
     assert 'llm_worker:tenant_waiting{tenant="big"} 20.0' in text
     assert len({line.split("}")[0] for line in text.splitlines() if line.startswith("llm_worker:tenant_waiting")}) <= 4
+
+
+async def test_each_tenants_wait_before_its_first_step_is_split_by_stage():
+    """Where a tenant's time goes (tenant_wait_seconds{tenant, stage}): unread in Kafka, in the local queue, in
+    the engine's waiting queue. A flood's requests held in the local queue show there, a calm tenant's do not."""
+    from worker.transport.metrics import WorkerMetrics
+    from worker.transport.status_report import TenantCollector
+
+    w = build(max_in_engine=3)
+    metrics = WorkerMetrics.create()
+    TenantCollector(metrics.registry, w.tenants)
+    for i in range(6):
+        send(w, 1, f"flood-{i}", tenant="flood")
+    await w.intake.fetch_once()
+    w.dispatcher.admit()  # three flood requests enter the engine; three wait in the local queue
+    first = [r.request_id for r in w.engine.added]
+    assert len(first) == 3
+    # The three in the engine were half a second old when read.
+    for queued in (s.queued for s in w.streamer.streams.values()):
+        queued.timestamp_ms, queued.read_ms = queued.read_ms - 500.0, queued.read_ms
+    w.engine.added.clear()
+    await w.streamer.handle([RequestOutput(rid, [1], "a", True, "length", num_prompt_tokens=1, num_output_tokens=1,
+                                           first_scheduled_time=time.monotonic()) for rid in first])
+    for queued in w.queue:  # read as soon as written, 2 s ago
+        queued.timestamp_ms, queued.read_ms = queued.timestamp_ms - 2000, queued.read_ms - 2000.0
+    send(w, 1, "calm-0", tenant="calm")
+    await w.intake.fetch_once()
+    w.dispatcher.admit()
+    later = [r.request_id for r in w.engine.added]
+    assert len(later) == 3 and any(r.startswith("calm") for r in later)
+    await w.streamer.handle([RequestOutput(rid, [1], "a", True, "length", num_prompt_tokens=1, num_output_tokens=1,
+                                           first_scheduled_time=time.monotonic() + 0.3) for rid in later])
+    w.tenants.snapshot(time.monotonic(), w.queue.num_waiting_by_tenant())
+    text = metrics.exposition()
+
+    def sample(name: str, tenant: str, stage: str) -> float:
+        prefix = f'llm_worker:tenant_wait_seconds_{name}{{stage="{stage}",tenant="{tenant}"}} '
+        return next(float(line[len(prefix):]) for line in text.splitlines() if line.startswith(prefix))
+
+    assert sample("count", "flood", "kafka") == 5 and sample("count", "calm", "kafka") == 1
+    assert 1.5 - 0.1 < sample("sum", "flood", "kafka") < 1.5 + 0.1  # three records half a second old
+    assert sample("sum", "flood", "local_queue") > 2 * 2.0 - 0.2  # two of them held 2 s
+    assert sample("sum", "calm", "local_queue") < 0.2  # the calm one went ahead of the flood's held ones
+    assert 0.25 < sample("sum", "calm", "engine") < 0.4  # scheduled 0.3 s after it was handed over

@@ -10,13 +10,13 @@ import time
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from schemas.decode import encode
 from schemas.status import PriorityStatus, TenantStatus, Throughput, WorkerStatus
 from worker.engine.api import EngineStats
 from worker.transport.load.load_control import LoadDecision
-from worker.transport.load.tenant_book import TenantBook, TenantSnapshot
+from worker.transport.load.tenant_book import WAIT_BUCKETS_S, TenantBook, TenantSnapshot
 from worker.transport.metrics import NS, WorkerMetrics
 from worker.transport.kafka.publisher import Publisher
 
@@ -158,6 +158,10 @@ class TenantCollector:
                                     labels=["tenant"])
         over = GaugeMetricFamily(f"{NS}tenant_over_quota", "1 while the tenant's token bucket is empty.",
                                  labels=["tenant"])
+        waits = HistogramMetricFamily(
+            f"{NS}tenant_wait_seconds", "Where the tenant's requests waited before their first step, by stage: "
+            "kafka (record timestamp to read), local_queue (read to handed to the engine), engine (handed over "
+            "to first scheduled).", labels=["tenant", "stage"])
         for t in snapshot:
             tokens.add_metric([t.label, "prompt"], t.prompt_tokens)
             tokens.add_metric([t.label, "output"], t.output_tokens)
@@ -165,7 +169,18 @@ class TenantCollector:
                 finals.add_metric([t.label, status], num)
             waiting.add_metric([t.label], t.num_waiting)
             over.add_metric([t.label], float(t.over_quota))
-        return [tokens, finals, waiting, over]
+            for stage, counts, sum_s in t.waits:
+                waits.add_metric([t.label, stage], _cumulative(counts), sum_s)
+        return [tokens, finals, waiting, over, waits]
 
     def describe(self):
         return []
+
+
+def _cumulative(counts: tuple[int, ...]) -> list[tuple[str, int]]:
+    """Prometheus' buckets (le, cumulative count) of WAIT_BUCKETS_S counts whose last slot is +Inf."""
+    out, running = [], 0
+    for bound, count in zip([*(str(float(b)) for b in WAIT_BUCKETS_S), "+Inf"], counts):
+        running += count
+        out.append((bound, running))
+    return out

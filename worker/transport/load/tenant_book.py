@@ -4,7 +4,8 @@ where requests are read (intake), enter the engine (dispatcher) and end (streame
 - intake: `check_quota` answers a request over its tenant's quota (reject mode) or lets it wait (defer);
   `note_read` marks the tenant as seen at its priority (contention, see tenants.FairShare.contended).
 - dispatcher: `dispatched` gives the request its fair tag and charges its expected tokens.
-- streamer: `served` corrects the charge to the tokens really served, and counts them per tenant label.
+- streamer: `waited` counts where a request's time went before its first step (WAIT_STAGES); `served` corrects
+  the charge to the tokens really served, and counts them per tenant label.
 - control loop: `snapshot` for the status topic and the metrics (a frozen list, read by other threads).
 
 Pure: no aiokafka, no torch.
@@ -14,15 +15,37 @@ from __future__ import annotations
 
 import json
 import math
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from worker.transport.load.admission import Verdict
+from worker.transport.metrics import LATENCY_BUCKETS
 from worker.transport.load.tenants import (DEFAULT_TENANT, NO_TENANT_LABEL, OTHER_LABEL, FairShare, Quota, Quotas,
                                            TenantLabels)
 
 
 RATE_WINDOW_S = 1.0
 """Tokens per second in a snapshot are measured over at least this long."""
+
+WAIT_STAGES = ("kafka", "local_queue", "engine")
+"""Where a request waits before its first step: unread in Kafka (record timestamp to read), in the local queue
+(read to handed to the engine), in the engine's waiting queue (handed over to first scheduled)."""
+WAIT_BUCKETS_S = LATENCY_BUCKETS
+
+
+@dataclass(slots=True)
+class WaitHistogram:
+    """One stage's waits of one tenant label: counts per WAIT_BUCKETS_S bound (the last one +Inf), and their sum."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(WAIT_BUCKETS_S) + 1))
+    sum_s: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect_left(WAIT_BUCKETS_S, seconds)] += 1
+        self.sum_s += seconds
+
+    def frozen(self) -> tuple[tuple[int, ...], float]:
+        return tuple(self.counts), self.sum_s
 
 
 @dataclass(slots=True, frozen=True)
@@ -42,6 +65,9 @@ class TenantSnapshot:
     num_over_quota: int
     over_quota: bool
     """Its bucket is empty now: new requests are rejected (or deferred) until it refills."""
+    waits: tuple[tuple[str, tuple[int, ...], float], ...] = ()
+    """Per WAIT_STAGES stage with waits: (stage, counts per WAIT_BUCKETS_S bound and +Inf, sum of seconds), since
+    the worker started."""
 
 
 def cache_salt_of(tenant: str, cache_salt: str | None) -> str | None:
@@ -58,6 +84,7 @@ class _Traffic:
     output_tokens: float = 0.0
     num_finals: dict[str, int] = field(default_factory=dict)
     num_over_quota: int = 0
+    waits: dict[str, WaitHistogram] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -146,6 +173,15 @@ class TenantBook:
         traffic.prompt_tokens += prompt_tokens
         traffic.output_tokens += output_tokens
 
+    def waited(self, tenant: str, stages_s: tuple[float, float, float]) -> None:
+        """A request reached its first step after waiting these seconds in each of WAIT_STAGES."""
+        waits = self._traffic_of(tenant).waits
+        for stage, seconds in zip(WAIT_STAGES, stages_s):
+            histogram = waits.get(stage)
+            if histogram is None:
+                histogram = waits[stage] = WaitHistogram()
+            histogram.observe(seconds)
+
     def finished(self, tenant: str, status: str) -> None:
         finals = self._traffic_of(tenant).num_finals
         finals[status] = finals.get(status, 0) + 1
@@ -178,7 +214,7 @@ class TenantBook:
             over = label in self.labels.labelled and self.quotas.over_quota(tenant, now)
             snaps.append(TenantSnapshot(label, traffic.prompt_tokens, traffic.output_tokens, rate,
                                         waiting.get(label, 0), dict(traffic.num_finals), traffic.num_over_quota,
-                                        over))
+                                        over, tuple((stage, *h.frozen()) for stage, h in traffic.waits.items())))
         self._traffic = {label: t for label, t in self._traffic.items() if label in live}
         if fresh:
             self._last_at = now

@@ -203,6 +203,7 @@ class Dispatcher:
                 queued.charged_tokens = queued.expected_tokens
                 queued.fair_tag = self.tenants.dispatched(priority, queued.tenant, queued.expected_tokens,
                                                           time.monotonic())
+                queued.dispatched_ms = time.time() * 1000.0
                 for request in to_engine_requests(queued, queued.fair_tag):
                     self.engine.add(request)
 

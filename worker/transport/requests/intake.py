@@ -425,7 +425,7 @@ class Intake:
             num_prompt_tokens=estimate_prompt_tokens(req.prompt, req.messages, req.prompt_token_ids,
                                                      req.num_tools_chars),
             arrival_ms=max(float(msg.timestamp), now_ms - self.max_clock_skew_ms),
-            tenant=req.tenant if req.tenant is not None else DEFAULT_TENANT,
+            tenant=req.tenant if req.tenant is not None else DEFAULT_TENANT, read_ms=now_ms,
         )
         if self._resumable and resumable(req):
             queued.resume = self._resume_of(tp, req.id, msg.offset, attempt)

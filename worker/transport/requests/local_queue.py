@@ -60,6 +60,10 @@ class QueuedRequest:
     """Tokens charged to its tenant's counter and quota when it entered the engine (corrected at its end)."""
     fair_tag: float = 0.0
     """Its tenant's counter when it entered the engine (api.EngineRequest.fair_tag)."""
+    read_ms: float = 0.0
+    """When this worker read its record (epoch ms; 0: not known)."""
+    dispatched_ms: float = 0.0
+    """When it was handed to the engine (epoch ms; 0: not yet)."""
     resume: object | None = None
     """A schemas.progress.ProgressRecord: an earlier attempt delivered this much of its output, and this one
     continues from there (its streams go on at that seq, the engine after those tokens)."""

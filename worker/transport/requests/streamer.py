@@ -264,6 +264,17 @@ def _tool_parser(request) -> ToolCallParser | None:
     return ToolCallParser(frozenset(t.function.name for t in request.tools), request.parallel_tool_calls)
 
 
+def waits_of(queued: QueuedRequest, first_scheduled: float) -> tuple[float, float, float]:
+    """Seconds the request waited in each of tenant_book.WAIT_STAGES before its first step (`first_scheduled`,
+    monotonic): unread in Kafka, in the local queue, in the engine's waiting queue. A producer's clock ahead of
+    ours makes no negative wait: each is at least 0."""
+    scheduled_ms = time.time() * 1000.0 - (time.monotonic() - first_scheduled) * 1000.0
+    read_ms = queued.read_ms or queued.timestamp_ms
+    dispatched_ms = queued.dispatched_ms or read_ms
+    return (max(0.0, read_ms - queued.timestamp_ms) / 1000.0, max(0.0, dispatched_ms - read_ms) / 1000.0,
+            max(0.0, scheduled_ms - dispatched_ms) / 1000.0)
+
+
 class Streamer:
     def __init__(
         self, publisher: Publisher, tracker: OffsetTracker, answers: Answers, metrics: WorkerMetrics,
@@ -395,6 +406,8 @@ class Streamer:
                 continue
             if not stream.started and (out.new_token_ids or out.finished):
                 self._started(stream)
+                if stream.index == 0 and out.first_scheduled_time is not None and self.tenants is not None:
+                    self.tenants.waited(stream.queued.tenant, waits_of(stream.queued, out.first_scheduled_time))
             stream.add(out)
             if out.finished:
                 finals.append((stream, out))
