@@ -10,8 +10,10 @@ least urgent priority, so every urgent priority keeps exactly K. The worker's se
 Within a priority, `partition_for` picks a partition by CRC-32 (zlib, IEEE 802.3 polynomial, the one in
 Java's java.util.zip.CRC32, Go's hash/crc32.ChecksumIEEE and Node's zlib.crc32) of the key's UTF-8 bytes,
 taken modulo the priority's partition count: partition p·K + crc32(key) mod K. The key is the request's
-`session_id` when it has one, else its `id` (GenerationRequest.routing_key): the turns of a conversation then
-share a partition, and through the sticky assignor a worker and its prefix cache. Kafka's own default
+`session_id` when it has one, else its `model` when it names one (a LoRA adapter), else its `id`
+(GenerationRequest.routing_key): the turns of a conversation then share a partition, and through the sticky
+assignor a worker and its prefix cache; the requests of one adapter share a partition too, so the worker that
+loaded it serves them instead of every worker loading every adapter. Kafka's own default
 partitioner (murmur2 over all partitions) would ignore priority, so producers must name the partition
 themselves.
 """

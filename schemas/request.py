@@ -425,8 +425,11 @@ class GenerationRequest(WireRecord, kw_only=True):
 
     @property
     def routing_key(self) -> str:
-        """What picks the request's partition within its priority: the session id, else the request id."""
-        return self.session_id if self.session_id is not None else self.id
+        """What picks the request's partition within its priority: the session id, else the adapter it names
+        (`model`: its requests reach the workers that hold it loaded), else the request id."""
+        if self.session_id is not None:
+            return self.session_id
+        return self.model if self.model is not None else self.id
 
     @property
     def num_completions(self) -> int:

@@ -108,3 +108,7 @@ class WorkerStatus(WireRecord, kw_only=True):
     loaded_adapters: Annotated[list[str], Meta(description=(
         "The adapters loaded now (at most ENGINE_MAX_LORAS), least recently used first: a request for another "
         "one waits for its load, milliseconds."))] | None = None
+    num_adapter_loads: Annotated[int, Meta(ge=0, le=MAX_SAFE_INT, description=(
+        "Adapter loads since the worker started, reloads after an eviction included: growing fast, the fleet "
+        "holds too few of the adapters its traffic asks for (docs/lora.md). Absent from workers that serve "
+        "none."))] | None = None

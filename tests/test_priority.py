@@ -89,3 +89,19 @@ def test_partition_for_spreads_keys():
     for i in range(4000):
         counts[partition_for(1, f"req-{i}", 12, 3) - 4] += 1
     assert all(800 < count < 1200 for count in counts), counts
+
+
+def test_a_conversation_then_an_adapter_then_the_request_picks_the_partition():
+    """The routing key: a conversation's turns share a partition, then the requests of one adapter do (they reach
+    the worker that has it loaded), and requests of the base spread by their ids."""
+    from schemas.request import GenerationRequest
+
+    def partition(**fields) -> int:
+        return partition_for(1, GenerationRequest(prompt="p", **fields).routing_key, 12, 3)
+
+    assert GenerationRequest(id="r", prompt="p", session_id="s", model="m").routing_key == "s"
+    assert GenerationRequest(id="r", prompt="p", model="m").routing_key == "m"
+    assert GenerationRequest(id="r", prompt="p").routing_key == "r"
+    assert len({partition(id=f"r{i}", model="support-bot") for i in range(50)}) == 1
+    assert len({partition(id=f"r{i}") for i in range(50)}) == 4  # the base: every partition of the priority
+    assert len({partition(id=f"r{i}", model=f"tenant-{i}") for i in range(50)}) == 4  # adapters spread too

@@ -215,6 +215,8 @@ class EngineStats:
     """LoRA adapters this worker can serve (the folders under ENGINE_ADAPTERS_DIR)."""
     loaded_adapters: tuple[str, ...] = ()
     """The adapters loaded now, least recently used first."""
+    num_adapter_loads: int = 0
+    """Adapter loads since the engine started (a reload after an eviction counts again)."""
     num_compiling: int = 0
     """Structured-output requests held outside the scheduler while their grammars compile (in num_waiting too):
     they hold no seat yet, and most hostile formats end there."""

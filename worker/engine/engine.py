@@ -565,7 +565,8 @@ class LLMEngine:
         loras = getattr(self.runner, "loras", None)
         if loras is None:
             return {}
-        return {"adapters": tuple(loras.available()), "loaded_adapters": tuple(loras.loaded)}
+        return {"adapters": tuple(loras.available()), "loaded_adapters": tuple(loras.loaded),
+                "num_adapter_loads": loras.num_loads}
 
     def generate(self, requests: list[EngineRequest]) -> dict[str, Completion]:
         """Run requests to completion (all known up front) and gather each one's tokens and text."""

@@ -135,6 +135,8 @@ class WorkerMetrics:
     prefix_cache_hit_rate: Gauge
     num_preemptions: Gauge
     """A gauge mirroring the engine's own running count (the engine owns the counter)."""
+    adapter_loads: Gauge
+    """Likewise for the engine's LoRA adapter loads."""
     batch_size: Histogram
     consumer_lag: Gauge
     paused_partitions: Gauge
@@ -172,6 +174,8 @@ class WorkerMetrics:
             kv_cache_usage=Gauge(f"{NS}kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", registry=r),
             prefix_cache_hit_rate=Gauge(f"{NS}prefix_cache_hit_rate", "Prefix-cache hit rate (0..1).", registry=r),
             num_preemptions=Gauge(f"{NS}num_preemptions", "Preemptions since the engine started.", registry=r),
+            adapter_loads=Gauge(f"{NS}adapter_loads", "LoRA adapter loads since the engine started (reloads after "
+                                "an eviction included).", registry=r),
             batch_size=Histogram(f"{NS}batch_size", "Sequences per engine step.", buckets=BATCH_BUCKETS, registry=r),
             consumer_lag=Gauge(f"{NS}consumer_lag", "Unread plus locally queued requests.", ["priority"], registry=r),
             paused_partitions=Gauge(f"{NS}paused_partitions", "Paused request partitions.", ["priority"], registry=r),

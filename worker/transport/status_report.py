@@ -67,6 +67,7 @@ class StatusReporter:
         m.kv_cache_usage.set(stats.kv_usage)
         m.prefix_cache_hit_rate.set(stats.prefix_cache_hit_rate)
         m.num_preemptions.set(stats.num_preemptions)
+        m.adapter_loads.set(stats.num_adapter_loads)
         m.desired_workers.set(view.desired_workers or 0.0)
         if stats.last_step_num_seqs:
             m.batch_size.observe(stats.last_step_num_seqs)
@@ -118,6 +119,7 @@ class StatusReporter:
                                   num_over_quota=t.num_over_quota, over_quota=t.over_quota) for t in view.tenants],
             adapters=list(stats.adapters) if stats.adapters else None,
             loaded_adapters=list(stats.loaded_adapters) if stats.adapters else None,
+            num_adapter_loads=stats.num_adapter_loads if stats.adapters else None,
         )
 
     async def publish(self, view: LoadView) -> None:
