@@ -89,3 +89,18 @@ def ref_paged_decode(
             out[b] = attend_one_request(q[b : b + 1], k_cache, v_cache, block_tables[b], seq_len, scale)[0]
     return out.to(q.dtype)
 
+
+
+def ref_lora(
+    x: torch.Tensor,  # [R, in]
+    slots: torch.Tensor,  # [R] int64, -1 = the base
+    a: torch.Tensor,  # [S, in, C]
+    b: torch.Tensor,  # [S, C, N]
+    out: torch.Tensor,  # [R, N]
+) -> None:
+    """out[r] += x[r] @ a[slot] @ b[slot] in fp32 for each row whose slot is not -1 (in place)."""
+    for r, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        delta = (x[r].float() @ a[slot].float()) @ b[slot].float()
+        out[r] = (out[r].float() + delta).to(out.dtype)

@@ -254,12 +254,26 @@ class LoraStack:
 
 class StackedRows:
     """A step's rows gathered by slot of a LoraStack: `index` [S * L] (L = the most rows of any slot; padding
-    points at row 0) and `valid` [S, L, 1] (1 for a real row, 0 for padding)."""
+    points at row 0) and `valid` [S, L, 1] (1 for a real row, 0 for padding), for the torch path; `slots` [T]
+    (each token row's slot, -1 for the base) for the Triton kernel (kernels/lora.py), when `use_kernel`."""
 
-    __slots__ = ("stack", "index", "valid", "width")
+    __slots__ = ("stack", "index", "valid", "width", "slots", "use_kernel", "_padded")
 
-    def __init__(self, stack: LoraStack, index: torch.Tensor, valid: torch.Tensor, width: int) -> None:
+    def __init__(self, stack: LoraStack, index: torch.Tensor, valid: torch.Tensor, width: int,
+                 slots: torch.Tensor, use_kernel: bool) -> None:
         self.stack, self.index, self.valid, self.width = stack, index, valid, width
+        self.slots, self.use_kernel = slots, use_kernel
+        self._padded: torch.Tensor | None = None
+
+    def slots_for(self, num_rows: int) -> torch.Tensor:
+        """`slots` for a step whose matmuls run `num_rows` rows (row buckets pad the tokens): padding is the
+        base's."""
+        if num_rows == self.slots.shape[0]:
+            return self.slots
+        if self._padded is None or self._padded.shape[0] != num_rows:
+            self._padded = torch.full((num_rows,), -1, dtype=torch.int64, device=self.slots.device)
+            self._padded[: self.slots.shape[0]] = self.slots
+        return self._padded
 
 
 class LoraStep:
@@ -276,9 +290,10 @@ class LoraStep:
 
     @classmethod
     def build(cls, adapters: list[LoraAdapter | None], num_new: np.ndarray,
-              device: torch.device, stack: LoraStack | None = None) -> LoraStep | None:
+              device: torch.device, stack: LoraStack | None = None, use_kernel: bool = False) -> LoraStep | None:
         """`adapters` [B] (None for the base), `num_new` [B] tokens of each request this step; `stack`: the
-        loaded adapters stacked, used when the step holds more than one of them."""
+        loaded adapters stacked, used when the step holds more than one of them; `use_kernel`: stacked steps
+        run kernels/lora.py's Triton kernel (the runner's Triton attention backend) rather than torch."""
         if all(a is None for a in adapters):
             return None
         starts = np.zeros(len(adapters) + 1, dtype=np.int64)
@@ -299,15 +314,15 @@ class LoraStep:
             segments.append((by_id[key], rows))
         stacked = None
         if stack is not None and len(rows_of) > 1 and all(key in stack.slot_of for key in rows_of):
-            stacked = _stacked_rows(stack, rows_of, starts, device)
+            stacked = _stacked_rows(stack, rows_of, starts, device, adapters, num_new, use_kernel)
         return cls(segments, stacked)
 
     def layer(self, index: int) -> LayerLora:
         return LayerLora(self, index)
 
 
-def _stacked_rows(stack: LoraStack, rows_of: dict[int, list[int]], starts: np.ndarray,
-                  device: torch.device) -> StackedRows:
+def _stacked_rows(stack: LoraStack, rows_of: dict[int, list[int]], starts: np.ndarray, device: torch.device,
+                  adapters: list[LoraAdapter | None], num_new: np.ndarray, use_kernel: bool) -> StackedRows:
     rows_by_slot: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * stack.num_slots
     for key, requests in rows_of.items():
         rows_by_slot[stack.slot_of[key]] = np.concatenate([np.arange(starts[b], starts[b + 1]) for b in requests])
@@ -317,8 +332,10 @@ def _stacked_rows(stack: LoraStack, rows_of: dict[int, list[int]], starts: np.nd
     for slot, rows in enumerate(rows_by_slot):
         index[slot, : len(rows)] = rows
         valid[slot, : len(rows)] = 1.0
+    slot_of_request = np.array([-1 if a is None else stack.slot_of[id(a)] for a in adapters], dtype=np.int64)
+    slots = torch.from_numpy(np.repeat(slot_of_request, num_new)).to(device)
     return StackedRows(stack, torch.from_numpy(index.reshape(-1)).to(device),
-                       torch.from_numpy(valid).to(device=device, dtype=stack.dtype), width)
+                       torch.from_numpy(valid).to(device=device, dtype=stack.dtype), width, slots, use_kernel)
 
 
 class LayerLora:
@@ -335,6 +352,11 @@ class LayerLora:
         if stacked is not None:
             lora = stacked.stack.layers[self.index].get(group)
             if lora is None:
+                return out
+            if stacked.use_kernel:
+                from kernels.lora import add_lora
+
+                add_lora(x, stacked.slots_for(x.shape[0]), lora.a, lora.b, out[:, lora.lo : lora.hi])
                 return out
             gathered = x[stacked.index].view(stacked.stack.num_slots, stacked.width, x.shape[1])  # [S, L, in]
             expanded = torch.bmm(torch.bmm(gathered, lora.a), lora.b)  # [S, L, hi - lo]

@@ -353,7 +353,8 @@ class ModelRunner(PersistentInputRunner):
             # as the base; nothing reads those rows.
             adapters = [None if name is None else loaded.get(name) for name in step.adapters]
             model_input.lora = LoraStep.build(adapters, np.asarray(step.num_new), self.device,
-                                              self.loras.stack() if self.loras is not None else None)
+                                              self.loras.stack() if self.loras is not None else None,
+                                              use_kernel=self.backend.name == "triton")
             return model_input
         graphs = self.graphs
         if graphs is not None:
