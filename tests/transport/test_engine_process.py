@@ -14,6 +14,7 @@ from tests.transport.kafka_helpers import Collector, produce_requests, running_w
 from tests.transport.test_stream_kafka import as_engine_request, direct_texts, tiny_engine
 from worker.model.settings import EngineSettings
 from worker.engine.api import EngineRequest, SamplingParams
+from worker.allocator_settings import AllocatorSettings
 from worker.serve import build_engine, build_engine_process
 from worker.transport.requests.engine_process import EngineProcess
 
@@ -67,7 +68,7 @@ async def test_the_worker_streams_from_an_engine_in_its_own_process(kafka_topics
                               num_kv_blocks=512, max_num_batched_tokens=256)
     transport = worker_settings(engine_process=True)
     # As serve() builds it: the child sets up its allocator and trims its heap (tests/test_memory.py).
-    build = functools.partial(build_engine_process, transport, "llm", settings, 0.0)
+    build = functools.partial(build_engine_process, AllocatorSettings(), "llm", settings, 0.0)
     engine = await asyncio.to_thread(EngineProcess.spawn, build)
     async with Collector(kafka) as collector:
         async with running_worker(kafka, transport, engine, max_num_seqs=16):
