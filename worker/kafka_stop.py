@@ -21,9 +21,11 @@ log = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 5.0
 
 
-async def stop_client(client, what: str, timeout_s: float = STOP_TIMEOUT_S) -> None:
+async def stop_client(client, what: str, timeout_s: float = STOP_TIMEOUT_S,
+                      unsent_error: Exception | None = None) -> None:
     """`await client.stop()` (close() for an admin client) within `timeout_s`; its errors are logged, not raised.
-    A cancellation of the caller's own task still propagates."""
+    A producer's batches still unsent then are failed with `unsent_error` (a KafkaTimeoutError naming `what` by
+    default). A cancellation of the caller's own task still propagates."""
     stop = getattr(client, "stop", None) or client.close
     try:
         await asyncio.wait_for(stop(), timeout_s)
@@ -38,13 +40,13 @@ async def stop_client(client, what: str, timeout_s: float = STOP_TIMEOUT_S) -> N
                     "holds and closing its connections", what, timeout_s)
     except Exception as exc:  # noqa: BLE001 - a broker away: the client is closed as far as it can be
         log.warning("the %s's Kafka client did not stop cleanly (%r); closing its connections", what, exc)
-    await _close_by_hand(client, what)
+    await _close_by_hand(client, what, unsent_error)
 
 
-async def _close_by_hand(client, what: str) -> None:
+async def _close_by_hand(client, what: str, unsent_error: Exception | None) -> None:
     accumulator = getattr(client, "_message_accumulator", None)
     if accumulator is not None:  # a producer: its stop waits for these, and its sender task sends them
-        accumulator.fail_all(KafkaTimeoutError(f"the {what}'s producer stopped before delivering this"))
+        accumulator.fail_all(unsent_error or KafkaTimeoutError(f"the {what}'s producer stopped before delivering"))
     sender = getattr(client, "_sender", None)
     connections = getattr(client, "_client", None) or getattr(client, "client", None)
     for step in (sender, connections):

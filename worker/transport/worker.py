@@ -471,7 +471,9 @@ class Worker:
         layout_error = await self._request_topic_layout_error()
         if layout_error:
             log.error("%s", layout_error)
-            await self.consumer.stop()
+            if self.lanes is not None:
+                await self.lanes.stop()
+            await stop_client(self.consumer, "request consumer")
             await self.publisher.stop()
             return 2
         await self._check_progress_topic()

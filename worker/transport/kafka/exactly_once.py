@@ -37,6 +37,7 @@ from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
 from schemas.decode import encode
 from schemas.result import FinalRecord
+from worker.kafka_stop import stop_client
 from worker.transport.kafka.aiokafka_compat import fail_unsent_batches, producer_is_dead
 from worker.transport.kafka.destinations import DEFAULT_MAX_MESSAGE_BYTES, record_problem
 from worker.transport.kafka import progress
@@ -184,7 +185,7 @@ class FinalLanes:
         try:
             await asyncio.wait_for(producer.start(), 30.0)  # InitProducerId: fences the previous owner's producer
         except BaseException:
-            await producer.stop()
+            await stop_client(producer, f"new lane producer of {tp}")
             raise
         return producer
 
@@ -216,10 +217,8 @@ class FinalLanes:
             await asyncio.gather(lane.task, return_exceptions=True)
         if lane.producer is None:
             return
-        try:
-            await asyncio.wait_for(lane.producer.stop(), 5.0)
-        except Exception:  # a fenced or broken producer may fail to stop; nothing to keep
-            log.debug("stopping the lane producer of %s failed", lane.partition, exc_info=True)
+        # A fenced or broken producer may fail to stop; its connections are closed all the same.
+        await stop_client(lane.producer, f"lane producer of {lane.partition}")
 
     def owned(self) -> set[TopicPartition]:
         return set(self._lanes)
@@ -512,10 +511,9 @@ class FinalLanes:
         """A new producer under the lane's transactional id (the partition is still ours: only a lane that is not
         fenced gets here); starting it fences the stuck one, whose batches are failed so nothing waits on them."""
         old = lane.producer
-        try:
-            await asyncio.wait_for(old.stop(), 1.0)
-        except Exception:  # stuck by definition; what it holds is failed below
-            log.debug("stopping the stuck lane producer of %s failed", lane.partition, exc_info=True)
+        # Stuck by definition: a second, then what it holds is failed and its connections closed.
+        await stop_client(old, f"stuck lane producer of {lane.partition}", timeout_s=1.0,
+                          unsent_error=KafkaError("lane producer replaced"))
         fail_unsent_batches(old, KafkaError("lane producer replaced"))
         replacement = await self._start_producer(lane.partition)
         lane.producer = replacement

@@ -412,14 +412,11 @@ class Publisher:
         await asyncio.sleep(self.retry_backoff_s)
         old = self._producer
         self.num_producer_resets += 1
-        try:
-            # A second to deliver what the old producer holds: whatever it still holds then is failed below and
-            # sent again, in order, by the new one (a batch for a deleted topic would hold a longer wait to its
-            # full length, and every other record with it).
-            await asyncio.wait_for(old.stop(), 1.0)
-        except Exception:  # nothing of the old producer is needed any more
-            log.debug("stopping the old producer failed", exc_info=True)
-        # A dead sender leaves its batches unresolved; failing them sends their records back to the buffer.
+        # A second to deliver what the old producer holds: whatever it still holds then is failed and sent again,
+        # in order, by the new one (a batch for a deleted topic would hold a longer wait to its full length, and
+        # every other record with it). A dead sender leaves its batches unresolved; failing them sends their
+        # records back to the buffer.
+        await stop_client(old, "replaced result producer", timeout_s=1.0, unsent_error=KafkaError("producer replaced"))
         fail_unsent_batches(old, KafkaError("producer replaced"))
         await asyncio.sleep(0)  # let those failure callbacks run before anything new is sent
         while True:
