@@ -114,12 +114,14 @@ async def test_a_flooding_tenant_is_shed_and_the_others_keep_their_service(kafka
         return sent
 
     async with Collector(kafka) as collector:
-        async with running_worker(kafka, settings, engine, max_num_seqs=8):
+        async with running_worker(kafka, settings, engine, max_num_seqs=8) as worker:
             # The calm tenants alone, at the rate they keep under the flood (3/s each): their baseline.
             solo = await offer("solo", 6.0, 4.0, with_flood=False)
             # Offered: 36 requests/s, about twice what it serves; the calm tenants ask 3/s each, under an equal
             # share even when a loaded machine halves the engine's speed.
             sent = await offer("flood", 36.0, 8.0, with_flood=True)
+            await asyncio.sleep(0.5)  # a snapshot of the tenants' figures after the last final
+            exposition = worker.metrics.exposition()
     finals = {q.id: collector.results.latest_final(q.id) for q in solo + sent}
     asked = collections.Counter(q.tenant for q in sent)
     served = collections.Counter(q.tenant for q in sent if finals[q.id].status == "completed")
@@ -151,6 +153,31 @@ async def test_a_flooding_tenant_is_shed_and_the_others_keep_their_service(kafka
     print(f"\ncalm tenants' e2e p90: {solo_p90:.0f} ms alone, {flooded_p90:.0f} ms under the flood "
           f"({flooded_p90 / solo_p90:.2f}x); queue p50 calm {calm_queue_ms:.0f} vs flood {flood_queue_ms:.0f} ms")
     assert flooded_p90 <= 2.5 * solo_p90 + 200, (solo_p90, flooded_p90)
+    # The metrics tell an operator the same story: the flood's requests wait in the local queue, the calm
+    # tenants' hardly; and the stages add up to the wait the finals report (record timestamp to first step).
+    waits = tenant_waits(exposition)
+    assert waits["flood", "local_queue"][1] > 5 * max(waits["calm-a", "local_queue"][1],
+                                                      waits["calm-b", "local_queue"][1]), waits
+    for tenant in ("flood", "calm-a"):
+        started = [finals[r.id].timings.queue_ms for r in solo + sent
+                   if r.tenant == tenant and finals[r.id].timings.queue_ms is not None]
+        count = waits[tenant, "kafka"][0]
+        staged_mean_ms = 1000 * sum(waits[tenant, stage][1] for stage in ("kafka", "local_queue", "engine")) / count
+        assert count == len(started), (tenant, count, len(started))
+        assert abs(staged_mean_ms - sum(started) / len(started)) <= 0.1 * sum(started) / len(started) + 20, (
+            tenant, staged_mean_ms, sum(started) / len(started))
+
+
+def tenant_waits(exposition: str) -> dict[tuple[str, str], tuple[float, float]]:
+    """{(tenant, stage): (count, sum of seconds)} of llm_worker:tenant_wait_seconds."""
+    found: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+    for line in exposition.splitlines():
+        for slot, suffix in enumerate(("_count{", "_sum{")):
+            name = "llm_worker:tenant_wait_seconds" + suffix
+            if line.startswith(name):
+                labels = dict(part.split("=") for part in line[len(name):line.index("}")].split(","))
+                found[labels["tenant"].strip('"'), labels["stage"].strip('"')][slot] = float(line.split()[-1])
+    return {key: (value[0], value[1]) for key, value in found.items()}
 
 
 def fair_shares(demands: dict[str, float], capacity: float) -> dict[str, float]:
