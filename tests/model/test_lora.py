@@ -216,3 +216,38 @@ def test_adapters_that_cannot_be_served_are_refused_and_the_rest_is_served(tiny_
     assert done["good"].token_ids != done["base"].token_ids
     assert engine.stats().adapters == ("alpha", "badjson", "big", "corrupt", "misfit")
     assert engine.stats().loaded_adapters == ("alpha",)
+
+
+def test_an_eviction_spares_the_adapters_waiting_requests_name(tiny_model_path, tmp_path):
+    """With every slot taken, a new adapter evicts the least recently used one that no waiting request names
+    (one that does would load again as soon as its request runs); an adapter named at arrival loads then only
+    where a slot is free, and an unknown one is refused at once."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from worker.model.config import load_config
+    from worker.model.lora import AdapterError, AdapterRegistry, projection_shapes
+
+    config = load_config(tiny_model_path)
+    out_size, in_size = projection_shapes(config)["q_proj"]
+    for k, name in enumerate(("a", "b", "c", "d")):
+        (tmp_path / name).mkdir()
+        generator = torch.Generator().manual_seed(k)
+        prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+        save_file({f"{prefix}.lora_A.weight": torch.randn(2, in_size, generator=generator),
+                   f"{prefix}.lora_B.weight": torch.randn(out_size, 2, generator=generator)},
+                  tmp_path / name / "adapter_model.safetensors")
+        (tmp_path / name / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2,
+                                                                          "lora_alpha": 2}))
+    loras = AdapterRegistry(tmp_path, config, max_loaded=2, max_rank=8, device=torch.device("cpu"),
+                            dtype=torch.float32)
+    loras.get("a")
+    loras.get("b")
+    assert loras.get("c", evict=False) is None and list(loras.loaded) == ["a", "b"]  # no slot: nothing moves
+    with pytest.raises(AdapterError, match="unknown adapter 'zz'"):
+        loras.get("zz", evict=False)
+    loras.get("c", in_use=(), wanted={"a"})  # "a" is the least recently used, but a waiting request names it
+    assert list(loras.loaded) == ["a", "c"]
+    loras.get("d", in_use={"c"}, wanted={"a", "c"})  # every candidate is wanted: the least recently used goes
+    assert list(loras.loaded) == ["c", "d"] and (loras.num_loads, loras.num_evictions) == (4, 2)

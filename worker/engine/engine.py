@@ -210,7 +210,9 @@ class LLMEngine:
 
     def _adapter_of(self, model: str | None) -> str | None:
         """The adapter a request's `model` names (None: the base model). An adapter is loaded here on first use
-        where a slot is free, so that one which cannot be served is refused before it queues."""
+        where a slot is free, so that one which cannot be served is refused before it queues; with every slot
+        taken it loads when the request is scheduled (evicting then, not now: an eviction at arrival would throw
+        out an adapter that requests queued ahead of this one still need)."""
         if model is None or model in self.base_model_names:
             return None
         loras = getattr(self.runner, "loras", None)
@@ -218,11 +220,9 @@ class LLMEngine:
             raise InvalidRequest("invalid_request", f"unknown model {model!r}: this worker serves "
                                  f"{self.base_model_names[0]!r} and no LoRA adapters (ENGINE_ADAPTERS_DIR)")
         try:
-            loras.get(model, self._adapters_running())
+            loras.get(model, self._adapters_running(), evict=False)
         except AdapterError as exc:
             raise InvalidRequest("invalid_request", str(exc)) from None
-        except RuntimeError:
-            pass  # every slot in use: it loads when a slot frees and the scheduler starts it
         return model
 
     def _adapters_running(self) -> set[str]:
@@ -239,9 +239,12 @@ class LLMEngine:
         # with no gather and scatter per adapter (the logits follow this order, and nothing else reads it).
         sched.scheduled.sort(key=lambda entry: entry.request.adapter or "")
         running = self._adapters_running()
+        wanted: set[str] | None = None
         for name in names:
+            if wanted is None and name not in self.runner.loras.loaded:
+                wanted = {r.adapter for r in self.scheduler.waiting if r.adapter is not None}
             try:
-                self.runner.loras.get(name, running)
+                self.runner.loras.get(name, running, wanted or ())
             except (AdapterError, RuntimeError) as exc:
                 gone = [e for e in sched.scheduled if e.request.adapter == name]
                 sched.scheduled = [e for e in sched.scheduled if e.request.adapter != name]

@@ -433,10 +433,13 @@ class AdapterRegistry:
                 stamps.append(None)
         return tuple(stamps)
 
-    def get(self, name: str, in_use: Iterable[str] = ()) -> LoraAdapter:
-        """The loaded adapter `name`, loading it (and evicting the least recently used one outside `in_use` if
-        `max_loaded` are loaded) where it is not. Raises AdapterError for an adapter that cannot be served, and
-        RuntimeError when every loaded adapter is in use."""
+    def get(self, name: str, in_use: Iterable[str] = (), wanted: Iterable[str] = (),
+            evict: bool = True) -> LoraAdapter | None:
+        """The loaded adapter `name`, loading it where it is not. With `max_loaded` loaded, one outside `in_use`
+        (adapters of running requests) is evicted: the least recently used of those outside `wanted` (adapters
+        that waiting requests name, which would load again as soon as they run), else the least recently used
+        of all; without `evict`, nothing is and None comes back. Raises AdapterError for an adapter that cannot
+        be served, and RuntimeError when every loaded adapter is in use."""
         adapter = self.loaded.get(name)
         if adapter is not None:
             self.loaded.move_to_end(name)
@@ -448,14 +451,18 @@ class AdapterRegistry:
         if refused is not None and refused[0] == stamp:
             raise AdapterError(refused[1])
         if len(self.loaded) >= self.max_loaded:
-            busy = set(in_use)
-            victim = next((n for n in self.loaded if n not in busy), None)
+            if not evict:
+                return None
+            busy, soon = set(in_use), set(wanted)
+            victim = next((n for n in self.loaded if n not in busy and n not in soon), None) or next(
+                (n for n in self.loaded if n not in busy), None)
             if victim is None:
                 raise RuntimeError(f"all {self.max_loaded} loaded adapters are in use (ENGINE_MAX_LORAS)")
             del self.loaded[victim]
             self._stack = None
             self.num_evictions += 1
-            log.info("adapter %s evicted (least recently used; ENGINE_MAX_LORAS=%d)", victim, self.max_loaded)
+            log.info("adapter %s evicted (least recently used%s; ENGINE_MAX_LORAS=%d)", victim,
+                     " of those no waiting request names" if victim not in soon else "", self.max_loaded)
         start = time.perf_counter()
         try:
             adapter = load_adapter(self.folder / name, self.config, self.max_rank, self.device, self.dtype)
