@@ -76,7 +76,7 @@ async def test_overload_keeps_urgent_deadlines_and_sheds_the_rest(kafka_topics):
     several times capacity: the urgent requests all complete, their p95 stays near the unloaded one (not merely
     under a deadline a hundred times their service time), the bulk is shed or rejected, and the worker keeps
     serving near its capacity (goodput) instead of thrashing. The p95 of 120 requests, not the p99 (their
-    second worst): on a shared 2-core host one scheduling hiccup of the test process moves the p99 alone, while
+    second worst): on a busy host one scheduling hiccup of the test process moves the p99 alone, while
     urgent requests served behind the bulk queue (64 waiting at 160 requests/s: 400 ms) would move the p95."""
     kafka = kafka_topics
     # Capacity: 8 sequences x 5 tokens x 10 ms steps, about 160 requests/s. Urgent: 40/s. Bulk: about 520/s.
