@@ -19,10 +19,17 @@ sessions  Two `llm-worker serve` (the real model unless --model says otherwise),
           prompt_tokens), TTFT p50/p90, and the share of turns served by the worker of the previous turn.
           Floor: hit rate >= 0.8 with session keys.
 
-Writes summary-<part>.json and a plot under benchmarks/results/<date>-tenants[-label]/:
+fleet     Two `llm-worker serve --engine fake` (8 seats, `--step-ms` a step, 10-token requests): tenant `wide`
+          sends 40 requests/s over both partitions of priority 1, tenant `narrow` 20/s to one of them (so to one
+          worker), for `--seconds`. Two modes, alternating `--reps` times: `fleet` (WORKER_TENANT_FLEET_SHARE on:
+          each worker charges what the other served) and `per-worker` (off). Per run: narrow's share of the tokens
+          completed in the second half, and the tokens by worker and tenant. The fleet's fair split is 0.5.
+
+Writes summary-<part>.json (and a plot, but for fleet) under benchmarks/results/<date>-tenants[-label]/:
 
     .venv/bin/python -m benchmarks.bench_tenants fairness
     .venv/bin/python -m benchmarks.bench_tenants sessions
+    .venv/bin/python -m benchmarks.bench_tenants fleet --seconds 20 --step-ms 45
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from collections import Counter
 from pathlib import Path
 
 
+from schemas.priority import partition_for
 from schemas.request import ChatMessage, GenerationRequest
 from schemas.result import FinalRecord
 from benchmarks.lib.worker_fleet import Run
@@ -189,6 +197,60 @@ async def fairness(bootstrap: str, tmp: Path, a: argparse.Namespace) -> dict:
             "fair_over_fcfs_tokens_per_s": round(fair["tokens_per_s"] / fcfs["tokens_per_s"], 3)}
 
 
+# ---- fleet ---------------------------------------------------------------------------------------------------
+
+
+async def fleet_run(bootstrap: str, tmp: Path, name: str, a: argparse.Namespace) -> dict:
+    """Two model-free workers (`--step-ms`, 8 seats); `wide` sends to both partitions of priority 1, `narrow` as
+    much to one; the tokens each tenant got in the second half of `--seconds`."""
+    env = {"ENGINE_MAX_NUM_SEQS": "8", "WORKER_MAX_WAITING": "32", "WORKER_RESUME_WAITING": "16",
+           "WORKER_MAX_QUEUE_TIME_S": "[10, 2, 0]",
+           "WORKER_STATUS_INTERVAL_S": "0.2", "WORKER_TENANT_FLEET_SHARE": "true" if name == "fleet" else "false"}
+    args = ["--engine", "fake", "--fake-step-ms", str(a.step_ms), "--fake-per-seq-ms", "1",
+            "--fake-eos-probability", "0"]
+    async with Run(bootstrap, tmp, name, env, args, 2) as run:
+        k = run.kafka
+        first = k.partitions_per_priority
+        narrow_keys = [key for key in (f"narrow-session-{i}" for i in range(40))
+                       if partition_for(1, key, k.num_request_partitions, k.num_priorities) == first][:4]
+        sent: list[GenerationRequest] = []
+        start, tick = time.monotonic(), 0
+        while time.monotonic() - start < a.seconds:  # per 0.1 s: 4 of wide (random ids), 2 of narrow
+            batch = [GenerationRequest(id=f"wide-{tick}-{uuid.uuid4().hex[:12]}", prompt="w",
+                                       max_new_tokens=a.max_new_tokens, tenant="wide") for _ in range(4)]
+            batch += [GenerationRequest(id=f"narrow-{tick}-{j}", prompt="n", max_new_tokens=a.max_new_tokens,
+                                        tenant="narrow", session_id=narrow_keys[(tick + j) % len(narrow_keys)])
+                      for j in range(2)]
+            for r in batch:
+                await run.send(r)
+            sent += batch
+            tick += 1
+            await asyncio.sleep(max(0.0, tick * 0.1 - (time.monotonic() - start)))
+        await run.producer.flush()
+        await run.wait_for([r.id for r in sent], 300)
+    half = tick // 2
+    served: Counter = Counter()
+    by_worker: Counter = Counter()
+    for r in sent:
+        f = run.finals[r.id]
+        if int(r.id.split("-")[1]) >= half and f.status == "completed":
+            served[r.tenant] += f.usage.completion_tokens
+            by_worker[f"{f.worker_id}/{r.tenant}"] += f.usage.completion_tokens
+    total = served["narrow"] + served["wide"]
+    return {"run": name, "narrow_share": round(served["narrow"] / total, 3) if total else None,
+            "tokens": dict(served), "tokens_by_worker_and_tenant": dict(sorted(by_worker.items()))}
+
+
+async def fleet(bootstrap: str, tmp: Path, a: argparse.Namespace) -> dict:
+    runs = []
+    for _ in range(a.reps):
+        for name in ("fleet", "per-worker"):
+            runs.append(await fleet_run(bootstrap, tmp, name, a))
+            print(json.dumps(runs[-1]), flush=True)
+    shares = {name: [r["narrow_share"] for r in runs if r["run"] == name] for name in ("fleet", "per-worker")}
+    return {"runs": runs, "narrow_share": shares}
+
+
 # ---- sessions ------------------------------------------------------------------------------------------------
 
 
@@ -301,7 +363,7 @@ def plot(part: str, summary: dict, path: Path) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("part", choices=["fairness", "sessions"])
+    p.add_argument("part", choices=["fairness", "sessions", "fleet"])
     p.add_argument("--bootstrap", default=None, help="a running broker (default: a local one on free ports)")
     p.add_argument("--label", default="")
     p.add_argument("--seconds", type=float, default=60.0, help="fairness: seconds of traffic per run")
@@ -318,6 +380,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--conversations", type=int, default=32)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--model", default="", help="sessions: ENGINE_MODEL (default: the default model)")
+    p.add_argument("--reps", type=int, default=2, help="fleet: runs of each mode, alternating")
     return p.parse_args(argv)
 
 
@@ -325,16 +388,18 @@ async def amain(a: argparse.Namespace) -> dict:
     from benchmarks.bench_kafka_path import kafka_session
 
     if a.max_new_tokens is None:
-        a.max_new_tokens = 20 if a.part == "fairness" else 24
+        a.max_new_tokens = {"fairness": 20, "fleet": 10}.get(a.part, 24)
     with kafka_session(a.bootstrap, prefix="bench-tenants-") as session:
-        summary = await (fairness if a.part == "fairness" else sessions)(session.bootstrap, session.tmp, a)
+        part = {"fairness": fairness, "sessions": sessions, "fleet": fleet}[a.part]
+        summary = await part(session.bootstrap, session.tmp, a)
         date = datetime.date.today().isoformat()
         out = REPO / "benchmarks" / "results" / (f"{date}-tenants" + (f"-{a.label}" if a.label else ""))
         out.mkdir(parents=True, exist_ok=True)
         summary["command"] = "python -m benchmarks.bench_tenants " + " ".join(a.argv)
         summary["load_average"] = [round(x, 2) for x in os.getloadavg()]
         (out / f"summary-{a.part}.json").write_text(json.dumps(summary, indent=2) + "\n")
-        plot(a.part, summary, out / f"{a.part}.png")
+        if a.part != "fleet":
+            plot(a.part, summary, out / f"{a.part}.png")
         summary["written_to"] = str(out)
         return summary
 

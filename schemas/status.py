@@ -59,6 +59,10 @@ class TenantStatus(msgspec.Struct, kw_only=True, frozen=True):
     over_quota: Annotated[bool, Meta(description=(
         "The tenant's token bucket is empty now: its new requests are rejected (or deferred) until it refills. "
         "A producer for this tenant should slow down."))] = False
+    served_by_priority: Annotated[list[float], Meta(description=(
+        "Tokens (prompt and output) served to the tenant per priority (index 0 = priority 0) since the worker "
+        "started. The other workers charge them to the tenant's fair share, so the fleet, not each worker "
+        "alone, splits its service among tenants (docs/tenants.md)."))] = []
 
 
 class WorkerStatus(WireRecord, kw_only=True):

@@ -140,6 +140,12 @@ class WorkerSettings(BaseSettings):
     tenant_max_labels: int = Field(10, ge=0, le=1000)
     """Tenants with a label of their own in metrics and on the status topic: the top ones by tokens read; the
     rest share "other", requests without a tenant "none"."""
+    tenant_fleet_share: bool = False
+    """Split the fleet's service among tenants, not each worker's alone: every worker reads the others' status
+    records and charges what they served each labelled tenant to its own fair-share counters, so a tenant whose
+    requests reach every partition does not get more of the fleet than one on a few (docs/tenants.md). Costs one
+    consumer of the status topic per worker; the counters lag by WORKER_STATUS_INTERVAL_S. Off by default while
+    it is measured on two workers only."""
 
     @model_validator(mode="after")
     def _check(self) -> "WorkerSettings":

@@ -348,3 +348,37 @@ async def test_each_tenants_wait_before_its_first_step_is_split_by_stage():
     assert sample("sum", "flood", "local_queue") > 2 * 2.0 - 0.2  # two of them held 2 s
     assert sample("sum", "calm", "local_queue") < 0.2  # the calm one went ahead of the flood's held ones
     assert 0.25 < sample("sum", "calm", "engine") < 0.4  # scheduled 0.3 s after it was handed over
+
+
+def test_what_other_workers_served_a_tenant_counts_against_it_here():
+    """The fleet's fair share (load/fleet_share.py): another worker's status says it served tenant a 5,000 tokens
+    since its last record; here a then waits behind b, which no worker served. A worker's first record only sets
+    where it stands (a tenant it reports later starts from 0), its own records are not charged, a smaller figure
+    is no service, and "other" is never charged."""
+    from schemas.status import TenantStatus, WorkerStatus
+    from worker.transport.load.fleet_share import FleetShare
+    from worker.transport.load.tenant_book import TenantBook
+    from worker.worker_settings import WorkerSettings
+
+    book = TenantBook.from_settings(WorkerSettings(), 3)
+    share = FleetShare(book, "here")
+
+    def status(worker: str, served: dict[str, float]) -> WorkerStatus:
+        return WorkerStatus(worker_id=worker, ts_ms=1, tenants=[
+            TenantStatus(tenant=t, served_by_priority=[0.0, tokens]) for t, tokens in served.items()])
+
+    for tenant in ("a", "b"):
+        book.fair.charge(1, tenant, 0.0)  # both even, where this worker alone would leave them
+    before = {t: book.fair.counter(1, t) for t in ("a", "b")}
+    assert book.fair.pick(1, ["a", "b"]) == "a"  # even: the first given
+    share.observe(status("w2", {"a": 10_000, "other": 50_000}))  # a baseline
+    share.observe(status("here", {"a": 99_000}))  # its own record
+    assert {t: book.fair.counter(1, t) for t in ("a", "b")} == before
+    share.observe(status("w2", {"a": 15_000, "other": 90_000}))
+    assert book.fair.counter(1, "a") == before["a"] + 5_000 and book.fair.counter(1, "b") == before["b"]
+    assert book.fair.pick(1, ["a", "b"]) == "b"
+    share.observe(status("w2", {"a": 100}))  # the label given up and given again: counting from 100
+    share.observe(status("w2", {"a": 600, "b": 300}))  # b reported for the first time: all 300 are new
+    assert book.fair.counter(1, "a") == before["a"] + 5_500 and book.fair.counter(1, "b") == before["b"] + 300
+    assert share.num_charged_tokens == 5_800
+    assert book.fair.counter(1, "other") == book.fair.counter(1, "never-seen")  # "other" is never charged

@@ -211,3 +211,30 @@ async def test_a_tenant_over_its_quota_hears_when_to_retry_and_the_status_topic_
     assert over and all(f.id.startswith("small") and f.status == "rejected" for f in over)
     assert all(f.retry_after_ms and 0 < f.retry_after_ms <= 2000 for f in over)  # 50 tokens/s, ~60 tokens each
     assert finals["big-0"].status == "completed" and finals["small-0"].status == "completed"
+
+
+async def test_each_worker_counts_what_the_other_served_a_tenant(kafka_topics):
+    """WORKER_TENANT_FLEET_SHARE on two workers: after a tenant's requests are served by both, each worker's
+    counters hold what the other served that tenant (read from its status records), to the token."""
+    kafka = kafka_topics
+    settings = worker_settings(status_interval_s=0.2, tenant_fleet_share=True)
+    async with Collector(kafka) as collector:
+        async with running_worker(kafka, settings.model_copy(update={"worker_id": "share-a"}), InstantEngine(),
+                                  max_num_seqs=8) as a, \
+                running_worker(kafka, settings.model_copy(update={"worker_id": "share-b"}), InstantEngine(),
+                               max_num_seqs=8) as b:
+            from tests.transport.test_failover_kafka import wait_assigned
+
+            await wait_assigned(collector, {"share-a", "share-b"}, kafka.num_request_partitions)
+            requests = [GenerationRequest(id=f"share-{i}-{i * 7919 % 1000}", prompt=f"p{i}", max_new_tokens=3,
+                                          tenant="acme") for i in range(60)]
+            await produce_requests(kafka, [(1, r) for r in requests])
+            await collector.wait_until(lambda r: all(q.id in r.finals for q in requests), 30, "every final")
+            served = collections.Counter()
+            for q in requests:
+                f = collector.results.latest_final(q.id)
+                served[f.worker_id] += f.usage.prompt_tokens + f.usage.completion_tokens
+            assert served["share-a"] and served["share-b"], served  # both served the tenant
+            await collector.wait_until(lambda r: a.fleet_share.num_charged_tokens == served["share-b"]
+                                       and b.fleet_share.num_charged_tokens == served["share-a"], 10,
+                                       "each worker charged what the other served")

@@ -68,7 +68,9 @@ from worker.transport.kafka.exactly_once import FinalLanes
 from worker.transport.kafka.publisher import Publisher
 from worker.transport.load.service_model import EngineView, ServiceModel
 from worker.transport.load.shedding import Shedder
+from worker.transport.load.fleet_share import FleetShare
 from worker.transport.load.tenant_book import TenantBook
+from worker.transport.kafka.status_reader import StatusReader
 from worker.transport.status_report import LoadView, StatusReporter, TenantCollector
 from worker.transport.requests.streamer import Streamer
 from worker.transport.requests.tracing import RequestTracing
@@ -129,6 +131,8 @@ class Worker:
         self.tenants = TenantBook.from_settings(settings, kafka.num_priorities)
         """Fair share, quotas and per-tenant traffic: kept across reconnects, like the tenants themselves."""
         TenantCollector(self.metrics.registry, self.tenants)
+        self.fleet_share = FleetShare(self.tenants, settings.worker_id)
+        self.status_reader = StatusReader(kafka, self.fleet_share.observe, client_id=f"{settings.worker_id}-status")
         self.tracing = RequestTracing.from_env(getattr(getattr(engine, "settings", None), "model", ""))
         """Traces through Kafka headers (tracing.py); None when off."""
 
@@ -458,9 +462,14 @@ class Worker:
                           if self.settings.metrics_port else None)
         # Its own consumer and task, started first: the cancels of the lookback window load while the group forms.
         control_task = asyncio.create_task(self.control.run(), name="control-reader")
+        status_task = (asyncio.create_task(self.status_reader.run(), name="status-reader")
+                       if self.settings.tenant_fleet_share else None)
         try:
             return await self._serve()
         finally:
+            if status_task is not None:
+                status_task.cancel()
+                await asyncio.gather(status_task, return_exceptions=True)
             await self.control.stop(control_task)
             if metrics_server is not None:
                 metrics_server.shutdown()

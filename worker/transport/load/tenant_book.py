@@ -65,6 +65,9 @@ class TenantSnapshot:
     num_over_quota: int
     over_quota: bool
     """Its bucket is empty now: new requests are rejected (or deferred) until it refills."""
+    served_by_priority: tuple[float, ...] = ()
+    """Tokens (prompt and output) served per priority since the worker started: other workers charge what this
+    one served to the tenant's fair-share counters (fleet_share.py)."""
     waits: tuple[tuple[str, tuple[int, ...], float], ...] = ()
     """Per WAIT_STAGES stage with waits: (stage, counts per WAIT_BUCKETS_S bound and +Inf, sum of seconds), since
     the worker started."""
@@ -84,6 +87,7 @@ class _Traffic:
     output_tokens: float = 0.0
     num_finals: dict[str, int] = field(default_factory=dict)
     num_over_quota: int = 0
+    by_priority: dict[int, float] = field(default_factory=dict)
     waits: dict[str, WaitHistogram] = field(default_factory=dict)
 
 
@@ -172,6 +176,7 @@ class TenantBook:
         traffic = self._traffic_of(tenant)
         traffic.prompt_tokens += prompt_tokens
         traffic.output_tokens += output_tokens
+        traffic.by_priority[priority] = traffic.by_priority.get(priority, 0.0) + actual
 
     def waited(self, tenant: str, stages_s: tuple[float, float, float]) -> None:
         """A request reached its first step after waiting these seconds in each of WAIT_STAGES."""
@@ -214,7 +219,9 @@ class TenantBook:
             over = label in self.labels.labelled and self.quotas.over_quota(tenant, now)
             snaps.append(TenantSnapshot(label, traffic.prompt_tokens, traffic.output_tokens, rate,
                                         waiting.get(label, 0), dict(traffic.num_finals), traffic.num_over_quota,
-                                        over, tuple((stage, *h.frozen()) for stage, h in traffic.waits.items())))
+                                        over, tuple(traffic.by_priority.get(p, 0.0)
+                                                    for p in range(max(traffic.by_priority, default=-1) + 1)),
+                                        tuple((stage, *h.frozen()) for stage, h in traffic.waits.items())))
         self._traffic = {label: t for label, t in self._traffic.items() if label in live}
         if fresh:
             self._last_at = now
