@@ -111,6 +111,19 @@ def test_over_share_and_contention_follow_recent_reads():
     assert not fair.contended(1, 100.0)  # both quiet for longer than the window
 
 
+def test_two_tenants_of_nearly_equal_rates_share_the_shedding():
+    """Neither of two tenants reading at nearly the same rate is over its share, so shedding falls on both alike:
+    compared with the mean exactly, the one a little ahead by chance had every new request shed, the other none."""
+    fair = FairShare(3)
+    for i in range(200):
+        fair.seen(1, "a", 100, i * 0.05)
+        if i % 30 != 0:  # b reads about 3 % less
+            fair.seen(1, "b", 100, i * 0.05 + 0.01)
+    assert fair.over_share(1, "a", 10.0) and fair.over_share(1, "b", 10.0)
+    fair.seen(1, "flood", 100_000, 10.0)  # now one far ahead: only it is over
+    assert fair.over_share(1, "flood", 10.0) and not fair.over_share(1, "a", 10.0)
+
+
 def test_fair_share_state_stays_bounded_under_distinct_tenant_names():
     fair = FairShare(3, max_tenants=100)
     rng = random.Random(0)

@@ -28,6 +28,8 @@ DEFAULT_TENANT = ""
 """The tenant of requests that name none: they share one counter, one quota and one cache namespace."""
 READ_HALF_LIFE_S = 10.0
 """How fast a tenant's recent reads fade, for telling who is over its share (FairShare.over_share)."""
+SHARE_MARGIN = 0.2
+"""A tenant whose recent reads are within this fraction above the mean is at its share, not over it."""
 OTHER_LABEL = "other"
 """The metric label of tenants outside the top ones by traffic."""
 NO_TENANT_LABEL = "none"
@@ -138,15 +140,19 @@ class FairShare:
         return sum(1 for e in self._seen[priority].values() if e[1] >= cutoff) >= 2
 
     def over_share(self, priority: int, tenant: str, now: float) -> bool:
-        """Whether the tenant's recent reads at this priority (tokens per unit of weight, decayed with a half-life
-        of READ_HALF_LIFE_S) are at or above the mean of the tenants read recently: it asks for at least its
-        equal share. Shedding falls on those first; a lone tenant is always at its share."""
+        """Whether shedding may fall on the tenant: its recent reads at this priority (tokens per unit of weight,
+        decayed with a half-life of READ_HALF_LIFE_S) are clearly above the mean of the tenants read recently
+        (by SHARE_MARGIN), or no tenant's are, and then it falls on all of them alike (a lone tenant too). An
+        exact comparison with the mean marked one of two tenants of equal rates at a time, and as the decayed
+        rates drift apart by chance, the same one for seconds: every new request of one of them was shed and
+        none of the other's."""
         reads = self._seen[priority]
         entry = reads.get(tenant)
         if entry is None:
             return False
         rates = [self._decayed(e, now) for e in reads.values()]
-        return self._decayed(entry, now) * len(rates) >= sum(rates) * (1 - 1e-9)
+        bar = sum(rates) / len(rates) * (1 + SHARE_MARGIN)
+        return self._decayed(entry, now) >= bar or max(rates) < bar
 
     @staticmethod
     def _decayed(entry: list[float], now: float) -> float:
