@@ -253,14 +253,15 @@ class LoraStack:
 
 
 class StackedRows:
-    """A step's rows gathered by slot of a LoraStack: `index` [S * L] (L = the most rows of any slot; padding
-    points at row 0) and `valid` [S, L, 1] (1 for a real row, 0 for padding), for the torch path; `slots` [T]
-    (each token row's slot, -1 for the base) for the Triton kernel (kernels/lora.py), when `use_kernel`."""
+    """A step's rows by slot of a LoraStack, in the layout its path reads. The torch path: `index` [S * L] (L =
+    the most rows of any slot; padding points at row 0) and `valid` [S, L, 1] (1 for a real row, 0 for
+    padding). The Triton kernel (kernels/lora.py), when `use_kernel`: `slots` [T] (each token row's slot, -1 for
+    the base). The other path's fields are None."""
 
     __slots__ = ("stack", "index", "valid", "width", "slots", "use_kernel", "_padded")
 
-    def __init__(self, stack: LoraStack, index: torch.Tensor, valid: torch.Tensor, width: int,
-                 slots: torch.Tensor, use_kernel: bool) -> None:
+    def __init__(self, stack: LoraStack, index: torch.Tensor | None, valid: torch.Tensor | None, width: int,
+                 slots: torch.Tensor | None, use_kernel: bool) -> None:
         self.stack, self.index, self.valid, self.width = stack, index, valid, width
         self.slots, self.use_kernel = slots, use_kernel
         self._padded: torch.Tensor | None = None
@@ -323,6 +324,12 @@ class LoraStep:
 
 def _stacked_rows(stack: LoraStack, rows_of: dict[int, list[int]], starts: np.ndarray, device: torch.device,
                   adapters: list[LoraAdapter | None], num_new: np.ndarray, use_kernel: bool) -> StackedRows:
+    """The layout the step's path reads: each token row's slot for the kernel, or the rows gathered by slot
+    for the torch path; the other is not built."""
+    if use_kernel:
+        slot_of_request = np.array([-1 if a is None else stack.slot_of[id(a)] for a in adapters], dtype=np.int64)
+        slots = torch.from_numpy(np.repeat(slot_of_request, num_new)).to(device)
+        return StackedRows(stack, None, None, 0, slots, True)
     rows_by_slot: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * stack.num_slots
     for key, requests in rows_of.items():
         rows_by_slot[stack.slot_of[key]] = np.concatenate([np.arange(starts[b], starts[b + 1]) for b in requests])
@@ -332,10 +339,8 @@ def _stacked_rows(stack: LoraStack, rows_of: dict[int, list[int]], starts: np.nd
     for slot, rows in enumerate(rows_by_slot):
         index[slot, : len(rows)] = rows
         valid[slot, : len(rows)] = 1.0
-    slot_of_request = np.array([-1 if a is None else stack.slot_of[id(a)] for a in adapters], dtype=np.int64)
-    slots = torch.from_numpy(np.repeat(slot_of_request, num_new)).to(device)
     return StackedRows(stack, torch.from_numpy(index.reshape(-1)).to(device),
-                       torch.from_numpy(valid).to(device=device, dtype=stack.dtype), width, slots, use_kernel)
+                       torch.from_numpy(valid).to(device=device, dtype=stack.dtype), width, None, False)
 
 
 class LayerLora:

@@ -17,7 +17,7 @@ from schemas.status import PriorityStatus, TenantStatus, Throughput, WorkerStatu
 from worker.engine.api import EngineStats
 from worker.transport.load.load_control import LoadDecision
 from worker.transport.load.tenant_book import WAIT_BUCKETS_S, TenantBook, TenantSnapshot
-from worker.transport.metrics import NS, WorkerMetrics
+from worker.transport.metrics import NS, WorkerMetrics, cumulative_buckets
 from worker.transport.kafka.publisher import Publisher
 
 log = logging.getLogger(__name__)
@@ -174,17 +174,8 @@ class TenantCollector:
             waiting.add_metric([t.label], t.num_waiting)
             over.add_metric([t.label], float(t.over_quota))
             for stage, counts, sum_s in t.waits:
-                waits.add_metric([t.label, stage], _cumulative(counts), sum_s)
+                waits.add_metric([t.label, stage], cumulative_buckets(WAIT_BUCKETS_S, counts), sum_s)
         return [tokens, finals, waiting, over, waits]
 
     def describe(self):
         return []
-
-
-def _cumulative(counts: tuple[int, ...]) -> list[tuple[str, int]]:
-    """Prometheus' buckets (le, cumulative count) of WAIT_BUCKETS_S counts whose last slot is +Inf."""
-    out, running = [], 0
-    for bound, count in zip([*(str(float(b)) for b in WAIT_BUCKETS_S), "+Inf"], counts):
-        running += count
-        out.append((bound, running))
-    return out

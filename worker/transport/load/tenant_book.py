@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import json
 import math
-from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from worker.transport.load.admission import Verdict
-from worker.transport.metrics import LATENCY_BUCKETS
+from worker.transport.metrics import LATENCY_BUCKETS, BucketCounts
 from worker.transport.load.tenants import (DEFAULT_TENANT, NO_TENANT_LABEL, OTHER_LABEL, FairShare, Quota, Quotas,
                                            TenantLabels)
 
@@ -31,21 +30,6 @@ WAIT_STAGES = ("kafka", "local_queue", "engine")
 """Where a request waits before its first step: unread in Kafka (record timestamp to read), in the local queue
 (read to handed to the engine), in the engine's waiting queue (handed over to first scheduled)."""
 WAIT_BUCKETS_S = LATENCY_BUCKETS
-
-
-@dataclass(slots=True)
-class WaitHistogram:
-    """One stage's waits of one tenant label: counts per WAIT_BUCKETS_S bound (the last one +Inf), and their sum."""
-
-    counts: list[int] = field(default_factory=lambda: [0] * (len(WAIT_BUCKETS_S) + 1))
-    sum_s: float = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect_left(WAIT_BUCKETS_S, seconds)] += 1
-        self.sum_s += seconds
-
-    def frozen(self) -> tuple[tuple[int, ...], float]:
-        return tuple(self.counts), self.sum_s
 
 
 @dataclass(slots=True, frozen=True)
@@ -88,7 +72,7 @@ class _Traffic:
     num_finals: dict[str, int] = field(default_factory=dict)
     num_over_quota: int = 0
     by_priority: dict[int, float] = field(default_factory=dict)
-    waits: dict[str, WaitHistogram] = field(default_factory=dict)
+    waits: dict[str, BucketCounts] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -184,7 +168,7 @@ class TenantBook:
         for stage, seconds in zip(WAIT_STAGES, stages_s):
             histogram = waits.get(stage)
             if histogram is None:
-                histogram = waits[stage] = WaitHistogram()
+                histogram = waits[stage] = BucketCounts(WAIT_BUCKETS_S)
             histogram.observe(seconds)
 
     def finished(self, tenant: str, status: str) -> None:
