@@ -287,40 +287,49 @@ def test_start_refuses_a_port_in_use(tmp_path: Path) -> None:
 
 @pytest.mark.kafka
 @pytest.mark.slow
-async def test_topics_and_records_survive_a_restart(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+async def test_topics_and_records_survive_a_restart_on_the_same_port(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     port, controller_port = free_ports(2)
     data_dir = tmp_path / "broker"
     settings = KafkaSettings(bootstrap_servers=f"127.0.0.1:{port}", partitions_per_priority=1)
     cli_args = ["--data-dir", str(data_dir), "--port", str(port), "--controller-port", str(controller_port)]
     broker = LocalBroker(data_dir, port, controller_port, detach=False)
+    producer: AIOKafkaProducer | None = None
     try:
         # First run through the CLI (a detached broker), second through the class: both share the data dir.
         assert await asyncio.to_thread(cli_main, ["broker", "start", *cli_args]) == 0
         assert cli_main(["broker", "status", *cli_args]) == 0
         assert f"bootstrap=127.0.0.1:{port}" in capsys.readouterr().out
         await ensure_topics(settings)
-        producer = AIOKafkaProducer(**settings.client_kwargs(), acks="all")
-        await producer.start()
+        producer = await _round_trip(settings, b"before")
         await producer.send_and_wait(settings.request_topic, b"kept", key=b"req-1", partition=2)
-        await producer.stop()
+        # The producer stays connected through the stop: the broker's side of its connection is left in
+        # TIME_WAIT, and the JVM binds over it (SO_REUSEADDR), so `broker start` must not call the port taken.
         assert await asyncio.to_thread(cli_main, ["broker", "stop", *cli_args]) == 0
         assert not probe_api_versions("127.0.0.1", port, timeout_s=0.5)
+        if sys.platform.startswith("linux"):  # else the test could pass without the race it is about
+            assert _plain_bind_refused(port), "the stop left no TIME_WAIT on the port"
 
-        await asyncio.to_thread(broker.start)
+        started = time.monotonic()
+        await asyncio.to_thread(broker.start)  # the first try: no retry loop hides a refusal
+        restart_s = time.monotonic() - started
+        await producer.stop()
+        producer = await _round_trip(settings, b"after")
         states = await ensure_topics(settings)
         assert not any(state.created for state in states.values())
         assert states[settings.request_topic].num_partitions == 3
         consumer = AIOKafkaConsumer(**settings.client_kwargs(), auto_offset_reset="earliest", enable_auto_commit=False)
         await consumer.start()
         try:
-            from aiokafka import TopicPartition
-
             consumer.assign([TopicPartition(settings.request_topic, 2)])
             batches = await consumer.getmany(timeout_ms=10_000)
         finally:
             await consumer.stop()
         assert [(r.key, r.value) for records in batches.values() for r in records] == [(b"req-1", b"kept")]
+        print(f"restart on the same port and data: started in {restart_s:.1f} s, then served")
     finally:
+        if producer is not None:
+            await producer.stop()
         await asyncio.to_thread(broker.stop)
     assert not os.path.exists(data_dir / "broker.json")
 
@@ -343,30 +352,3 @@ async def _round_trip(settings: KafkaSettings, value: bytes) -> AIOKafkaProducer
         await consumer.stop()
     assert [r.value for r in batches.get(partition, [])][:1] == [value]
     return producer
-
-
-@pytest.mark.kafka
-async def test_start_right_after_stop_reuses_the_port(tmp_path: Path) -> None:
-    # A client still connected when the broker stops leaves the broker's side of the connection in
-    # TIME_WAIT; the JVM binds over it (SO_REUSEADDR), so `broker start` must not call the port taken.
-    port, controller_port = free_ports(2)
-    settings = KafkaSettings(bootstrap_servers=f"127.0.0.1:{port}", partitions_per_priority=1)
-    broker = LocalBroker(tmp_path / "broker", port, controller_port, detach=False)
-    producer: AIOKafkaProducer | None = None
-    try:
-        await asyncio.to_thread(broker.start)
-        await ensure_topics(settings)
-        producer = await _round_trip(settings, b"before")
-        assert await asyncio.to_thread(broker.stop)
-        if sys.platform.startswith("linux"):  # else the test could pass without the race it is about
-            assert _plain_bind_refused(port), "the stop left no TIME_WAIT on the port"
-        started = time.monotonic()
-        await asyncio.to_thread(broker.start)  # the first try: no retry loop hides a refusal
-        restart_s = time.monotonic() - started
-        await producer.stop()
-        producer = await _round_trip(settings, b"after")
-        print(f"restart on the same port and data: started in {restart_s:.1f} s, then served")
-    finally:
-        if producer is not None:
-            await producer.stop()
-        await asyncio.to_thread(broker.stop)

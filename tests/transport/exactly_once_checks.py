@@ -112,6 +112,17 @@ def skipped_in_log(path: Path, since: int = 0) -> int:
     return sum(int(m.group(1)) for m in SKIPPED.finditer(text))
 
 
+async def wait_until_fenced(path: Path, timeout_s: float = 30.0) -> None:
+    """A resumed zombie's loop tries to write what it held, and its log says the lanes were fenced; a moment
+    more lets any record it might still get out reach the reader."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while "are fenced" not in path.read_text(errors="replace"):
+        assert loop.time() < deadline, f"{path.name}: no fencing logged within {timeout_s:.0f} s"
+        await asyncio.sleep(0.2)
+    await asyncio.sleep(1.0)
+
+
 async def wait_for_answers_above_watermark(kafka: KafkaSettings, collector: Collector, partitions: set[int],
                                            requests, offsets: dict[str, tuple[int, int]],
                                            timeout_s: float = 120) -> None:

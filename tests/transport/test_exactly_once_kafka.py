@@ -21,7 +21,7 @@ import pytest
 from schemas.request import GenerationRequest
 from tests.transport.exactly_once_checks import (all_answered, check_exactly_one, owned_by, skipped_in_log, stop,
                                                  third_party_final_counts, unanswered_on,
-                                                 wait_for_answers_above_watermark)
+                                                 wait_for_answers_above_watermark, wait_until_fenced)
 from tests.transport.kafka_helpers import Collector, produce_requests, start_worker_process
 from tests.transport.test_failover_kafka import wait_assigned
 
@@ -76,7 +76,7 @@ async def test_one_final_per_request_across_a_sigkill_a_rebalance_and_a_frozen_z
             await wait_assigned(committed, {"w1b"}, kafka.num_request_partitions, timeout_s=60)
             await committed.wait_until(lambda r: all_answered(committed, frozen), 90, "finals while w2 is frozen")
             procs["w2"].send_signal(signal.SIGCONT)
-            await asyncio.sleep(8.0)  # its resumed loop writes what it held, then learns it was fenced
+            await wait_until_fenced(logs["w2"])
             check_exactly_one(committed, frozen, "SIGSTOP zombie")
             assert held >= 3 and "are fenced" in logs["w2"].read_text(errors="replace")
             assert skipped_in_log(logs["w1b"]) >= 1, "w1b took w2's partitions over without skipping an answer"

@@ -31,7 +31,8 @@ from schemas.request import GenerationRequest, SamplingSpec
 from worker.usage_report import read_usage, summarize
 from tests.transport.exactly_once_checks import (all_answered, answered_above, check_exactly_one,
                                                  committed_offsets, owned_by, skipped_in_log, stop,
-                                                 third_party_final_counts, wait_for_answers_above_watermark)
+                                                 third_party_final_counts, wait_for_answers_above_watermark,
+                                                 wait_until_fenced)
 from tests.transport.kafka_helpers import Collector, produce_requests, start_worker_process
 from tests.transport.resume_checks import stitch
 from tests.transport.test_failover_kafka import wait_assigned
@@ -116,7 +117,7 @@ async def test_one_final_per_request_when_the_real_model_finishes_out_of_order(k
             await wait_assigned(committed, {"w1b"}, kafka.num_request_partitions, timeout_s=60)
             await committed.wait_until(lambda r: all_answered(committed, frozen), 180, "finals while w2 is frozen")
             procs["w2"].send_signal(signal.SIGCONT)
-            await asyncio.sleep(8.0)  # its resumed loop tries to write what it held, and learns it was fenced
+            await wait_until_fenced(logs["w2"])
             check_exactly_one(committed, frozen, "SIGSTOP zombie")
             assert skipped_in_log(logs["w1b"]) >= 1, "w1b took w2's partitions over without skipping an answer"
             assert "fenced" in logs["w2"].read_text(errors="replace")
