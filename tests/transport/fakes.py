@@ -28,6 +28,7 @@ class Record:
     key: bytes | None
     offset: int
     timestamp: int
+    headers: tuple = ()
 
 
 class FakeConsumer:

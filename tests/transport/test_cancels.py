@@ -143,13 +143,10 @@ async def test_an_aborted_cancelled_stream_ends_cancelled_with_its_text_so_far()
 
 
 def with_cancels(w, *request_ids: str):
-    ids = CancelledIds(ttl_s=60, max_ids=100)
+    ids = w.cancellations.ids
     now = time.time() * 1000
     for rid in request_ids:
         ids.add(rid, now, now, reason="stop it")
-    lookup = lambda rid: ids.get(rid, time.time() * 1000)  # noqa: E731
-    w.intake.cancelled = lookup
-    w.dispatcher.cancelled = lookup
     return ids
 
 

@@ -16,6 +16,8 @@ from worker.worker_settings import WorkerSettings
 from worker.engine.api import EngineStats
 from worker.transport.load.admission import Admission
 from worker.transport.requests.answers import Answers
+from worker.transport.requests.cancellation import Cancellations
+from worker.transport.requests.cancels import CancelledIds
 from worker.transport.requests.dispatcher import COMPILING_CAPS, Dispatcher
 from worker.transport.requests.intake import Intake, IntakeLayout
 from worker.transport.load.load_control import LoadControl
@@ -33,7 +35,7 @@ KAFKA = KafkaSettings(num_priorities=3, partitions_per_priority=2, allowed_reply
 
 
 def build(max_in_engine: int = 4, **settings_overrides) -> SimpleNamespace:
-    """The parts as Worker._build wires them, around fake clients and a fake engine thread."""
+    """The parts as Worker wires them, around fake clients and a fake engine thread."""
     settings = WorkerSettings(metrics_port=0, worker_id="w-test", **settings_overrides)
     consumer, publisher, engine = FakeConsumer(), FakePublisher(), FakeEngineThread()
     tracker, metrics = OffsetTracker(), WorkerMetrics.create()
@@ -45,17 +47,19 @@ def build(max_in_engine: int = 4, **settings_overrides) -> SimpleNamespace:
     admission = Admission(KAFKA.result_topic, frozenset(KAFKA.allowed_reply_topics), list(settings.itl_target_ms))
     streamer = Streamer(publisher, tracker, answers, metrics, service, settings.worker_id, KAFKA.num_priorities, 0.0,
                         tenants)
-    dispatcher = Dispatcher(queue, streamer, engine, admission, answers, service, max_in_engine=max_in_engine,
-                            tenants=tenants)
+    cancellations = Cancellations(CancelledIds(settings.cancel_ttl_s, settings.cancel_max_ids), queue, streamer,
+                                  engine, answers)
+    dispatcher = Dispatcher(queue, streamer, engine, admission, answers, service, max_in_engine, cancellations,
+                            tenants)
     intake = Intake(consumer, tracker, queue, answers, admission, service,
-                    IntakeLayout.from_settings(KAFKA, settings, DEFAULT_LIMITS), tenants)
+                    IntakeLayout.from_settings(KAFKA, settings, DEFAULT_LIMITS), tenants, cancellations)
     load_control = LoadControl(Shedder(list(settings.max_queue_time_s), KAFKA.num_priorities),
                                Backpressure.from_settings(settings, KAFKA.num_priorities), service)
     all_partitions = {TopicPartition(TOPIC, p) for p in range(KAFKA.num_request_partitions)}
     intake.on_assigned(all_partitions, group_generation=7)
     return SimpleNamespace(consumer=consumer, publisher=publisher, engine=engine, tracker=tracker, queue=queue,
                            intake=intake, dispatcher=dispatcher, streamer=streamer, load_control=load_control,
-                           service=service, answers=answers, tenants=tenants)
+                           service=service, answers=answers, tenants=tenants, cancellations=cancellations)
 
 
 def send(w, priority: int, request_id: str, value: bytes | None = None, timestamp_ms: int | None = None, **fields):

@@ -33,7 +33,7 @@ def test_destinations_keep_at_most_max_topics_the_latest_ones():
     assert destinations.state("llm.replies.hostile-0") is None  # forgotten: looked up again if named again
 
 
-def test_prefixed_reply_topics_bound_admission_and_make_no_metric_series_each():
+async def test_prefixed_reply_topics_bound_admission_and_make_no_metric_series_each():
     kafka = KafkaSettings(allowed_reply_topics=["listed"], allowed_reply_topic_prefixes=["llm.replies."])
     worker = Worker(kafka, worker_settings(), InstantEngine())
     worker.admission = Admission(kafka.result_topic, frozenset(kafka.allowed_reply_topics), [0.0],
@@ -50,6 +50,7 @@ def test_prefixed_reply_topics_bound_admission_and_make_no_metric_series_each():
     assert exposition.count("reply_topic_available{") == 1  # the listed topic only
     assert 'dropped_records_total{topic="reply_topic_by_prefix"} 2048.0' in exposition
     assert len(worker.metrics._children) == 1
+    await worker.close()
 
 
 async def test_the_publishers_key_memory_stays_under_its_bound(monkeypatch):

@@ -17,7 +17,7 @@ from schemas.request import GenerationRequest
 from schemas.result import FinalRecord, Usage
 from worker.transport.requests.local_queue import QueuedRequest
 from worker.transport.requests.otlp import encode_request
-from worker.transport.requests.tracing import OTEL_ENV, RequestTracing
+from worker.transport.requests.tracing import OTEL_ENV, NoTracing, RequestTracing
 
 
 def _queued(request_id: str = "r1") -> QueuedRequest:
@@ -29,7 +29,7 @@ def _queued(request_id: str = "r1") -> QueuedRequest:
 def test_off_without_a_configured_exporter(monkeypatch):
     for name in OTEL_ENV:
         monkeypatch.delenv(name, raising=False)
-    assert RequestTracing.from_env() is None
+    assert isinstance(RequestTracing.from_env(), NoTracing)
 
 
 def test_only_records_with_a_traceparent_are_traced_and_a_final_ends_the_spans():

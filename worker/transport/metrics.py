@@ -103,11 +103,11 @@ class _LoopValue:
 
 class CommitProgress:
     """Per request partition, whether its committed offset keeps up with what is read: read from the offset
-    tracker at each scrape (nothing on the request path). `source` is set by the worker once it has a tracker:
-    () -> [(partition, committed offset, consumed offset, seconds stalled)] (OffsetTracker.commit_progress)."""
+    tracker at each scrape (nothing on the request path). `source`: () -> [(partition, committed offset, consumed
+    offset, seconds stalled)] (OffsetTracker.commit_progress)."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.source: Callable[[], list] | None = None
+    def __init__(self, registry: CollectorRegistry, source: Callable[[], list] = lambda: []) -> None:
+        self.source = source
         registry.register(self)
 
     def collect(self):
@@ -120,8 +120,8 @@ class CommitProgress:
             f"{NS}uncommitted_offsets", "Offsets read from the partition past its committed offset: what a restart "
             "would read again.", labels=["topic", "partition"])
         try:
-            rows = self.source() if self.source is not None else []
-        except Exception:  # noqa: BLE001 - no tracker yet (before the first connect), or one being rebuilt
+            rows = self.source()
+        except Exception:  # noqa: BLE001 - read on the scrape thread while the loop changes the table: next time
             rows = []
         for partition, committed, consumed, stalled_s in rows:
             labels = [getattr(partition, "topic", ""), str(getattr(partition, "partition", partition))]
@@ -177,7 +177,7 @@ class WorkerMetrics:
     _children: dict = field(default_factory=dict)
 
     @classmethod
-    def create(cls) -> "WorkerMetrics":
+    def create(cls, commit_progress: Callable[[], list] = lambda: []) -> "WorkerMetrics":
         r = CollectorRegistry()
         return cls(
             registry=r,
@@ -223,7 +223,7 @@ class WorkerMetrics:
             kafka_access_denied=Gauge(f"{NS}kafka_access_denied", "1 while the broker refuses the worker an "
                                       "operation it needs (READ of the request topic or the group): nothing is "
                                       "fetched until it is allowed again.", registry=r),
-            commits=CommitProgress(r),
+            commits=CommitProgress(r, commit_progress),
         )
 
     def dropped_for(self, topic: str):

@@ -1,4 +1,4 @@
-"""The worker: connects to Kafka, builds its parts around the clients, runs their loops, shuts down cleanly.
+"""The worker: built once from its settings, it connects to Kafka, runs its loops and shuts down cleanly.
 
 The path of one request (docs/architecture.md): Intake.fetch_once → decode → admission → LocalQueue →
 Dispatcher.admit → the engine client (engine_client.py) → Streamer.handle → Publisher → OffsetTracker →
@@ -33,7 +33,7 @@ import json
 import logging
 import time
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import TopicPartition
 from aiokafka.errors import GroupAuthorizationFailedError, KafkaError, TopicAuthorizationFailedError
 
 from worker.kafka_stop import stop_client
@@ -45,14 +45,14 @@ from worker.config_cli import masked_dump
 from worker.engine.api import Engine, EngineStats
 from worker.transport.kafka.access_check import AccessDenied, Needs, check_access
 from worker.transport.load.admission import Admission
-from worker.transport.kafka import progress
-from worker.transport.kafka.resume import takeover_progress
-from worker.transport.kafka.aiokafka_compat import committed_with_metadata, group_generation
+from worker.transport.kafka.aiokafka_compat import group_generation
 from worker.transport.requests.answers import Answers, FinalReplacement
 from worker.transport.load.autoscale import ScaleSignal
 from worker.transport.load.backpressure import Backpressure
+from worker.transport.requests.cancellation import Cancellations
 from worker.transport.requests.cancels import Cancel, CancelledIds
 from worker.transport.requests.control import ControlReader
+from worker.transport.requests.delivery import ConsumerCommits, TransactionalCommits
 from worker.transport.requests.dispatcher import Dispatcher
 from worker.transport.requests.engine_client import make_engine_client
 from worker.transport.requests.intake import Intake, IntakeLayout
@@ -104,37 +104,83 @@ def served_model_name(engine: Engine) -> str:
 
 
 STILL_MEMBER_WAIT_S = 1.0
-RESUME_READ_TIMEOUT_S = 15.0
-"""How long a takeover may spend reading where the moved requests stopped before they start over instead."""
 """How long a lane waits for the group's word before it replaces a stuck producer (Worker._still_member)."""
 
 
 class Worker:
+    """Built once from its settings (inside the event loop that will run it): every part, the Kafka clients
+    included, exists from construction on; `run` starts the clients (retried until Kafka answers) and the
+    loops."""
+
     def __init__(self, kafka: KafkaSettings, settings: WorkerSettings, engine: Engine, *, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, limits: Limits = DEFAULT_LIMITS) -> None:
         self.kafka, self.settings, self.limits, self.engine = kafka, settings, limits, engine
-        self.max_in_engine = settings.max_engine_inflight or 2 * max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.metrics = WorkerMetrics.create()
-        self.metrics.commits.source = lambda: self.tracker.commit_progress()  # the tracker is built at connect
         self.stopping = asyncio.Event()
         self.started = asyncio.Event()
-        self.connected = False
-        """Whether the parts that need the Kafka clients exist (`_build`, at the first connect)."""
         self.closing = False
         """Set at the end of shutdown, so the background loops exit at their next turn even if a library call
         inside one of them swallowed its cancellation."""
+        self.tracker = OffsetTracker()
+        self.metrics = WorkerMetrics.create(commit_progress=self.tracker.commit_progress)
         self.cancels = CancelledIds(settings.cancel_ttl_s, settings.cancel_max_ids)
         self.control = ControlReader(kafka, self.cancels, self._on_cancel, client_id=f"{settings.worker_id}-control")
-        self.memory = MemoryCollector(self.metrics.registry, self._tables())
         self.tenants = TenantBook.from_settings(settings, kafka.num_priorities)
-        """Fair share, quotas and per-tenant traffic: kept across reconnects, like the tenants themselves."""
+        """Fair share, quotas and per-tenant traffic."""
         TenantCollector(self.metrics.registry, self.tenants)
         self.fleet_share = FleetShare(self.tenants, settings.worker_id)
         self.status_reader = StatusReader(kafka, self.fleet_share.observe, client_id=f"{settings.worker_id}-status")
-        self.tracing = RequestTracing.from_env(getattr(getattr(engine, "settings", None), "model", ""))
-        """Traces through Kafka headers (tracing.py); None when off."""
+        tracing = RequestTracing.from_env(served_model_name(engine))
+        self.publisher = Publisher(kafka.client_kwargs(),
+                                   on_dropped=lambda topic: self.metrics.dropped_for(self._topic_label(topic)).inc(),
+                                   gather_s=self.io_gather_s, topic_wait_s=settings.destination_wait_s,
+                                   on_topic_change=self._on_topic_change,
+                                   # An exactly-once lane writes a final only once its request's chunks settled.
+                                   track_settled=kafka.exactly_once, headers_for=tracing.headers_for)
+        self.consumer = make_consumer(kafka, settings)
+        # Subscribed before start: the first assignment may arrive inside start(), and its listener needs the parts.
+        self.consumer.subscribe([kafka.request_topic], listener=RebalanceListener(self._on_revoked, self._on_assigned))
+        self.outputs: asyncio.Queue = asyncio.Queue()
+        self.engine_thread = make_engine_client(engine, asyncio.get_running_loop(), self.outputs)
+        self.queue = LocalQueue(kafka.num_priorities, settings.max_waiting, self.tenants.fair)
+        self.service = ServiceModel(kafka.num_priorities, max_num_seqs, max_num_batched_tokens)
+        replacement = FinalReplacement(kafka.result_topic, settings.worker_id, self.metrics)
+        lanes = FinalLanes(
+            kafka.client_kwargs(), kafka.group_id, self.tracker, self.publisher, replacement,
+            interval_s=settings.transaction_interval_ms / 1000.0,
+            max_metadata_bytes=kafka.offset_metadata_max_bytes, still_member=self._still_member,
+            progress_topic=kafka.progress_topic, progress_source=self._progress_of,
+            progress_interval_s=settings.progress_interval_ms / 1000.0,
+        ) if kafka.exactly_once else None
+        self.answers = Answers(
+            self.publisher, self.tracker, self.metrics, settings.worker_id, kafka.result_topic,
+            kafka.dead_letter_topic, usage_topic=kafka.usage_topic, model=served_model_name(engine),
+            priority_of=lambda tp: priority_of_partition(tp.partition, kafka.num_request_partitions,
+                                                         kafka.num_priorities),
+            tenants=self.tenants, lanes=lanes, replacement=replacement)
+        self.admission = admission = Admission(kafka.result_topic, frozenset(kafka.allowed_reply_topics),
+                                               list(settings.itl_target_ms), max_num_batched_tokens,
+                                               allowed_reply_topic_prefixes=tuple(kafka.allowed_reply_topic_prefixes))
+        self.streamer = Streamer(self.publisher, self.tracker, self.answers, self.metrics, self.service,
+                                 settings.worker_id, kafka.num_priorities, settings.chunk_interval_ms, self.tenants)
+        self.cancellations = Cancellations(self.cancels, self.queue, self.streamer, self.engine_thread,
+                                           self.answers)
+        self.dispatcher = Dispatcher(self.queue, self.streamer, self.engine_thread, admission, self.answers,
+                                     self.service, settings.max_engine_inflight or 2 * max_num_seqs,
+                                     self.cancellations, self.tenants)
+        self.intake = Intake(self.consumer, self.tracker, self.queue, self.answers, admission, self.service,
+                             IntakeLayout.from_settings(kafka, settings, limits), self.tenants, self.cancellations,
+                             tracing=tracing)
+        self.delivery = (TransactionalCommits(lanes, kafka, self.consumer, self.publisher, self.intake)
+                         if lanes is not None else ConsumerCommits(self.intake))
+        """How what is answered gets committed: the lanes' transactions (exactly once) or the consumer's."""
+        self.load_control = LoadControl(Shedder(list(settings.max_queue_time_s), kafka.num_priorities),
+                                        Backpressure.from_settings(settings, kafka.num_priorities), self.service)
+        self.reporter = StatusReporter(self.publisher, self.metrics, settings.worker_id, kafka.status_topic,
+                                       kafka.allowed_reply_topics, kafka.allowed_reply_topic_prefixes)
+        self.scale_signal = ScaleSignal(list(settings.max_queue_time_s), kafka.num_request_partitions)
+        self.watchdog = LoopWatchdog()
+        self.memory = MemoryCollector(self.metrics.registry, self._tables())
 
     def stop(self) -> None:
         self.stopping.set()
@@ -143,12 +189,11 @@ class Worker:
         """The readiness probe's answer (read from the metrics server's thread): the engine is built (its model
         loaded) before the worker runs, the group is joined (an assignment came, even an empty one) and intake
         runs, and the worker is not stopping."""
-        return (self.started.is_set() and not self.stopping.is_set() and self.connected
-                and self.intake.group_generation >= 0)
+        return self.started.is_set() and not self.stopping.is_set() and self.intake.group_generation >= 0
 
     def _tables(self) -> dict:
         """What each per-request table and cache holds now (memory_metrics.py; bounds in docs/memory.md). Read on
-        the metrics thread; parts built at connect are read through self, so a reconnect's new ones count."""
+        the metrics thread."""
         return {
             "streams": lambda: len(self.streamer),
             "local_queue": lambda: len(self.queue),
@@ -159,47 +204,6 @@ class Worker:
             "publisher_keys": lambda: self.publisher.num_cached_keys,
             "metric_children": lambda: len(self.metrics._children),
         }
-
-    # -- wiring --------------------------------------------------------------------------------------------
-    def _build(self, consumer: AIOKafkaConsumer, publisher: Publisher) -> None:
-        """Every part, once the Kafka clients exist; each gets only what it uses."""
-        kafka, settings = self.kafka, self.settings
-        self.consumer, self.publisher = consumer, publisher
-        self.tracker = OffsetTracker()
-        self.outputs: asyncio.Queue = asyncio.Queue()
-        self.engine_thread = make_engine_client(self.engine, asyncio.get_running_loop(), self.outputs)
-        self.queue = LocalQueue(kafka.num_priorities, settings.max_waiting, self.tenants.fair)
-        self.service = ServiceModel(kafka.num_priorities, self.max_num_seqs, self.max_num_batched_tokens)
-        replacement = FinalReplacement(kafka.result_topic, settings.worker_id, self.metrics)
-        self.lanes = FinalLanes(
-            kafka.client_kwargs(), kafka.group_id, self.tracker, publisher, replacement,
-            interval_s=settings.transaction_interval_ms / 1000.0,
-            max_metadata_bytes=kafka.offset_metadata_max_bytes, still_member=self._still_member,
-            progress_topic=kafka.progress_topic, progress_source=self._progress_of,
-            progress_interval_s=settings.progress_interval_ms / 1000.0,
-        ) if kafka.exactly_once else None
-        self.answers = Answers(
-            publisher, self.tracker, self.metrics, settings.worker_id, kafka.result_topic, kafka.dead_letter_topic,
-            usage_topic=kafka.usage_topic, model=served_model_name(self.engine),
-            priority_of=lambda tp: priority_of_partition(tp.partition, kafka.num_request_partitions,
-                                                         kafka.num_priorities),
-            tenants=self.tenants, lanes=self.lanes, replacement=replacement)
-        self.admission = admission = Admission(kafka.result_topic, frozenset(kafka.allowed_reply_topics),
-                                               list(settings.itl_target_ms), self.max_num_batched_tokens,
-                                               allowed_reply_topic_prefixes=tuple(kafka.allowed_reply_topic_prefixes))
-        self.streamer = Streamer(publisher, self.tracker, self.answers, self.metrics, self.service, settings.worker_id,
-                                 kafka.num_priorities, settings.chunk_interval_ms, self.tenants)
-        self.dispatcher = Dispatcher(self.queue, self.streamer, self.engine_thread, admission, self.answers,
-                                     self.service, self.max_in_engine, cancelled=self._cancel_of, tenants=self.tenants)
-        self.intake = Intake(consumer, self.tracker, self.queue, self.answers, admission, self.service,
-                             IntakeLayout.from_settings(kafka, settings, self.limits), self.tenants,
-                             cancelled=self._cancel_of, tracing=self.tracing)
-        self.load_control = LoadControl(Shedder(list(settings.max_queue_time_s), kafka.num_priorities),
-                                        Backpressure.from_settings(settings, kafka.num_priorities), self.service)
-        self.reporter = StatusReporter(publisher, self.metrics, settings.worker_id, kafka.status_topic,
-                                       kafka.allowed_reply_topics, kafka.allowed_reply_topic_prefixes)
-        self.scale_signal = ScaleSignal(list(settings.max_queue_time_s), kafka.num_request_partitions)
-        self.connected = True
 
     def _topic_label(self, topic: str) -> str:
         """A topic as a metric label: its name when configured, one label for the reply topics a prefix allows
@@ -237,8 +241,6 @@ class Worker:
             await asyncio.sleep(self.settings.destination_check_interval_s)
 
     def io_gather_s(self) -> float:
-        if not self.connected:  # the publisher exists before the engine thread
-            return 0.0
         return io_gather_s(self.engine_thread.stats, self.settings.io_gather_max_ms)
 
     def _see_engine(self) -> None:
@@ -249,30 +251,12 @@ class Worker:
         self.service.see(EngineView(stats, stats.num_waiting > 0 or stats.num_running >= self.max_num_seqs,
                                     tuple(self.streamer.num_open_by_priority)))
 
-    # -- cancellation (docs/delivery.md, "Cancellation") ---------------------------------------------------
-    def _cancel_of(self, request_id: str) -> Cancel | None:
-        return self.cancels.get(request_id, time.time() * 1000.0)
-
+    # -- cancellation (docs/delivery.md, "Cancellation"; decided in cancellation.py) ------------------------
     def _on_cancel(self, cancel: Cancel) -> None:
-        """A cancel record was read (control.py): stop its request wherever it is here. In the local queue it is
-        answered at once; in the engine (waiting or running) its stream is marked and the engine thread aborts
-        it before its next step, which frees its KV blocks; the abort's output ends it `cancelled` with the
-        text so far (streamer.py). Not here (not yet read, finished, another worker's): the id is remembered,
-        so that a request read later is answered `cancelled` at once (intake.py)."""
-        if not self.connected or self.closing:
-            return  # not connected yet (the intake checks the remembered id), or shut down
-        self._take_cancelled(cancel.request_id)
-        self.engine_thread.abort(self.streamer.cancel(cancel.request_id, cancel.reason))
-
-    def _take_cancelled(self, request_id: str | None = None) -> None:
-        """Answer the requests of the local queue that are cancelled (those of one id, or any)."""
-        if request_id is None:
-            taken = self.queue.take_where(lambda queued: self._cancel_of(queued.request.id) is not None)
-        else:
-            taken = self.queue.take_where(lambda queued: queued.request.id == request_id)
-        for queued in taken:
-            cancel = self._cancel_of(queued.request.id)
-            self.answers.cancelled(queued, cancel.reason if cancel else "", "while it waited in the local queue")
+        """A cancel record was read (control.py); after shutdown only a request read later (by another worker)
+        could need it."""
+        if not self.closing:
+            self.cancellations.arrived(cancel)
 
     async def _wait_for_cancels(self) -> None:
         """Before intake starts: let the control reader catch up with the cancels of its lookback window, so a
@@ -284,17 +268,10 @@ class Worker:
             log.warning("control topic %r not read up to date within %.1f s; serving requests meanwhile",
                         self.kafka.control_topic, self.settings.cancel_sync_timeout_s)
 
-    async def _commit(self, partitions: set[TopicPartition] | None = None) -> None:
-        """Commit what is done: in transactions with the finals when exactly-once, else by the consumer."""
-        if self.lanes is not None:
-            await self.lanes.flush(partitions)
-        else:
-            await self.intake.commit(partitions)
-
     async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
         if not self.started.is_set():
             return  # the first join of a starting worker: nothing is owned yet
-        await self._commit(revoked)
+        await self.delivery.commit(revoked)
         self.streamer.hold(revoked)
         self.intake.on_revoked(revoked)
         log.info("revoked %s; their requests keep running, unpublished, until the assignment",
@@ -302,26 +279,14 @@ class Worker:
 
     async def _on_assigned(self, assigned: set[TopicPartition]) -> None:
         generation = group_generation(self.consumer)
-        progress_found, lost = None, set()
-        if self.lanes is not None:
-            lost = self.lanes.fenced()
-            if self.intake.missed_a_generation(generation):
-                # Every lane may have been fenced by an owner in between, whether or not it has tried to write
-                # since: each starts anew, fencing that owner in turn.
-                lost = self.lanes.owned()
-            await self.lanes.revoke((self.lanes.owned() - assigned) | lost)
-            await self.lanes.assign(assigned)  # fences the previous owners first: their commits are final
-            committed = await self._committed_progress(assigned - self.intake.kept_of(assigned, generation, lost))
-            progress_found = {tp: (offset, progress.decode(offset, metadata))
-                              for tp, (offset, metadata) in committed.items()}
-            await self._read_resume_points(committed)
+        progress_found, lost = await self.delivery.take_over(assigned, generation)
         held = set(self.streamer.held_partitions)
         gone = self.intake.on_assigned(assigned, generation, progress_found, lost) | (held - assigned)
         self.answers.forget(gone)
         ids = self.streamer.close_where(lambda queued: queued.partition in gone)
         self.engine_thread.abort(ids)
         self.streamer.release(held - gone)
-        self._take_cancelled()  # requests set aside during the rebalance, cancelled meanwhile, are back in the queue
+        self.cancellations.sweep()  # requests set aside during the rebalance, cancelled meanwhile, are back
         if held:
             log.info("rebalance: kept %d partitions, gave up %d; aborted %d requests of those given up",
                      len(held & assigned), len(held - assigned), len(ids))
@@ -334,22 +299,6 @@ class Worker:
         await asyncio.sleep(STILL_MEMBER_WAIT_S)
         return not self.closing and generation >= 0 and group_generation(self.consumer) == generation
 
-    async def _read_resume_points(self, committed: dict) -> None:
-        """Where the unfinished requests of the partitions that come here stopped (kafka/resume.py): their
-        streams go on from there. The resume points are committed again until this worker's own progress
-        replaces them, so a second takeover still finds what the first did not serve yet."""
-        kafka = self.kafka
-        points = {tp: point for tp, (offset, metadata) in committed.items()
-                  if (point := progress.resume_pointer(offset, metadata)) is not None}
-        for tp, point in points.items():
-            self.lanes.keep_resume_point(tp, point)
-        if not points or not kafka.progress_topic or self.lanes.progress_source is None:
-            return
-        found = await takeover_progress(
-            kafka.client_kwargs(), kafka.progress_topic, {tp.partition: point for tp, point in points.items()},
-            self.publisher.partition_of, self.publisher.send_wait_s, timeout_s=RESUME_READ_TIMEOUT_S)
-        self.intake.expect_resumed({tp: found.get(tp.partition, {}) for tp in points})
-
     def _progress_of(self, partition: TopicPartition, full: bool) -> list[tuple[bytes, bytes]]:
         """The lanes' progress records (FinalLanes.progress_source): the streams' own, and in a full round the
         records read at takeover of requests not served here yet (so that the resume point can move past the
@@ -360,76 +309,26 @@ class Worker:
             records += [(key, value) for key, value in self.intake.unserved_resumed(partition) if key not in written]
         return records
 
-    async def _committed_progress(self, partitions: set[TopicPartition]) -> dict:
-        """{partition: (committed offset, its metadata)} for partitions that come to this worker (progress.py).
-        Unreadable (the coordinator away): none, and those partitions are read from their offset as before,
-        at-least-once; a warning says so."""
-        if not partitions:
-            return {}
-        try:
-            found = await asyncio.wait_for(committed_with_metadata(self.consumer, partitions), 30.0)
-        except Exception as exc:  # noqa: BLE001 - the rebalance goes on; only the skipping is lost
-            log.warning("could not read the committed progress of partitions %s (%r): requests answered above "
-                        "their committed offsets may be answered again", sorted(tp.partition for tp in partitions),
-                        exc)
-            return {}
-        return found
-
     async def _connect(self) -> bool:
-        """Create the clients and the parts, subscribe, start; retried with backoff until Kafka answers."""
-        backoff = 0.5
-        while not self.stopping.is_set():
-            publisher = Publisher(self.kafka.client_kwargs(),
-                                  on_dropped=lambda topic: self.metrics.dropped_for(self._topic_label(topic)).inc(),
-                                  gather_s=self.io_gather_s, topic_wait_s=self.settings.destination_wait_s,
-                                  on_topic_change=self._on_topic_change,
-                                  # An exactly-once lane writes a final only once its request's chunks settled.
-                                  track_settled=self.kafka.exactly_once,
-                                  headers_for=self.tracing.headers_for if self.tracing is not None else None)
-            consumer = make_consumer(self.kafka, self.settings)
-            # Built before start: the first assignment may arrive inside start(), and its listener needs them.
-            self._build(consumer, publisher)
-            try:
-                await publisher.start()
-                consumer.subscribe([self.kafka.request_topic],
-                                   listener=RebalanceListener(self._on_revoked, self._on_assigned))
-                await consumer.start()
-                return True
-            except KafkaError as exc:
-                log.warning("cannot reach Kafka at %s (%r); retrying in %.1fs",
-                            self.kafka.bootstrap_servers, exc, backoff)
-                for client in (consumer, publisher):
-                    try:
-                        await client.stop()
-                    except Exception:  # noqa: BLE001 - half-started clients may fail to stop; nothing to keep
-                        pass
+        """Start the clients, each retried with backoff until Kafka answers (a failed start leaves a client as it
+        was built, ready to be started again); False when the worker is stopped first."""
+        for start in (self.publisher.start, self.consumer.start):
+            backoff = 0.5
+            while True:
+                if self.stopping.is_set():
+                    return False
                 try:
-                    await asyncio.wait_for(self.stopping.wait(), backoff)
-                except asyncio.TimeoutError:
-                    pass
-                backoff = min(backoff * 2, 10.0)
-        return False
-
-    async def _check_progress_topic(self) -> None:
-        """Streams are resumed only through a progress topic with a partition per request partition: without one
-        (a deployment that has not run `llm-worker topics` since it came), a record written to it would abort
-        every transaction of its lane, so no progress is written and moved requests start over."""
-        topic = self.kafka.progress_topic
-        if self.lanes is None or not topic:
-            return
-        try:
-            metadata = await asyncio.wait_for(self.publisher.metadata(), 10.0)
-            partitions = metadata.partitions_for_topic(topic)
-        except Exception as exc:  # noqa: BLE001 - unknown now: keep it on; a failed transaction is retried
-            log.debug("could not look the progress topic up (%r)", exc)
-            return
-        needed = self.kafka.num_request_partitions
-        if partitions is None or len(partitions) < needed:
-            self.lanes.progress_source = None
-            log.warning("progress topic %r %s: streams of requests that move between workers start over instead of "
-                        "resuming (`llm-worker topics` creates it with %d partitions)", topic,
-                        "is missing" if partitions is None else f"has {len(partitions)} partitions, fewer than the "
-                        f"{needed} request partitions", needed)
+                    await start()
+                    break
+                except KafkaError as exc:
+                    log.warning("cannot reach Kafka at %s (%r); retrying in %.1fs",
+                                self.kafka.bootstrap_servers, exc, backoff)
+                    try:
+                        await asyncio.wait_for(self.stopping.wait(), backoff)
+                    except asyncio.TimeoutError:
+                        pass
+                    backoff = min(backoff * 2, 10.0)
+        return True
 
     async def _request_topic_layout_error(self, wait_s: float = 5.0) -> str | None:
         """Refuse a request topic whose partition count differs from the configured priority layout: its
@@ -476,18 +375,16 @@ class Worker:
 
     async def _serve(self) -> int:
         if not await self._connect():
+            await self.close()
             return 0
         layout_error = await self._request_topic_layout_error()
         if layout_error:
             log.error("%s", layout_error)
-            if self.lanes is not None:
-                await self.lanes.stop()
-            await stop_client(self.consumer, "request consumer")
-            await self.publisher.stop()
+            await self.delivery.stop()
+            await self.close()
             return 2
-        await self._check_progress_topic()
+        await self.delivery.check_progress_topic()
         self.engine_thread.start()
-        self.watchdog = LoopWatchdog()
         tasks = [asyncio.create_task(coro) for coro in (self._output_loop(), self._commit_loop(), self._control_loop(),
                                                         self._destination_loop(), self.watchdog.run())]
         await self._wait_for_cancels()
@@ -516,16 +413,19 @@ class Worker:
             self.engine_thread.abort(abandoned)
         if not await self.publisher.wait_acked(timeout_s=30.0):
             log.warning("some records were not acknowledged before shutdown; their offsets stay uncommitted")
-        await self._commit()
-        if self.lanes is not None:
-            await self.lanes.stop()
+        await self.delivery.commit()
+        await self.delivery.stop()
         self.closing = True
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self.close()
+        self.engine_thread.stop()
+
+    async def close(self) -> None:
+        """Stop the Kafka clients (`run` does at its end; a worker built and never run needs it)."""
         await stop_client(self.consumer, "request consumer")
         await self.publisher.stop()
-        self.engine_thread.stop()
 
     async def _intake_loop(self) -> None:
         backoff = 0.1
@@ -594,8 +494,7 @@ class Worker:
     async def _commit_loop(self) -> None:
         while not self.closing:
             await asyncio.sleep(self.settings.commit_interval_s)
-            if self.lanes is None:  # lanes commit with their transactions
-                await self.intake.commit()
+            await self.delivery.tick()
 
     async def _control_loop(self) -> None:
         loop = asyncio.get_running_loop()

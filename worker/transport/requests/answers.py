@@ -95,6 +95,7 @@ class Answers:
         self.num_dead_letters = 0
         self.lanes = lanes
         """Exactly-once finals (exactly_once.FinalLanes) when on: then every answer goes through them."""
+        self._deliver = self._through_lanes if lanes is not None else self._through_publisher
         self.replacement = replacement or FinalReplacement(result_topic, worker_id, metrics)
         """The lanes' too (they are built with the same one)."""
         self._completions: dict[tuple[Hashable, str], list] = {}
@@ -166,18 +167,21 @@ class Answers:
             if final is not None:
                 usage = self.usage_record(partition, final, tenant)
                 records = [*records, (self.usage_topic, final.id.encode(), encode(usage), None)]
-        if self.lanes is not None:
-            final = next((final for _, _, _, final in records if final is not None), None)
-            key = (partition, final.id) if final is not None else None
-            if offset is None and key is not None:
-                # One completion's final (n > 1): held until the request's own, so that all of them go in one
-                # transaction with its offset. Committed earlier, they would be answered again, a second time,
-                # by the partition's next owner if this worker died before the request's final.
-                self._completions.setdefault(key, []).extend(records)
-                return
-            held = self._completions.pop(key, None) if key is not None else None
-            self.lanes.add(partition, offset, held + records if held else records)
+        self._deliver(partition, offset, records)
+
+    def _through_lanes(self, partition: Hashable, offset: int | None, records: list) -> None:
+        final = next((final for _, _, _, final in records if final is not None), None)
+        key = (partition, final.id) if final is not None else None
+        if offset is None and key is not None:
+            # One completion's final (n > 1): held until the request's own, so that all of them go in one
+            # transaction with its offset. Committed earlier, they would be answered again, a second time, by
+            # the partition's next owner if this worker died before the request's final.
+            self._completions.setdefault(key, []).extend(records)
             return
+        held = self._completions.pop(key, None) if key is not None else None
+        self.lanes.add(partition, offset, held + records if held else records)
+
+    def _through_publisher(self, partition: Hashable, offset: int | None, records: list) -> None:
         on_acked = self.tracker.on_acked(partition, offset) if offset is not None else None
         self.publisher.publish_group_nowait(
             [(topic, key, value, self.final_fallback(topic, final) if final is not None else None)

@@ -13,7 +13,6 @@ wait too, so priorities hold.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import msgspec
 
@@ -23,7 +22,7 @@ from schemas.tools import NamedToolChoice
 from worker.engine.api import EngineRequest, EngineStats, SamplingParams, StructuredOutput, fair_preempts
 from worker.transport.load.admission import Admission, Verdict
 from worker.transport.requests.answers import Answers
-from worker.transport.requests.cancels import Cancel
+from worker.transport.requests.cancellation import Cancellations
 from worker.transport.requests.engine_client import EngineClient
 from worker.transport.requests.local_queue import LocalQueue, QueuedRequest
 from worker.transport.load.service_model import ServiceModel
@@ -160,15 +159,13 @@ def to_engine_requests(queued: QueuedRequest, fair_tag: float = 0.0) -> list[Eng
 class Dispatcher:
     def __init__(
         self, queue: LocalQueue, streamer: Streamer, engine: EngineClient, admission: Admission, answers: Answers,
-        service: ServiceModel, max_in_engine: int, cancelled: Callable[[str], Cancel | None] = lambda _id: None,
-        tenants: TenantBook | None = None,
+        service: ServiceModel, max_in_engine: int, cancellations: Cancellations, tenants: TenantBook,
     ) -> None:
         self.queue = queue
-        self.tenants = tenants if tenants is not None else TenantBook(queue.fair)
+        self.tenants = tenants
         self._may_start = None if self.tenants.quotas.action != "defer" else (
             lambda queued: self.tenants.may_dispatch(queued.tenant, queued.expected_tokens, time.monotonic()))
-        self.cancelled = cancelled
-        """The live cancel of a wire request id, if any (the worker's CancelledIds)."""
+        self.cancellations = cancellations
         self.streamer = streamer
         self.engine = engine
         self.admission = admission
@@ -185,10 +182,8 @@ class Dispatcher:
         stats: EngineStats = self.engine.stats
         for priority in range(len(self.streamer.num_open_by_priority)):
             while (queued := self.queue.head(priority, self._may_start)) is not None and self._has_room(queued):
-                cancel = self.cancelled(queued.request.id)
-                if cancel is not None:  # normally taken out when its cancel arrived; this covers the rest
+                if self.cancellations.stops(queued):  # normally taken out when its cancel arrived
                     self.queue.pop(priority)
-                    self.answers.cancelled(queued, cancel.reason, "before it ran")
                     continue
                 verdict = self._check_deadline(queued)
                 if verdict is not None:

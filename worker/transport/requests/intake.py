@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -44,7 +43,7 @@ from schemas.priority import priority_of_partition
 from schemas.progress import ProgressRecord
 from worker.transport.load.admission import Admission, Verdict, estimate_prompt_tokens
 from worker.transport.requests.answers import Answers
-from worker.transport.requests.cancels import Cancel
+from worker.transport.requests.cancellation import Cancellations
 from worker.transport.load.load_control import LoadDecision
 from worker.transport.requests.local_queue import LocalQueue, QueuedRequest, resumable
 from worker.transport.kafka.offsets import OffsetTracker
@@ -53,7 +52,7 @@ from worker.transport.load.service_model import ServiceModel
 from worker.transport.load.shedding import ReachFraction
 from worker.transport.load.tenant_book import TenantBook
 from worker.transport.load.tenants import DEFAULT_TENANT
-from worker.transport.requests.tracing import RequestTracing
+from worker.transport.requests.tracing import NoTracing, RequestTracing
 
 log = logging.getLogger(__name__)
 
@@ -93,20 +92,19 @@ class IntakeLayout:
 class Intake:
     def __init__(
         self, consumer: AIOKafkaConsumer, tracker: OffsetTracker, queue: LocalQueue, answers: Answers,
-        admission: Admission, service: ServiceModel, layout: IntakeLayout, tenants: TenantBook | None = None,
-        cancelled: Callable[[str], Cancel | None] = lambda _id: None, tracing: RequestTracing | None = None,
+        admission: Admission, service: ServiceModel, layout: IntakeLayout, tenants: TenantBook,
+        cancellations: Cancellations, tracing: RequestTracing | NoTracing = NoTracing(),
     ) -> None:
         self.consumer = consumer
         self.tracing = tracing
         """tracing.RequestTracing when tracing is on: traced records start their spans here."""
-        self.cancelled = cancelled
-        """The live cancel of a wire request id, if any (the worker's CancelledIds)."""
+        self.cancellations = cancellations
         self.tracker = tracker
         self.queue = queue
         self.answers = answers
         self.admission = admission
         self.service = service
-        self.tenants = tenants if tenants is not None else TenantBook(queue.fair)
+        self.tenants = tenants
         self.num_priorities = layout.num_priorities
         self.num_partitions = layout.num_partitions
         self.result_topic = layout.result_topic
@@ -429,17 +427,14 @@ class Intake:
         )
         if self._resumable and resumable(req):
             queued.resume = self._resume_of(tp, req.id, msg.offset, attempt)
-        if self.tracing is not None:
-            queued.trace = self.tracing.begin(msg.headers, req.id.encode(), queued)
+        queued.trace = self.tracing.begin(msg.headers, req.id.encode(), queued)
         verdict = self.admission.check_reply_topic(req.reply_topic)
         if verdict is not None:
             # An error about the reply topic goes to the result topic: never write where we may not.
             self.answers.reject(tp, msg.offset, req.id, attempt, verdict, self.result_topic, msg.timestamp,
                                 req.metadata, queued.tenant)
             return "invalid"
-        cancel = self.cancelled(req.id)
-        if cancel is not None:  # its cancel came first (or it is redelivered after one): it never runs
-            self.answers.cancelled(queued, cancel.reason, "before it ran")
+        if self.cancellations.stops(queued):  # its cancel came first (or it is redelivered after one)
             return "cancelled"
         queued.expected_tokens = self.service.expected_cost(queued.num_prompt_tokens, req.max_new_tokens,
                                                             req.num_completions)

@@ -100,6 +100,15 @@ class RequestTrace:
         self.final_built_ns = time.time_ns()
 
 
+class NoTracing:
+    """Tracing off: no request starts a trace and no record carries headers (the publisher's `headers_for`)."""
+
+    headers_for = None
+
+    def begin(self, headers, key: bytes, queued) -> None:
+        return None
+
+
 class RequestTracing:
     """`tracer`: the OpenTelemetry SDK's Tracer (its sampler, id generator, resource, scope and span processors
     are used directly)."""
@@ -127,19 +136,19 @@ class RequestTracing:
         self._parent_context = lambda ctx: set_span_in_context(NonRecordingSpan(ctx))
 
     @classmethod
-    def from_env(cls, model: str = "") -> "RequestTracing | None":
-        """The tracing of this process, or None when it is off (no SDK, or nothing configured)."""
+    def from_env(cls, model: str = "") -> "RequestTracing | NoTracing":
+        """The tracing of this process, or NoTracing when it is off (no SDK, or nothing configured)."""
         try:
             from opentelemetry import trace
             from opentelemetry.sdk.trace import TracerProvider
         except ImportError:
-            return None
+            return NoTracing()
         provider = trace.get_tracer_provider()
         if not isinstance(provider, TracerProvider):
             if not (os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
                     or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
                     or os.environ.get("OTEL_TRACES_EXPORTER") == "otlp"):
-                return None
+                return NoTracing()
             from opentelemetry.sdk.resources import Resource
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
