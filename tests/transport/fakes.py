@@ -162,3 +162,11 @@ def request_partition(kafka: KafkaSettings, priority: int, request_id: str) -> T
 
 def request_bytes(request_id: str, **fields) -> bytes:
     return encode(GenerationRequest(id=request_id, prompt=fields.pop("prompt", "hello"), **fields))
+
+
+def tenant_book(num_priorities: int = 3):
+    """The worker's tenant book (TenantBook) with the default settings."""
+    from worker.transport.load.tenant_book import TenantBook
+    from worker.worker_settings import WorkerSettings
+
+    return TenantBook.from_settings(WorkerSettings(), num_priorities)

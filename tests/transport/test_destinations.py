@@ -16,7 +16,7 @@ from worker.transport.requests.answers import Answers
 from worker.transport.kafka.destinations import DEFAULT_MAX_MESSAGE_BYTES, Destinations
 from worker.transport.metrics import WorkerMetrics
 from worker.transport.kafka.offsets import OffsetTracker
-from tests.transport.fakes import FakePublisher
+from tests.transport.fakes import FakePublisher, tenant_book
 
 
 class Probe:
@@ -109,7 +109,8 @@ def long_final(num_tokens: int = 50) -> FinalRecord:
 
 
 def answers_with(publisher: FakePublisher) -> Answers:
-    return Answers(publisher, OffsetTracker(), WorkerMetrics.create(), "w", "llm.results", "llm.dead")
+    return Answers(publisher, OffsetTracker(), WorkerMetrics.create(), "w", "llm.results", "llm.dead",
+                   tenants=tenant_book())
 
 
 def test_a_final_too_large_goes_again_without_logprobs_then_token_ids_then_as_an_error():

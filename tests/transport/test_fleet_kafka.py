@@ -53,8 +53,8 @@ async def fleet(kafka_bootstrap):
     provider = TracerProvider()  # this worker's own, not the process-wide one
     provider.add_span_processor(SimpleSpanProcessor(spans))
     async with Collector(kafka) as collector:
-        worker = Worker(kafka, worker_settings(metrics_port=port), engine)
-        worker.tracing = RequestTracing(provider.get_tracer("test"), model="instant")
+        worker = Worker(kafka, worker_settings(metrics_port=port), engine,
+                        tracing=RequestTracing(provider.get_tracer("test"), model="instant"))
         task = asyncio.create_task(worker.run())
         try:
             async with asyncio.timeout(30):

@@ -265,13 +265,14 @@ def test_the_finals_of_a_requests_completions_go_in_its_own_transaction():
     """n > 1: each completion's final waits for the request's final, so that all of them commit with its offset.
     Written on their own, they would be committed while the request's offset is not, and the partition's next
     owner would answer the request, completions included, a second time."""
+    from tests.transport.fakes import tenant_book
     from worker.transport.metrics import WorkerMetrics
     from worker.transport.requests.answers import Answers
 
     added: list[tuple[int | None, list[bytes]]] = []
     lanes = SimpleNamespace(add=lambda tp, offset, records: added.append((offset, [r[2] for r in records])))
     answers = Answers(SimpleNamespace(), OffsetTracker(), WorkerMetrics.create(), "w", "results", "dlq",
-                      usage_topic="usage", lanes=lanes)
+                      usage_topic="usage", lanes=lanes, tenants=tenant_book())
 
     def final(request_id: str, index: int | None) -> FinalRecord:
         return FinalRecord(id=request_id, status="completed", reason="length", finish_reason="length", index=index)

@@ -17,7 +17,7 @@ from worker.transport.metrics import WorkerMetrics
 from worker.transport.kafka.offsets import OffsetTracker
 from worker.transport.load.service_model import ServiceModel
 from worker.transport.requests.streamer import Streamer
-from tests.transport.fakes import TOPIC, FakePublisher
+from tests.transport.fakes import TOPIC, FakePublisher, tenant_book
 
 
 def queued(request_id: str, offset: int, stream: bool = True) -> QueuedRequest:
@@ -29,8 +29,9 @@ def queued(request_id: str, offset: int, stream: bool = True) -> QueuedRequest:
 
 def make_streamer(publisher: FakePublisher, tracker: OffsetTracker) -> Streamer:
     metrics = WorkerMetrics.create()
-    answers = Answers(publisher, tracker, metrics, "w", "llm.results", "llm.dead-letter")
-    return Streamer(publisher, tracker, answers, metrics, ServiceModel(3, 64, 512), "w", 3, 0.0)
+    tenants = tenant_book()
+    answers = Answers(publisher, tracker, metrics, "w", "llm.results", "llm.dead-letter", tenants=tenants)
+    return Streamer(publisher, tracker, answers, metrics, ServiceModel(3, 64, 512), "w", 3, 0.0, tenants)
 
 
 def output(q: QueuedRequest, token: int, finished: bool = False, reason: str | None = None) -> RequestOutput:

@@ -73,7 +73,7 @@ from worker.transport.load.tenant_book import TenantBook
 from worker.transport.kafka.status_reader import StatusReader
 from worker.transport.status_report import LoadView, StatusReporter, TenantCollector
 from worker.transport.requests.streamer import Streamer
-from worker.transport.requests.tracing import RequestTracing
+from worker.transport.requests.tracing import NoTracing, RequestTracing
 
 log = logging.getLogger(__name__)
 CONTROL_INTERVAL_S = 0.1
@@ -113,7 +113,9 @@ class Worker:
     loops."""
 
     def __init__(self, kafka: KafkaSettings, settings: WorkerSettings, engine: Engine, *, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 512, limits: Limits = DEFAULT_LIMITS) -> None:
+                 max_num_batched_tokens: int = 512, limits: Limits = DEFAULT_LIMITS,
+                 tracing: RequestTracing | NoTracing | None = None) -> None:
+        """`tracing`: the process's (RequestTracing.from_env) unless given."""
         self.kafka, self.settings, self.limits, self.engine = kafka, settings, limits, engine
         self.max_num_seqs = max_num_seqs
         self.stopping = asyncio.Event()
@@ -130,7 +132,8 @@ class Worker:
         TenantCollector(self.metrics.registry, self.tenants)
         self.fleet_share = FleetShare(self.tenants, settings.worker_id)
         self.status_reader = StatusReader(kafka, self.fleet_share.observe, client_id=f"{settings.worker_id}-status")
-        tracing = RequestTracing.from_env(served_model_name(engine))
+        if tracing is None:
+            tracing = RequestTracing.from_env(served_model_name(engine))
         self.publisher = Publisher(kafka.client_kwargs(),
                                    on_dropped=lambda topic: self.metrics.dropped_for(self._topic_label(topic)).inc(),
                                    gather_s=self.io_gather_s, topic_wait_s=settings.destination_wait_s,

@@ -79,7 +79,7 @@ class Answers:
     def __init__(
         self, publisher: Publisher, tracker: OffsetTracker, metrics: WorkerMetrics, worker_id: str,
         result_topic: str, dead_letter_topic: str, *, usage_topic: str = "", model: str = "",
-        priority_of: Callable[[Hashable], int] = lambda partition: 0, tenants: TenantBook | None = None,
+        tenants: TenantBook, priority_of: Callable[[Hashable], int] = lambda partition: 0,
         lanes: FinalLanes | None = None, replacement: FinalReplacement | None = None,
     ) -> None:
         self.publisher = publisher
@@ -119,8 +119,7 @@ class Answers:
         self.final(partition, offset, topic, record, tenant)
 
     def reject_queued(self, queued: QueuedRequest, verdict: Verdict) -> None:
-        if self.tenants is not None:
-            self.tenants.finished(queued.tenant, verdict.status)
+        self.tenants.finished(queued.tenant, verdict.status)
         self.reject(queued.partition, queued.offset, queued.request.id, queued.attempt, verdict, queued.reply_topic,
                     queued.timestamp_ms, queued.request.metadata, queued.tenant)
 
@@ -138,8 +137,7 @@ class Answers:
         else:
             record = msgspec.structs.replace(record, text="", token_ids=[])
         self.metrics.requests_cancelled.inc()
-        if self.tenants is not None:
-            self.tenants.finished(queued.tenant, "cancelled")
+        self.tenants.finished(queued.tenant, "cancelled")
         self.final(queued.partition, queued.offset, queued.reply_topic, record, queued.tenant)
 
     def final(self, partition: Hashable, offset: int | None, topic: str, final: FinalRecord, tenant: str = "") -> None:

@@ -278,8 +278,7 @@ def waits_of(queued: QueuedRequest, first_scheduled: float) -> tuple[float, floa
 class Streamer:
     def __init__(
         self, publisher: Publisher, tracker: OffsetTracker, answers: Answers, metrics: WorkerMetrics,
-        service: ServiceModel, worker_id: str, num_priorities: int, chunk_interval_ms: float,
-        tenants: TenantBook | None = None,
+        service: ServiceModel, worker_id: str, num_priorities: int, chunk_interval_ms: float, tenants: TenantBook,
     ) -> None:
         self.publisher = publisher
         self.tenants = tenants
@@ -406,7 +405,7 @@ class Streamer:
                 continue
             if not stream.started and (out.new_token_ids or out.finished):
                 self._started(stream)
-                if stream.index == 0 and out.first_scheduled_time is not None and self.tenants is not None:
+                if stream.index == 0 and out.first_scheduled_time is not None:
                     self.tenants.waited(stream.queued.tenant, waits_of(stream.queued, out.first_scheduled_time))
             stream.add(out)
             if out.finished:
@@ -428,9 +427,8 @@ class Streamer:
             self.service.observe_finished(queued.num_prompt_tokens, queued.request.max_new_tokens,
                                           out.num_prompt_tokens, len(stream.token_ids),
                                           out.finish_reason in ("stop", "length"), now)
-            if self.tenants is not None:
-                self.tenants.served(queued.priority, queued.tenant, out.num_prompt_tokens if stream.index == 0 else 0,
-                                    len(stream.token_ids), queued.charged_tokens / queued.request.num_completions, now)
+            self.tenants.served(queued.priority, queued.tenant, out.num_prompt_tokens if stream.index == 0 else 0,
+                                len(stream.token_ids), queued.charged_tokens / queued.request.num_completions, now)
             if held and queued.partition in held:
                 self._held_finals.append((stream, out))
             else:
@@ -439,10 +437,8 @@ class Streamer:
 
     def _started(self, stream: RequestStream) -> None:
         stream.started = True
-        if self.tenants is not None:
-            queued = stream.queued
-            self.tenants.started(queued.priority, queued.tenant,
-                                 queued.charged_tokens / queued.request.num_completions)
+        queued = stream.queued
+        self.tenants.started(queued.priority, queued.tenant, queued.charged_tokens / queued.request.num_completions)
 
     def _send_chunk(self, stream: RequestStream, now: float, last: bool = False) -> None:
         chunk = stream.take_chunk(now, last)
@@ -514,8 +510,7 @@ class Streamer:
 
     def _observe(self, final, queued: QueuedRequest) -> None:
         priority = queued.priority
-        if self.tenants is not None:
-            self.tenants.finished(queued.tenant, final.status)
+        self.tenants.finished(queued.tenant, final.status)
         m = self.metrics
         t = final.timings
         if final.status == "completed":
