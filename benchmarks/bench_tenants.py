@@ -25,11 +25,19 @@ fleet     Two `llm-worker serve --engine fake` (8 seats, `--step-ms` a step, 10-
           each worker charges what the other served) and `per-worker` (off). Per run: narrow's share of the tokens
           completed in the second half, and the tokens by worker and tenant. The fleet's fair split is 0.5.
 
+flood     The issue's scenario on the real model (one `llm-worker serve`, default settings, priority 1): tenants
+          `a` and `b` send 2 requests/s each (16 tokens, EOS ignored), `flood` 40 requests/s of 96 tokens, for
+          `--seconds`. Three runs: `solo` (a and b only), `flood-alone` (the flood only: what the worker
+          serves), `fair` (all three, tenants named). Tokens/s: output tokens of completed requests over the run's
+          span (first send to last completion). Floors: a and b complete 100 % with an e2e p90 <= 2x their solo
+          p90; the flood's tokens/s in `fair` >= 90 % of flood-alone's minus a and b's.
+
 Writes summary-<part>.json (and a plot, but for fleet) under benchmarks/results/<date>-tenants[-label]/:
 
     .venv/bin/python -m benchmarks.bench_tenants fairness
     .venv/bin/python -m benchmarks.bench_tenants sessions
     .venv/bin/python -m benchmarks.bench_tenants fleet --seconds 20 --step-ms 45
+    .venv/bin/python -m benchmarks.bench_tenants flood --seconds 40
 """
 
 from __future__ import annotations
@@ -47,7 +55,7 @@ from pathlib import Path
 
 
 from schemas.priority import partition_for
-from schemas.request import ChatMessage, GenerationRequest
+from schemas.request import ChatMessage, GenerationRequest, SamplingSpec
 from schemas.result import FinalRecord
 from benchmarks.lib.worker_fleet import Run
 
@@ -251,6 +259,78 @@ async def fleet(bootstrap: str, tmp: Path, a: argparse.Namespace) -> dict:
     return {"runs": runs, "narrow_share": shares}
 
 
+# ---- flood (real model) --------------------------------------------------------------------------------------
+
+FLOOR_E2E_RATIO = 2.0
+FLOOR_FLOOD_SHARE = 0.9
+FLOOD_RATES = {"a": 2.0, "b": 2.0, "flood": 40.0}
+FLOOD_TOKENS = {"a": 16, "b": 16, "flood": 96}
+
+
+async def flood_run(bootstrap: str, tmp: Path, name: str, a: argparse.Namespace) -> dict:
+    tenants = {"solo": ("a", "b"), "flood-alone": ("flood",), "fair": ("a", "b", "flood")}[name]
+    # Default settings, and the torch threads a worker on this machine has by default (one per core).
+    env = {"OMP_NUM_THREADS": str(a.threads or os.cpu_count() or 1), **({"ENGINE_MODEL": a.model} if a.model else {})}
+    async with Run(bootstrap, tmp, name, env, ["--engine", "llm"], 1) as run:
+        sent: list[GenerationRequest] = []
+        sent_at: dict[str, float] = {}
+        start, wall0 = time.monotonic(), time.time()
+        due = dict.fromkeys(tenants, 0.0)
+        while (now := time.monotonic() - start) < a.seconds:
+            for tenant in tenants:
+                while due[tenant] <= now:
+                    request = GenerationRequest(
+                        id=f"{name}-{tenant}-{uuid.uuid4().hex[:12]}", prompt=f"Tell {tenant} a story, please.",
+                        max_new_tokens=FLOOD_TOKENS[tenant], sampling=SamplingSpec(ignore_eos=True), tenant=tenant)
+                    sent_at[request.id] = time.time()
+                    await run.send(request)
+                    sent.append(request)
+                    due[tenant] += 1.0 / FLOOD_RATES[tenant]
+            await asyncio.sleep(max(0.0, min(due.values()) - (time.monotonic() - start)))
+        await run.producer.flush()
+        await run.wait_for([r.id for r in sent], 600)
+    done_at = {r.id: sent_at[r.id] + (run.finals[r.id].timings.e2e_ms or 0.0) / 1000.0 for r in sent
+               if run.finals[r.id].status == "completed"}
+    span_s = max(done_at.values(), default=wall0) - wall0
+    per: dict[str, dict] = {}
+    for r in sent:
+        f = run.finals[r.id]
+        p = per.setdefault(r.tenant, {"sent": 0, "completed": 0, "rejected": Counter(), "e2e_ms": [], "tokens": 0})
+        p["sent"] += 1
+        if f.status != "completed":
+            p["rejected"][f"{f.status}/{f.reason}"] += 1
+            continue
+        p["completed"] += 1
+        p["e2e_ms"].append(f.timings.e2e_ms or 0.0)
+        p["tokens"] += f.usage.completion_tokens
+    return {"run": name, "span_s": round(span_s, 1), "tenants": {t: {
+        "sent": p["sent"], "completed": p["completed"], "rejected": dict(p["rejected"]),
+        "e2e_p50_ms": quantile(p["e2e_ms"], 0.5), "e2e_p90_ms": quantile(p["e2e_ms"], 0.9),
+        "tokens": p["tokens"], "tokens_per_s": round(p["tokens"] / max(span_s, 1e-9), 1)}
+        for t, p in sorted(per.items())}}
+
+
+async def flood(bootstrap: str, tmp: Path, a: argparse.Namespace) -> dict:
+    runs = {}
+    for name in ("solo", "flood-alone", "fair"):
+        runs[name] = await flood_run(bootstrap, tmp, name, a)
+        print(json.dumps(runs[name]), flush=True)
+    solo, alone, fair = runs["solo"]["tenants"], runs["flood-alone"]["tenants"], runs["fair"]["tenants"]
+    checks = {}
+    for tenant in ("a", "b"):
+        t = fair[tenant]
+        checks[tenant] = {"completed": f'{t["completed"]}/{t["sent"]}',
+                          "e2e_p90_vs_solo": round(t["e2e_p90_ms"] / solo[tenant]["e2e_p90_ms"], 2)
+                          if t["e2e_p90_ms"] and solo[tenant]["e2e_p90_ms"] else None}
+    room = alone["flood"]["tokens_per_s"] - fair["a"]["tokens_per_s"] - fair["b"]["tokens_per_s"]
+    checks["flood"] = {"tokens_per_s": fair["flood"]["tokens_per_s"], "room_tokens_per_s": round(room, 1),
+                       "share_of_room": round(fair["flood"]["tokens_per_s"] / room, 3) if room > 0 else None}
+    met = all(checks[t]["completed"].split("/")[0] == checks[t]["completed"].split("/")[1]
+              and checks[t]["e2e_p90_vs_solo"] is not None and checks[t]["e2e_p90_vs_solo"] <= FLOOR_E2E_RATIO
+              for t in ("a", "b")) and (checks["flood"]["share_of_room"] or 0) >= FLOOR_FLOOD_SHARE
+    return {"runs": runs, "checks": checks, "floors_met": met}
+
+
 # ---- sessions ------------------------------------------------------------------------------------------------
 
 
@@ -363,7 +443,7 @@ def plot(part: str, summary: dict, path: Path) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("part", choices=["fairness", "sessions", "fleet"])
+    p.add_argument("part", choices=["fairness", "sessions", "fleet", "flood"])
     p.add_argument("--bootstrap", default=None, help="a running broker (default: a local one on free ports)")
     p.add_argument("--label", default="")
     p.add_argument("--seconds", type=float, default=60.0, help="fairness: seconds of traffic per run")
@@ -379,8 +459,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--per-seq-ms", type=float, default=1.0, help="fairness, fake engine: step time per seat")
     p.add_argument("--conversations", type=int, default=32)
     p.add_argument("--turns", type=int, default=6)
-    p.add_argument("--model", default="", help="sessions: ENGINE_MODEL (default: the default model)")
+    p.add_argument("--model", default="", help="sessions, flood: ENGINE_MODEL (default: the default model)")
     p.add_argument("--reps", type=int, default=2, help="fleet: runs of each mode, alternating")
+    p.add_argument("--threads", type=int, default=0, help="flood: the worker's torch threads (0: one per core)")
     return p.parse_args(argv)
 
 
@@ -390,7 +471,7 @@ async def amain(a: argparse.Namespace) -> dict:
     if a.max_new_tokens is None:
         a.max_new_tokens = {"fairness": 20, "fleet": 10}.get(a.part, 24)
     with kafka_session(a.bootstrap, prefix="bench-tenants-") as session:
-        part = {"fairness": fairness, "sessions": sessions, "fleet": fleet}[a.part]
+        part = {"fairness": fairness, "sessions": sessions, "fleet": fleet, "flood": flood}[a.part]
         summary = await part(session.bootstrap, session.tmp, a)
         date = datetime.date.today().isoformat()
         out = REPO / "benchmarks" / "results" / (f"{date}-tenants" + (f"-{a.label}" if a.label else ""))
@@ -398,7 +479,7 @@ async def amain(a: argparse.Namespace) -> dict:
         summary["command"] = "python -m benchmarks.bench_tenants " + " ".join(a.argv)
         summary["load_average"] = [round(x, 2) for x in os.getloadavg()]
         (out / f"summary-{a.part}.json").write_text(json.dumps(summary, indent=2) + "\n")
-        if a.part != "fleet":
+        if a.part in ("fairness", "sessions"):
             plot(a.part, summary, out / f"{a.part}.png")
         summary["written_to"] = str(out)
         return summary
