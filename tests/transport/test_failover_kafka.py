@@ -137,6 +137,9 @@ async def test_sigkill_one_of_two_workers_loses_nothing(kafka_topics, tmp_path, 
     assert num_redelivered > 0  # the kill did interrupt streams, which the survivor then served again
 
 
+# The real engine's drain (abort at the timeout, exit 0); the fake engine's exact texts after a redelivery are
+# test_sigkill_one_of_two_workers_loses_nothing's.
+@pytest.mark.parametrize("engine_kind", ["tiny-llama"], indirect=True)
 async def test_sigterm_drains_exits_zero_and_a_restart_finishes_the_rest(kafka_topics, tmp_path, engine_kind):
     kafka = kafka_topics
     requests = make_requests("term", 200)
