@@ -30,7 +30,7 @@ from schemas.decode import encode
 from schemas.priority import partition_for
 from worker.transport.requests.tracing import RequestTracing
 from worker.transport.worker import Worker
-from tests.transport.kafka_helpers import Collector, produce_requests, worker_settings
+from tests.transport.kafka_helpers import Collector, WaitTimeout, produce_requests, worker_settings
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -53,7 +53,8 @@ async def fleet(kafka_bootstrap):
     provider = TracerProvider()  # this worker's own, not the process-wide one
     provider.add_span_processor(SimpleSpanProcessor(spans))
     async with Collector(kafka) as collector:
-        worker = Worker(kafka, worker_settings(metrics_port=port), engine,
+        # The worker's capacity model is told the engine's seats (it is built with them in production).
+        worker = Worker(kafka, worker_settings(metrics_port=port), engine, max_num_seqs=engine.max_num_seqs,
                         tracing=RequestTracing(provider.get_tracer("test"), model="instant"))
         task = asyncio.create_task(worker.run())
         try:
@@ -88,7 +89,10 @@ async def test_a_backlog_shows_in_the_status_records_desired_workers(fleet):
     def estimates(r) -> list[float]:
         return [s.desired_workers for s in r.statuses if s.desired_workers is not None]
 
-    await collector.wait_until(lambda r: any(e >= 0.1 for e in estimates(r)), 15, "the burst in the estimate")
+    try:
+        await collector.wait_until(lambda r: any(e >= 0.1 for e in estimates(r)), 15, "the burst in the estimate")
+    except WaitTimeout as exc:
+        raise AssertionError(f"{exc}; estimates {estimates(collector.results)}") from None
     assert max(estimates(collector.results)) < 20.0, estimates(collector.results)
     # ...and once it is served and the arrival window (20 s) has passed, next to nothing.
     seen = len(collector.results.statuses)

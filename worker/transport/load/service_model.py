@@ -81,8 +81,8 @@ class ServiceModel:
     max_num_batched_tokens: int
     view: EngineView = field(default_factory=EngineView)
     """The latest snapshot of the engine (`see`)."""
-    rate: CompletionRate = field(default_factory=lambda: CompletionRate(half_life_s=5.0))
-    """Tokens of finished requests per second, over saturated intervals only."""
+    rate: CompletionRate = field(default_factory=lambda: CompletionRate(half_life_s=5.0, min_seconds=1.0))
+    """Tokens of finished requests per second, over saturated intervals only, once a second of them is counted."""
     prompt_ratio: Ewma = field(default_factory=Ewma)
     """Actual prompt tokens ÷ the intake's estimate, over finished requests."""
     output_ratio: Ewma = field(default_factory=Ewma)

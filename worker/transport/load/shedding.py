@@ -26,14 +26,20 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class CompletionRate:
-    """EWMA of a count per second (service_model.py feeds it tokens of finished requests), fed at irregular
-    times."""
+    """A count per second (service_model.py feeds it tokens of finished requests), fed at irregular times: the
+    decayed count over the decayed time counted. Completions come in lumps (a request's tokens all count when
+    it finishes, a batch's requests often finish together), so a rate is only given once `min_seconds` have
+    been counted: a first lump over a short interval would otherwise read as many times the true rate, and the
+    capacity built on it would hide a backlog (an average of instantaneous rates is swayed the same way)."""
 
     half_life_s: float = 2.0
+    min_seconds: float = 0.0
     rate: float = 0.0
     num_completed: int = 0
     _last_time: float | None = None
     _pending: int = 0
+    _count: float = 0.0
+    _seconds: float = 0.0
 
     def record(self, num_completed: int, now: float) -> None:
         self.num_completed += num_completed
@@ -45,9 +51,11 @@ class CompletionRate:
         # Fold in only after a minimum interval: instantaneous rates over microseconds are meaningless.
         if elapsed < 0.05:
             return
-        instant = self._pending / elapsed
-        weight = 1.0 - math.exp(-elapsed * math.log(2) / self.half_life_s)
-        self.rate = instant if self.rate == 0.0 else self.rate + weight * (instant - self.rate)
+        decay = math.exp(-elapsed * math.log(2) / self.half_life_s)
+        self._count = self._count * decay + self._pending
+        self._seconds = self._seconds * decay + elapsed
+        if self._seconds >= self.min_seconds:
+            self.rate = self._count / self._seconds
         self._pending = 0
         self._last_time = now
 
