@@ -16,7 +16,7 @@ from schemas.decode import decode_result
 from schemas.priority import partition_for
 from schemas.result import FinalRecord
 from worker.kafka_settings import KafkaSettings
-from tests.transport.kafka_helpers import Collector
+from tests.transport.kafka_helpers import Collector, produce_requests
 
 SKIPPED = re.compile(r"(\d+) offsets above its committed offset \d+ are answered already; skipped")
 
@@ -138,6 +138,27 @@ async def wait_for_answers_above_watermark(kafka: KafkaSettings, collector: Coll
         await asyncio.sleep(0.1)
     raise AssertionError(f"no final was committed above a committed offset of {sorted(partitions)} "
                          f"within {timeout_s} s: {await committed_offsets(kafka)}")
+
+
+async def freeze_with_answers_above(proc, kafka: KafkaSettings, collector: Collector, worker_id: str,
+                                    make_batch, attempts: int = 3) -> tuple[list, set[int]]:
+    """SIGSTOP a worker at the moment the bug needs on its partitions (wait_for_answers_above_watermark), checked
+    again once it is stopped: it can commit past every answered request between the check and the signal, and
+    then it goes on and another batch (make_batch(attempt)) is tried. Returns every request produced and the
+    frozen worker's partitions."""
+    sent: list = []
+    for attempt in range(attempts):
+        batch = make_batch(attempt)
+        sent += batch
+        offsets = await produce_requests(kafka, batch)
+        partitions = owned_by(collector, worker_id)
+        await wait_for_answers_above_watermark(kafka, collector, partitions, batch, offsets)
+        proc.send_signal(signal.SIGSTOP)
+        await asyncio.sleep(0.5)
+        if answered_above(collector, offsets, await committed_offsets(kafka), partitions):
+            return sent, partitions
+        proc.send_signal(signal.SIGCONT)
+    raise AssertionError(f"{worker_id} was never stopped with a final committed above a committed offset")
 
 
 def third_party_final_counts(kafka: KafkaSettings, requests) -> dict[tuple[str, int | None], int]:

@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 
 from schemas.request import GenerationRequest
-from tests.transport.exactly_once_checks import (all_answered, check_exactly_one, owned_by, skipped_in_log, stop,
-                                                 third_party_final_counts, unanswered_on,
-                                                 wait_for_answers_above_watermark, wait_until_fenced)
+from tests.transport.exactly_once_checks import (all_answered, check_exactly_one, freeze_with_answers_above,
+                                                 owned_by, skipped_in_log, stop, third_party_final_counts,
+                                                 unanswered_on, wait_for_answers_above_watermark,
+                                                 wait_until_fenced)
 from tests.transport.kafka_helpers import Collector, produce_requests, start_worker_process
 from tests.transport.test_failover_kafka import wait_assigned
 
@@ -49,7 +50,6 @@ async def test_one_final_per_request_across_a_sigkill_a_rebalance_and_a_frozen_z
     kafka = kafka_topics
     assert kafka.exactly_once
     killed = requests_of("kill", 90)
-    frozen = requests_of("freeze", 90, longest=200)  # up to 4 s: w2 still runs some when frozen
     logs = {name: tmp_path / f"{name}.log" for name in ("w1", "w2", "w1b", "w3")}
     async with Collector(kafka, isolation_level="read_committed") as committed:
         procs = {name: await run_worker(kafka, name, tmp_path) for name in ("w1", "w2")}
@@ -68,10 +68,10 @@ async def test_one_final_per_request_across_a_sigkill_a_rebalance_and_a_frozen_z
 
             # A zombie: w2 frozen past its session timeout while it runs requests with finals committed above
             # its committed offsets; w1b takes every partition and answers; w2 resumes and is fenced.
-            offsets = await produce_requests(kafka, frozen)
-            w2_parts = owned_by(committed, "w2")
-            await wait_for_answers_above_watermark(kafka, committed, w2_parts, frozen, offsets)
-            procs["w2"].send_signal(signal.SIGSTOP)
+            # Up to 4 s a request: w2 still runs some when frozen.
+            frozen, w2_parts = await freeze_with_answers_above(
+                procs["w2"], kafka, committed, "w2",
+                lambda attempt: requests_of(f"freeze{attempt}", 90 if attempt == 0 else 30, longest=200))
             held = unanswered_on(committed, frozen, kafka, w2_parts)
             await wait_assigned(committed, {"w1b"}, kafka.num_request_partitions, timeout_s=60)
             await committed.wait_until(lambda r: all_answered(committed, frozen), 90, "finals while w2 is frozen")
