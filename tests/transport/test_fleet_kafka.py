@@ -34,6 +34,8 @@ from tests.transport.kafka_helpers import Collector, WaitTimeout, produce_reques
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
+ARRIVAL_WINDOW_S = 6.0
+
 
 @pytest.fixture(scope="module")
 async def fleet(kafka_bootstrap):
@@ -56,6 +58,8 @@ async def fleet(kafka_bootstrap):
         # The worker's capacity model is told the engine's seats (it is built with them in production).
         worker = Worker(kafka, worker_settings(metrics_port=port), engine, max_num_seqs=engine.max_num_seqs,
                         tracing=RequestTracing(provider.get_tracer("test"), model="instant"))
+        # A shorter arrival window than the shipped 20 s, so the idle estimate after a burst comes sooner.
+        worker.scale_signal.arrivals.window_s = ARRIVAL_WINDOW_S
         task = asyncio.create_task(worker.run())
         try:
             async with asyncio.timeout(30):
@@ -94,10 +98,10 @@ async def test_a_backlog_shows_in_the_status_records_desired_workers(fleet):
     except WaitTimeout as exc:
         raise AssertionError(f"{exc}; estimates {estimates(collector.results)}") from None
     assert max(estimates(collector.results)) < 20.0, estimates(collector.results)
-    # ...and once it is served and the arrival window (20 s) has passed, next to nothing.
+    # ...and once it is served and the arrival window has passed, next to nothing.
     seen = len(collector.results.statuses)
     await collector.wait_until(lambda r: any(s.desired_workers is not None and s.desired_workers < 0.05
-                                             for s in r.statuses[seen:]), 45, "an idle estimate")
+                                             for s in r.statuses[seen:]), 3 * ARRIVAL_WINDOW_S, "an idle estimate")
     status, body = _get(port, "/metrics")
     assert status == 200 and "llm_worker:desired_workers" in body
 
