@@ -9,8 +9,11 @@ arguments and constexprs the wrapper would launch with. Needs TRITON_INTERPRET u
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import torch
 import triton
@@ -109,18 +112,29 @@ def cases() -> list[tuple[str, object, tuple, dict]]:
     return found
 
 
+_CASES: list = []
+"""Filled before the pool forks, so each child compiles from the same recorded launches by index."""
+
+
+def compile_one(arch: int, index: int) -> str:
+    label, kernel, args, kwargs = _CASES[index]
+    start = time.perf_counter()
+    sig, constexprs, options = signature(kernel, args, dict(kwargs))
+    compiled = triton.compile(ASTSource(kernel, sig, constexprs), target=GPUTarget("cuda", arch, 32),
+                              options=options)
+    assert compiled.asm["cubin"], label
+    seconds = time.perf_counter() - start
+    return f"sm_{arch} {kernel.fn.__name__} {label}: {len(compiled.asm['cubin'])} B cubin in {seconds:.1f}s"
+
+
 def main(arch: int) -> int:
-    target = GPUTarget("cuda", arch, 32)
-    all_cases = cases()
-    assert all_cases, "no launches recorded"
-    for label, kernel, args, kwargs in all_cases:
-        start = time.perf_counter()
-        sig, constexprs, options = signature(kernel, args, dict(kwargs))
-        compiled = triton.compile(ASTSource(kernel, sig, constexprs), target=target, options=options)
-        assert compiled.asm["cubin"], label
-        seconds = time.perf_counter() - start
-        print(f"sm_{arch} {kernel.fn.__name__} {label}: {len(compiled.asm['cubin'])} B cubin in {seconds:.1f}s")
-    print(f"compiled {len(all_cases)} kernels for sm_{arch}")
+    _CASES[:] = cases()
+    assert _CASES, "no launches recorded"
+    # Each compile is single-threaded: one process a core.
+    with ProcessPoolExecutor(os.cpu_count() or 1, mp_context=multiprocessing.get_context("fork")) as pool:
+        for line in pool.map(compile_one, [arch] * len(_CASES), range(len(_CASES))):
+            print(line)
+    print(f"compiled {len(_CASES)} kernels for sm_{arch}")
     return 0
 
 
