@@ -4,6 +4,7 @@ for a producer that writes the wire record to Kafka itself."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 
@@ -188,3 +189,80 @@ async def test_the_responses_api_calls_a_function_streams_it_and_takes_its_outpu
     with pytest.raises(openai.BadRequestError) as refused:
         await client.responses.create(model=MODEL, input="hi", tools=[{"type": "web_search"}])
     assert refused.value.code == "unsupported_parameter"
+
+
+async def test_n_2_forced_calls_each_validate_plain_and_streamed(stack):  # noqa: F811
+    """Two sampled completions of a forced call: each choice its own call, its own id, valid arguments; streamed,
+    each choice's pieces assemble to a call of its own index."""
+    _, _, gateway = stack
+    client = gateway.client()
+    answer = await client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, CLOCK],
+                                                  tool_choice="required", n=2, temperature=1.0, seed=7,
+                                                  max_tokens=96)
+    assert sorted(c.index for c in answer.choices) == [0, 1]
+    ids = set()
+    for choice in answer.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            check_call(call)
+            ids.add(call.id)
+    assert len(ids) == sum(len(c.message.tool_calls) for c in answer.choices)
+
+    stream = await client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, CLOCK],
+                                                  tool_choice=NAMED, n=2, temperature=1.0, seed=7, max_tokens=96,
+                                                  stream=True)
+    calls: dict[tuple[int, int], dict] = {}
+    finish: dict[int, str] = {}
+    async for chunk in stream:
+        for choice in chunk.choices:
+            for piece in choice.delta.tool_calls or ():
+                entry = calls.setdefault((choice.index, piece.index), {"id": None, "name": None, "arguments": ""})
+                if piece.id is not None:
+                    entry.update(id=piece.id, name=piece.function.name)
+                entry["arguments"] += piece.function.arguments or ""
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+    assert finish == {0: "tool_calls", 1: "tool_calls"}
+    assert sorted(calls) == [(0, 0), (1, 0)]
+    for entry in calls.values():
+        assert entry["name"] == "get_weather" and entry["id"].startswith("call_")
+        jsonschema.validate(json.loads(entry["arguments"]), WEATHER_PARAMS)
+    assert calls[(0, 0)]["id"] != calls[(1, 0)]["id"]
+
+
+async def test_tools_in_batch_lines(stack):  # noqa: F811
+    """A batch line is a chat request like any other: its tools, tool_choice and n come back in its answer."""
+    _, _, gateway = stack
+    client = gateway.client()
+    bodies = {
+        "named": {"model": MODEL, "messages": ASK, "tools": [WEATHER, CLOCK], "tool_choice": NAMED,
+                  "temperature": 0, "max_tokens": 96},
+        "two": {"model": MODEL, "messages": ASK, "tools": [WEATHER, CLOCK], "tool_choice": "required", "n": 2,
+                "temperature": 1.0, "seed": 3, "max_tokens": 96},
+        "unknown": {"model": MODEL, "messages": ASK, "tools": [WEATHER],
+                    "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+    }
+    data = b"".join(json.dumps({"custom_id": key, "method": "POST", "url": "/v1/chat/completions",
+                                "body": body}).encode() + b"\n" for key, body in bodies.items())
+    uploaded = await client.files.create(file=("tools.jsonl", data), purpose="batch")
+    batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                        completion_window="24h")
+    async with asyncio.timeout(90):
+        while (batch := await client.batches.retrieve(batch.id)).status not in ("completed", "failed", "cancelled"):
+            await asyncio.sleep(0.3)
+    assert batch.status == "completed" and (batch.request_counts.completed, batch.request_counts.failed) == (2, 1)
+    output = {line["custom_id"]: line["response"]["body"] for line in map(
+        json.loads, (await client.files.content(batch.output_file_id)).text.splitlines())}
+    [named] = output["named"]["choices"]
+    assert named["finish_reason"] == "tool_calls" and named["message"]["content"] is None
+    [call] = named["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and call["id"].startswith("call_")
+    jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER_PARAMS)
+    assert sorted(c["index"] for c in output["two"]["choices"]) == [0, 1]
+    for choice in output["two"]["choices"]:
+        assert choice["finish_reason"] == "tool_calls"
+        for call in choice["message"]["tool_calls"]:
+            jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+    [error] = map(json.loads, (await client.files.content(batch.error_file_id)).text.splitlines())
+    assert error["custom_id"] == "unknown" and error["response"]["status_code"] == 400
+    assert "get_time" in error["response"]["body"]["error"]["message"]
