@@ -30,7 +30,9 @@ flood     The issue's scenario on the real model (one `llm-worker serve`, defaul
           `--seconds`. Three runs: `solo` (a and b only), `flood-alone` (the flood only: what the worker
           serves), `fair` (all three, tenants named). Tokens/s: output tokens of completed requests over the run's
           span (first send to last completion). Floors: a and b complete 100 % with an e2e p90 <= 2x their solo
-          p90; the flood's tokens/s in `fair` >= 90 % of flood-alone's minus a and b's.
+          p90; the flood's tokens/s in `fair` >= 90 % of flood-alone's minus a and b's. `--scaled`: flood-alone
+          runs first, and solo and fair then offer the issue's traffic in proportion to what it served (the flood
+          ten times it, a and b together a sixth of it), for a worker slower or faster than the issue's.
 
 Writes summary-<part>.json (and a plot, but for fleet) under benchmarks/results/<date>-tenants[-label]/:
 
@@ -38,6 +40,7 @@ Writes summary-<part>.json (and a plot, but for fleet) under benchmarks/results/
     .venv/bin/python -m benchmarks.bench_tenants sessions
     .venv/bin/python -m benchmarks.bench_tenants fleet --seconds 20 --step-ms 45
     .venv/bin/python -m benchmarks.bench_tenants flood --seconds 40
+    .venv/bin/python -m benchmarks.bench_tenants flood --seconds 30 --scaled
 """
 
 from __future__ import annotations
@@ -267,7 +270,8 @@ FLOOD_RATES = {"a": 2.0, "b": 2.0, "flood": 40.0}
 FLOOD_TOKENS = {"a": 16, "b": 16, "flood": 96}
 
 
-async def flood_run(bootstrap: str, tmp: Path, name: str, a: argparse.Namespace) -> dict:
+async def flood_run(bootstrap: str, tmp: Path, name: str, a: argparse.Namespace,
+                    rates: dict[str, float] = FLOOD_RATES) -> dict:
     tenants = {"solo": ("a", "b"), "flood-alone": ("flood",), "fair": ("a", "b", "flood")}[name]
     # Default settings, and the torch threads a worker on this machine has by default (one per core).
     env = {"OMP_NUM_THREADS": str(a.threads or os.cpu_count() or 1), **({"ENGINE_MODEL": a.model} if a.model else {})}
@@ -285,7 +289,7 @@ async def flood_run(bootstrap: str, tmp: Path, name: str, a: argparse.Namespace)
                     sent_at[request.id] = time.time()
                     await run.send(request)
                     sent.append(request)
-                    due[tenant] += 1.0 / FLOOD_RATES[tenant]
+                    due[tenant] += 1.0 / rates[tenant]
             await asyncio.sleep(max(0.0, min(due.values()) - (time.monotonic() - start)))
         await run.producer.flush()
         await run.wait_for([r.id for r in sent], 600)
@@ -310,11 +314,23 @@ async def flood_run(bootstrap: str, tmp: Path, name: str, a: argparse.Namespace)
         for t, p in sorted(per.items())}}
 
 
+def scaled_rates(capacity_tokens_per_s: float) -> dict[str, float]:
+    """The issue's traffic in proportion to this worker: there the flood offered ten times what the worker
+    served (40 requests/s of 96 tokens) and a and b together a sixth of it (2 requests/s each of 16 tokens)."""
+    served = 40.0 * FLOOD_TOKENS["flood"] / 10.0
+    calm = 2.0 * FLOOD_TOKENS["a"] / served * capacity_tokens_per_s / FLOOD_TOKENS["a"]
+    return {"a": calm, "b": calm, "flood": 10.0 * capacity_tokens_per_s / FLOOD_TOKENS["flood"]}
+
+
 async def flood(bootstrap: str, tmp: Path, a: argparse.Namespace) -> dict:
     runs = {}
-    for name in ("solo", "flood-alone", "fair"):
-        runs[name] = await flood_run(bootstrap, tmp, name, a)
+    rates = FLOOD_RATES
+    for name in ("flood-alone", "solo", "fair") if a.scaled else ("solo", "flood-alone", "fair"):
+        runs[name] = await flood_run(bootstrap, tmp, name, a, rates)
+        runs[name]["rates_per_s"] = {t: round(r, 3) for t, r in rates.items()}
         print(json.dumps(runs[name]), flush=True)
+        if a.scaled and name == "flood-alone":
+            rates = scaled_rates(runs[name]["tenants"]["flood"]["tokens_per_s"])
     solo, alone, fair = runs["solo"]["tenants"], runs["flood-alone"]["tenants"], runs["fair"]["tenants"]
     checks = {}
     for tenant in ("a", "b"):
@@ -462,6 +478,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="", help="sessions, flood: ENGINE_MODEL (default: the default model)")
     p.add_argument("--reps", type=int, default=2, help="fleet: runs of each mode, alternating")
     p.add_argument("--threads", type=int, default=0, help="flood: the worker's torch threads (0: one per core)")
+    p.add_argument("--scaled", action="store_true",
+                   help="flood: the rates in proportion to what this worker serves with the flood alone")
     return p.parse_args(argv)
 
 
