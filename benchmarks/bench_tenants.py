@@ -25,6 +25,13 @@ fleet     Two `llm-worker serve --engine fake` (8 seats, `--step-ms` a step, 10-
           each worker charges what the other served) and `per-worker` (off). Per run: narrow's share of the tokens
           completed in the second half, and the tokens by worker and tenant. The fleet's fair split is 0.5.
 
+fleet6    Three `llm-worker serve --engine fake` (8 seats each, six partitions a priority), six tenants at
+          priority 1: request sizes 5 and 100 tokens (1:20), spread over all six, two or one of the priority's
+          partitions, each offering twice its share of the fleet. Runs `fleet` (fleet share on), `per-worker`
+          (off) and `fcfs` (no tenant named). Per minute after a 10 s warm-up: tokens completed by tenant, the
+          largest gap between two tenants. Floors: gap <= twice the largest request (200 tokens) in every
+          minute, at >= 95 % of fcfs's tokens/s.
+
 flood     The issue's scenario on the real model (one `llm-worker serve`, default settings, priority 1): tenants
           `a` and `b` send 2 requests/s each (16 tokens, EOS ignored), `flood` 40 requests/s of 96 tokens, for
           `--seconds`. Three runs: `solo` (a and b only), `flood-alone` (the flood only: what the worker
@@ -39,6 +46,7 @@ Writes summary-<part>.json (and a plot, but for fleet) under benchmarks/results/
     .venv/bin/python -m benchmarks.bench_tenants fairness
     .venv/bin/python -m benchmarks.bench_tenants sessions
     .venv/bin/python -m benchmarks.bench_tenants fleet --seconds 20 --step-ms 45
+    .venv/bin/python -m benchmarks.bench_tenants fleet6 --seconds 130 --step-ms 45
     .venv/bin/python -m benchmarks.bench_tenants flood --seconds 40
     .venv/bin/python -m benchmarks.bench_tenants flood --seconds 30 --scaled
 """
@@ -262,6 +270,104 @@ async def fleet(bootstrap: str, tmp: Path, a: argparse.Namespace) -> dict:
     return {"runs": runs, "narrow_share": shares}
 
 
+# ---- a fleet of three, six tenants ---------------------------------------------------------------------------
+
+FLEET6_TOKENS = {"small-all": 5, "large-all": 100, "small-two": 5, "large-two": 100, "small-one": 5,
+                 "large-one": 100}
+FLEET6_SPREAD = {"small-all": 6, "large-all": 6, "small-two": 2, "large-two": 2, "small-one": 1, "large-one": 1}
+"""How many of priority 1's six partitions each tenant's requests reach: tenants skewed over the workers."""
+FLEET6_WINDOW_S = 60.0
+FLEET6_FLOOR_GAP = 2 * max(FLEET6_TOKENS.values())
+FLEET6_FLOOR_THROUGHPUT = 0.95
+
+
+async def fleet6_run(bootstrap: str, tmp: Path, name: str, a: argparse.Namespace) -> dict:
+    """Three model-free workers (`--step-ms` + 1 ms a seat, 8 seats), six partitions a priority; six tenants at
+    priority 1, each offering twice its share of the fleet. `fleet`: tenants named, fleet share on;
+    `per-worker`: named, fleet share off; `fcfs`: no tenant named. Service by tenant in each minute (tokens of
+    requests completed in it), after a warm-up of 10 s."""
+    env = {"ENGINE_MAX_NUM_SEQS": "8", "WORKER_STATUS_INTERVAL_S": "0.2",
+           "WORKER_TENANT_FLEET_SHARE": "true" if name == "fleet" else "false"}
+    args = ["--engine", "fake", "--fake-step-ms", str(a.step_ms), "--fake-per-seq-ms", "1",
+            "--fake-eos-probability", "0"]
+    capacity = 3 * 8 * 1000.0 / (a.step_ms + 8)  # output tokens/s of the fleet, saturated
+    async with Run(bootstrap, tmp, name, env, args, 3, partitions_per_priority=6) as run:
+        k = run.kafka
+        first = k.partitions_per_priority  # priority 1's partitions: first .. first + 5
+        keys: dict[str, list[str]] = {}
+        for tenant, spread in FLEET6_SPREAD.items():
+            wanted = set(range(first, first + spread))
+            found: dict[int, str] = {}
+            for i in range(10_000):
+                key = f"{tenant}-key-{i}"
+                partition = partition_for(1, key, k.num_request_partitions, k.num_priorities)
+                if partition in wanted and partition not in found:
+                    found[partition] = key
+                if len(found) == spread:
+                    break
+            keys[tenant] = list(found.values())
+        due = dict.fromkeys(FLEET6_TOKENS, 0.0)
+        interval = {t: tokens / (2.0 * capacity / len(FLEET6_TOKENS)) for t, tokens in FLEET6_TOKENS.items()}
+        sent: list[tuple[str, GenerationRequest]] = []
+        sent_at: dict[str, float] = {}
+        start, wall0 = time.monotonic(), time.time()
+        while (now := time.monotonic() - start) < a.seconds:
+            for tenant in FLEET6_TOKENS:
+                while due[tenant] <= now:
+                    n = len(sent)
+                    request = GenerationRequest(
+                        id=f"{tenant}-{n}-{uuid.uuid4().hex[:8]}", prompt="x", max_new_tokens=FLEET6_TOKENS[tenant],
+                        tenant=tenant if name != "fcfs" else None,
+                        session_id=keys[tenant][n % len(keys[tenant])])
+                    sent_at[request.id] = time.time()
+                    await run.send(request)
+                    sent.append((tenant, request))
+                    due[tenant] += interval[tenant]
+            await asyncio.sleep(max(0.0, min(due.values()) - (time.monotonic() - start)))
+        await run.producer.flush()
+        await run.wait_for([r.id for _, r in sent], 600)
+    windows: list[Counter] = []
+    served_total = 0
+    outcomes: dict[str, Counter] = {t: Counter() for t in FLEET6_TOKENS}
+    for tenant, r in sent:
+        f = run.finals[r.id]
+        outcomes[tenant][f.status if f.status == "completed" else f"{f.status}/{f.reason}"] += 1
+        if f.status != "completed":
+            continue
+        done = sent_at[r.id] + (f.timings.e2e_ms or 0.0) / 1000.0 - wall0
+        served_total += f.usage.completion_tokens
+        w = int((done - 10.0) // FLEET6_WINDOW_S)
+        if 0 <= w and (w + 1) * FLEET6_WINDOW_S + 10.0 <= a.seconds:
+            while len(windows) <= w:
+                windows.append(Counter())
+            windows[w][tenant] += f.usage.completion_tokens
+    gaps = [max(c[t] for t in FLEET6_TOKENS) - min(c[t] for t in FLEET6_TOKENS) for c in windows]
+    in_windows = sum(sum(c.values()) for c in windows)
+    return {"run": name, "tokens_by_minute": [dict(c) for c in windows], "gaps": gaps,
+            "tokens_per_s_in_windows": round(in_windows / max(len(windows) * FLEET6_WINDOW_S, 1e-9), 1),
+            "served_tokens": served_total, "capacity_tokens_per_s": round(capacity, 1),
+            "outcomes": {t: dict(c) for t, c in outcomes.items()},
+            "assigned": {w: list(p) for w, p in sorted(run.assigned.items())},
+            "partitions": {t: sorted({partition_for(1, key, k.num_request_partitions, k.num_priorities)
+                                      for key in keys[t]}) for t in FLEET6_TOKENS}}
+
+
+async def fleet6(bootstrap: str, tmp: Path, a: argparse.Namespace) -> dict:
+    runs = {}
+    for name in a.modes.split(","):
+        runs[name] = await fleet6_run(bootstrap, tmp, name, a)
+        print(json.dumps(runs[name]), flush=True)
+    if not {"fleet", "per-worker", "fcfs"} <= set(runs):
+        return {"runs": runs, "floors_met": None}
+    fcfs_rate = runs["fcfs"]["tokens_per_s_in_windows"]
+    checks = {name: {"largest_gap": max(runs[name]["gaps"], default=None),
+                     "throughput_vs_fcfs": round(runs[name]["tokens_per_s_in_windows"] / fcfs_rate, 3)
+                     if fcfs_rate else None} for name in ("fleet", "per-worker")}
+    met = (checks["fleet"]["largest_gap"] is not None and checks["fleet"]["largest_gap"] <= FLEET6_FLOOR_GAP
+           and (checks["fleet"]["throughput_vs_fcfs"] or 0) >= FLEET6_FLOOR_THROUGHPUT)
+    return {"runs": runs, "checks": checks, "floor_gap_tokens": FLEET6_FLOOR_GAP, "floors_met": met}
+
+
 # ---- flood (real model) --------------------------------------------------------------------------------------
 
 FLOOR_E2E_RATIO = 2.0
@@ -459,7 +565,7 @@ def plot(part: str, summary: dict, path: Path) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("part", choices=["fairness", "sessions", "fleet", "flood"])
+    p.add_argument("part", choices=["fairness", "sessions", "fleet", "fleet6", "flood"])
     p.add_argument("--bootstrap", default=None, help="a running broker (default: a local one on free ports)")
     p.add_argument("--label", default="")
     p.add_argument("--seconds", type=float, default=60.0, help="fairness: seconds of traffic per run")
@@ -477,6 +583,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--model", default="", help="sessions, flood: ENGINE_MODEL (default: the default model)")
     p.add_argument("--reps", type=int, default=2, help="fleet: runs of each mode, alternating")
+    p.add_argument("--modes", default="fleet,per-worker,fcfs", help="fleet6: the runs, in order")
     p.add_argument("--threads", type=int, default=0, help="flood: the worker's torch threads (0: one per core)")
     p.add_argument("--scaled", action="store_true",
                    help="flood: the rates in proportion to what this worker serves with the flood alone")
@@ -489,7 +596,7 @@ async def amain(a: argparse.Namespace) -> dict:
     if a.max_new_tokens is None:
         a.max_new_tokens = {"fairness": 20, "fleet": 10}.get(a.part, 24)
     with kafka_session(a.bootstrap, prefix="bench-tenants-") as session:
-        part = {"fairness": fairness, "sessions": sessions, "fleet": fleet, "flood": flood}[a.part]
+        part = {"fairness": fairness, "sessions": sessions, "fleet": fleet, "fleet6": fleet6, "flood": flood}[a.part]
         summary = await part(session.bootstrap, session.tmp, a)
         date = datetime.date.today().isoformat()
         out = REPO / "benchmarks" / "results" / (f"{date}-tenants" + (f"-{a.label}" if a.label else ""))
@@ -508,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
     a.argv = list(sys.argv[1:] if argv is None else argv)
     summary = asyncio.run(amain(a))
     print(json.dumps({k: v for k, v in summary.items() if k != "runs"}, indent=2))
-    return 0 if summary["floors_met"] else 1
+    return 0 if summary.get("floors_met", True) is not False else 1
 
 
 if __name__ == "__main__":

@@ -25,12 +25,13 @@ REPO = Path(__file__).resolve().parents[2]
 class Run:
     """Fresh topics, worker subprocesses, a reader of results and statuses."""
 
-    def __init__(self, bootstrap: str, tmp: Path, name: str, env: dict[str, str], args: list[str], num_workers: int):
+    def __init__(self, bootstrap: str, tmp: Path, name: str, env: dict[str, str], args: list[str], num_workers: int,
+                 partitions_per_priority: int = 2):
         suffix = uuid.uuid4().hex[:8]
         self.kafka = KafkaSettings(bootstrap_servers=bootstrap, request_topic=f"ten.requests.{suffix}",
                                    result_topic=f"ten.results.{suffix}", dead_letter_topic=f"ten.dlq.{suffix}",
                                    status_topic=f"ten.status.{suffix}", control_topic=f"ten.control.{suffix}",
-                                   group_id=f"ten-{suffix}")
+                                   group_id=f"ten-{suffix}", partitions_per_priority=partitions_per_priority)
         self.name, self.tmp, self.env, self.args, self.num_workers = name, tmp, env, args, num_workers
         self.finals: dict[str, FinalRecord] = {}
         self.assigned: dict[str, tuple[int, ...]] = {}
@@ -44,6 +45,7 @@ class Run:
         env = dict(os.environ, KAFKA_BOOTSTRAP_SERVERS=k.bootstrap_servers, KAFKA_REQUEST_TOPIC=k.request_topic,
                    KAFKA_RESULT_TOPIC=k.result_topic, KAFKA_DEAD_LETTER_TOPIC=k.dead_letter_topic,
                    KAFKA_STATUS_TOPIC=k.status_topic, KAFKA_CONTROL_TOPIC=k.control_topic, KAFKA_GROUP_ID=k.group_id,
+                   KAFKA_PARTITIONS_PER_PRIORITY=str(k.partitions_per_priority),
                    WORKER_METRICS_PORT="0", WORKER_STATUS_INTERVAL_S="0.5", OMP_NUM_THREADS="1", ENGINE_DEVICE="cpu")
         env.update(self.env)
         for i in range(self.num_workers):
