@@ -310,11 +310,13 @@ async def fleet6_run(bootstrap: str, tmp: Path, name: str, a: argparse.Namespace
         interval = {t: tokens / (2.0 * capacity / len(FLEET6_TOKENS)) for t, tokens in FLEET6_TOKENS.items()}
         sent: list[tuple[str, GenerationRequest]] = []
         sent_at: dict[str, float] = {}
+        count = Counter()
         start, wall0 = time.monotonic(), time.time()
         while (now := time.monotonic() - start) < a.seconds:
             for tenant in FLEET6_TOKENS:
                 while due[tenant] <= now:
-                    n = len(sent)
+                    n = count[tenant]  # the tenant's own count: its requests take its partitions in turn
+                    count[tenant] += 1
                     request = GenerationRequest(
                         id=f"{tenant}-{n}-{uuid.uuid4().hex[:8]}", prompt="x", max_new_tokens=FLEET6_TOKENS[tenant],
                         tenant=tenant if name != "fcfs" else None,
