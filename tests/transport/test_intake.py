@@ -397,3 +397,24 @@ async def test_requests_whose_grammar_compiles_hold_no_seat_up_to_some_caps_wort
     w.engine.stats = EngineStats(num_compiling=11)
     w.dispatcher.admit()
     assert COMPILING_CAPS == 8 and len(w.streamer) == 11 and len(w.queue) == 1
+
+
+async def test_a_backlogged_partition_does_not_keep_the_others_of_its_priority_unread():
+    """Each poll shares its record budget among the priority's partitions: asked in a fixed order, a partition
+    with a backlog of the whole budget was drained first at every poll and the next one was never read, so a
+    tenant whose requests land there waited in Kafka until shed."""
+    w = build(max_poll_records=10)
+    first, second = w.intake.partitions_of(1)
+    now_ms = int(time.time() * 1000)
+    for i in range(100):
+        w.consumer.append(first, request_bytes(f"backlog-{i}"), f"backlog-{i}".encode(), now_ms)
+    for i in range(10):
+        w.consumer.append(second, request_bytes(f"other-{i}"), f"other-{i}".encode(), now_ms)
+    read = []
+    for _ in range(3):
+        before = len(w.queue)
+        await w.intake.fetch_once()
+        read.append(len(w.queue) - before)
+    ids = [q.request.id for q in w.queue]
+    assert sum(i.startswith("other-") for i in ids) >= 10, ids  # all of them within the budget of three polls
+    assert sum(read) <= 30

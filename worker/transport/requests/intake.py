@@ -10,10 +10,11 @@ carries a strictly higher attempt than every earlier delivery, without any extra
 attempt is therefore not 0 but the generation at that time: clients compare attempts, never expect 0.
 
 Fetch order. Each poll asks the most urgent priority's partitions first (getmany per priority, a shared
-max_poll_records budget). A priority is fetched only while fewer than max_waiting requests of it or of more
-urgent priorities wait locally, except partitions being shed (their records are answered, never queued): a
-local queue full of less urgent work never keeps an urgent record unread in Kafka, and it stays below
-num_priorities × (max_waiting + max_poll_records).
+max_poll_records budget; within a priority each partition first gets an equal part of what is left, so a
+backlogged partition does not keep its neighbours unread). A priority is fetched only while fewer than
+max_waiting requests of it or of more urgent priorities wait locally, except partitions being shed (their
+records are answered, never queued): a local queue full of less urgent work never keeps an urgent record
+unread in Kafka, and it stays below num_priorities × (max_waiting + max_poll_records).
 
 Unreadable batches. A record batch that cannot be read (a compression codec this process lacks, corrupt
 bytes) would fail every fetch of its partition forever. The partition is then read one record at a time: the
@@ -127,6 +128,8 @@ class Intake:
         self.fetching_stopped = False
         self._failed: KafkaError | None = None
         """A fetch error raised after records were drained: fetch_once handles those records, then raises it."""
+        self._turn = 0
+        """Which of a priority's partitions a poll asks first (it moves on by one each poll: _fetch_into)."""
         self._suspended: set[TopicPartition] = set()
         """Revoked in the rebalance under way; kept or given up at its assignment."""
         self._held: list[QueuedRequest] = []
@@ -355,20 +358,31 @@ class Intake:
             # Nothing to wait on (all paused, or all read record by record, which never blocks): still give the
             # loop its turn, or this caller would spin without ever yielding.
             await asyncio.sleep(timeout_ms / 1000)
-        for tp in parts:
-            if budget <= 0:
-                break
-            if tp in self._suspects:
-                records = await self._fetch_one(tp)
-            else:
-                try:
-                    records = await self.consumer.getmany(tp, timeout_ms=0, max_records=budget)
-                except UNREADABLE_BATCH_ERRORS as exc:
-                    self._suspect([tp], exc)
+        # The budget is shared: each partition is first asked for an equal part of it, then for what the others
+        # left, starting one partition further at each poll. Asked in a fixed order for the whole budget, a
+        # partition with a backlog took it at every poll, and the next one was never read while the backlog
+        # lasted (the requests there waited in Kafka until shed).
+        if not parts:
+            return got
+        turn = self._turn % len(parts)
+        self._turn += 1
+        order = parts[turn:] + parts[:turn]
+        for share in (max(1, budget // len(order)), None):
+            for tp in order:
+                if budget <= 0:
+                    return got
+                if tp in self._suspects:
                     records = await self._fetch_one(tp)
-            for tp_got, msgs in records.items():
-                got.setdefault(tp_got, []).extend(msgs)
-                budget -= len(msgs)
+                else:
+                    try:
+                        records = await self.consumer.getmany(tp, timeout_ms=0,
+                                                              max_records=min(budget, share or budget))
+                    except UNREADABLE_BATCH_ERRORS as exc:
+                        self._suspect([tp], exc)
+                        records = await self._fetch_one(tp)
+                for tp_got, msgs in records.items():
+                    got.setdefault(tp_got, []).extend(msgs)
+                    budget -= len(msgs)
         return got
 
     def _suspect(self, parts: list[TopicPartition], exc: Exception) -> None:
