@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from itertools import groupby
 from dataclasses import dataclass
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -129,7 +130,7 @@ class Intake:
         self._failed: KafkaError | None = None
         """A fetch error raised after records were drained: fetch_once handles those records, then raises it."""
         self._turn = 0
-        """Which of a priority's partitions a poll asks first (it moves on by one each poll: _fetch_into)."""
+        """Which of a priority's partitions a poll asks first (it moves on by one each poll: _fetch_shared)."""
         self._suspended: set[TopicPartition] = set()
         """Revoked in the rebalance under way; kept or given up at its assignment."""
         self._held: list[QueuedRequest] = []
@@ -358,19 +359,23 @@ class Intake:
             # Nothing to wait on (all paused, or all read record by record, which never blocks): still give the
             # loop its turn, or this caller would spin without ever yielding.
             await asyncio.sleep(timeout_ms / 1000)
-        # The budget is shared: each partition is first asked for an equal part of it, then for what the others
-        # left, starting one partition further at each poll. Asked in a fixed order for the whole budget, a
-        # partition with a backlog took it at every poll, and the next one was never read while the backlog
-        # lasted (the requests there waited in Kafka until shed).
-        if not parts:
-            return got
+        # Most urgent priority first; within a priority the budget is shared: each partition is first asked for
+        # an equal part of it, then for what the others left, starting one partition further at each poll. Asked
+        # in a fixed order for the whole budget, a partition with a backlog took it at every poll, and the next
+        # one was never read while the backlog lasted (the requests there waited in Kafka until shed).
+        for _, group in groupby(sorted(parts, key=self.priority_of), key=self.priority_of):
+            budget = await self._fetch_shared(got, list(group), budget)
+        return got
+
+    async def _fetch_shared(self, got: dict, parts: list[TopicPartition], budget: int) -> int:
+        """Records of one priority's partitions into `got`, up to `budget` shared among them; what is left."""
         turn = self._turn % len(parts)
         self._turn += 1
         order = parts[turn:] + parts[:turn]
         for share in (max(1, budget // len(order)), None):
             for tp in order:
                 if budget <= 0:
-                    return got
+                    return budget
                 if tp in self._suspects:
                     records = await self._fetch_one(tp)
                 else:
@@ -383,7 +388,7 @@ class Intake:
                 for tp_got, msgs in records.items():
                     got.setdefault(tp_got, []).extend(msgs)
                     budget -= len(msgs)
-        return got
+        return budget
 
     def _suspect(self, parts: list[TopicPartition], exc: Exception) -> None:
         log.warning("a record batch of partitions %s could not be read (%r); reading record by record",
