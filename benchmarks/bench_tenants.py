@@ -425,8 +425,8 @@ async def flood_run(bootstrap: str, tmp: Path, name: str, a: argparse.Namespace,
 def scaled_rates(capacity_tokens_per_s: float) -> dict[str, float]:
     """The issue's traffic in proportion to this worker: there the flood offered ten times what the worker
     served (40 requests/s of 96 tokens) and a and b together a sixth of it (2 requests/s each of 16 tokens)."""
-    served = 40.0 * FLOOD_TOKENS["flood"] / 10.0
-    calm = 2.0 * FLOOD_TOKENS["a"] / served * capacity_tokens_per_s / FLOOD_TOKENS["a"]
+    served = FLOOD_RATES["flood"] * FLOOD_TOKENS["flood"] / 10.0  # what the issue's worker served, tokens/s
+    calm = FLOOD_RATES["a"] * capacity_tokens_per_s / served
     return {"a": calm, "b": calm, "flood": 10.0 * capacity_tokens_per_s / FLOOD_TOKENS["flood"]}
 
 
