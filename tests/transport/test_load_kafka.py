@@ -75,9 +75,11 @@ async def test_overload_keeps_urgent_deadlines_and_sheds_the_rest(kafka_topics):
     """Urgent traffic at a quarter of capacity, first alone (its unloaded latency), then beside bulk traffic at
     several times capacity: the urgent requests all complete, their p95 stays near the unloaded one (not merely
     under a deadline a hundred times their service time), the bulk is shed or rejected, and the worker keeps
-    serving near its capacity (goodput) instead of thrashing. The p95 of 120 requests, not the p99 (their
-    second worst): on a busy host one scheduling hiccup of the test process moves the p99 alone, while
-    urgent requests served behind the bulk queue (64 waiting at 160 requests/s: 400 ms) would move the p95."""
+    serving near its capacity (goodput) instead of thrashing. The p90 of 120 requests: the four urgent requests
+    of a tick arrive together, so one hiccup of the host (the broker, this process and the worker share two
+    cores) delays a whole tick, 100-300 ms; two such ticks in 30 set the p95 and happen on a busy host. Urgent
+    requests served behind the bulk queue (64 waiting at 160 requests/s: 400 ms) would move every tick, and
+    so the p90 and the median."""
     kafka = kafka_topics
     # Capacity: 8 sequences x 5 tokens x 10 ms steps, about 160 requests/s. Urgent: 40/s. Bulk: about 520/s.
     settings = worker_settings(max_waiting=64, resume_waiting=32, max_poll_records=32, pause_dwell_s=0.2,
@@ -113,8 +115,10 @@ async def test_overload_keeps_urgent_deadlines_and_sheds_the_rest(kafka_topics):
     urgent_finals = [results.finals[i][0] for i in all_ids if i.startswith("uo-")]
     assert all(f.status == "completed" for f in urgent_finals)
     loaded = [f.timings.e2e_ms for f in urgent_finals]
-    loaded_p95, unloaded_p95 = percentile(loaded, 0.95), percentile(unloaded, 0.95)
-    assert loaded_p95 <= max(3 * unloaded_p95, unloaded_p95 + 250.0), (loaded_p95, unloaded_p95)
+    loaded_p90, unloaded_p90 = percentile(loaded, 0.9), percentile(unloaded, 0.9)
+    assert loaded_p90 <= max(3 * unloaded_p90, unloaded_p90 + 250.0), (loaded_p90, unloaded_p90)
+    loaded_p50, unloaded_p50 = percentile(loaded, 0.5), percentile(unloaded, 0.5)
+    assert loaded_p50 <= max(2 * unloaded_p50, unloaded_p50 + 100.0), (loaded_p50, unloaded_p50)
     assert max(loaded) <= 1000.0  # every one within its deadline
     bulk = [results.finals[i][0] for i in all_ids if i.startswith("b-")]
     reasons = {f.reason for f in bulk if f.status == "rejected"}
@@ -125,6 +129,6 @@ async def test_overload_keeps_urgent_deadlines_and_sheds_the_rest(kafka_topics):
     tokens = sum(results.finals[i][0].usage.completion_tokens for i in all_ids
                  if results.finals[i][0].status == "completed")
     assert tokens / served_s >= 0.5 * 800, (tokens, served_s)
-    print(f"\nurgent p95 {loaded_p95:.0f} ms (p99 {percentile(loaded, 0.99):.0f}) under overload, "
-          f"{unloaded_p95:.0f} ms alone; goodput "
+    print(f"\nurgent p50 {loaded_p50:.0f} ms, p90 {loaded_p90:.0f} ms (p99 {percentile(loaded, 0.99):.0f}) under "
+          f"overload; {unloaded_p50:.0f} and {unloaded_p90:.0f} ms alone; goodput "
           f"{tokens / served_s:.0f} tokens/s of 800")
