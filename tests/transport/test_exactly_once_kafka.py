@@ -82,11 +82,12 @@ async def test_one_final_per_request_across_a_sigkill_a_rebalance_and_a_frozen_z
             assert skipped_in_log(logs["w1b"]) >= 1, "w1b took w2's partitions over without skipping an answer"
             await wait_assigned(committed, {"w1b", "w2"}, kafka.num_request_partitions, timeout_s=60)
 
-            # A worker joins under steady traffic: the partitions it takes are given up with requests running.
+            # A worker joins under steady traffic: the partitions it takes are given up with requests running,
+            # long ones (up to 4 s) read before short ones, so short ones are answered above the committed offset.
             procs["w3"] = await run_worker(kafka, "w3", tmp_path)
             joined: list = []
             while not owned_by(committed, "w3"):
-                batch = requests_of(f"join{len(joined)}", 12)
+                batch = requests_of(f"join{len(joined)}", 12, longest=200)
                 await produce_requests(kafka, batch)
                 joined += batch
                 await asyncio.sleep(0.3)
@@ -98,6 +99,7 @@ async def test_one_final_per_request_across_a_sigkill_a_rebalance_and_a_frozen_z
             await committed.wait_until(lambda r: all_answered(committed, joined), 90, "finals after the join")
             check_exactly_one(committed, joined, "a worker joining mid-stream")
             assert in_flight > 0, "the join came after every request was answered: it moved nothing in flight"
+            assert skipped_in_log(logs["w3"]) >= 1, "w3 took partitions over without skipping an answer"
         finally:
             await stop(list(procs.values()))
     counts = await asyncio.to_thread(third_party_final_counts, kafka, killed + frozen + joined)
