@@ -26,6 +26,17 @@ def next_token(context: list[int]) -> int:
     return (sum(context[-4:]) * 31 + len(context) * 7) % VOCAB_SIZE
 
 
+def verify(known: list[int], drafts: list[int]) -> list[int]:
+    """The drafts the greedy model agrees with, then its own token after them (as the engine keeps them)."""
+    context, kept = list(known), []
+    for draft in drafts:
+        if next_token(context) != draft:
+            break
+        kept.append(draft)
+        context.append(draft)
+    return kept + [next_token(context)]
+
+
 class FakeRunner:
     def __init__(self, num_blocks: int, block_size: int, window: int | None = None) -> None:
         self.block_size = block_size
@@ -47,9 +58,13 @@ class FakeRunner:
             assert all(block_ids[pos // bs] >= 0 for pos in range(first, entry.seq_len)), \
                 f"{entry.request_id}: a block in the window was given back"
             context = [self.kv[block_ids[pos // bs] * bs + pos % bs] for pos in range(first, entry.seq_len)]
-            expected = list(enumerate(entry.request.token_slice(0, entry.seq_len)))
+            drafts = entry.draft_token_ids or []
+            known = entry.request.token_slice(0, entry.seq_len - len(drafts))
+            expected = list(enumerate(known + drafts))
             assert context == expected[first:], f"{entry.request_id}: KV cache holds the wrong context"
-            if entry.samples:
+            if drafts:
+                sampled[entry.request_id] = verify(known, drafts)
+            elif entry.samples:
                 sampled[entry.request_id] = next_token([token_id for _, token_id in expected])
         self.num_steps += 1
         return sampled

@@ -36,22 +36,27 @@ def test_a_prefill_chunk_and_a_decode_are_laid_out_request_after_request():
     assert batch.block_table_rows == [[0, 1], [2, 3, 4]]
 
 
+@pytest.mark.parametrize("drafting", [False, True])
 @pytest.mark.parametrize("kv_window", [None, 6])
-def test_persistent_input_equals_the_explicit_layout_through_preemption_and_prefix_hits(kv_window):
+def test_persistent_input_equals_the_explicit_layout_through_preemption_and_prefix_hits(kv_window, drafting):
     """Random traffic on a tight KV budget (preemptions, prefix-cache hits, chunked prefill): at every step the
     runner's incremental tensors equal those of the explicit per-token batch, block tables compared over each
     request's context (past it the persistent rows hold stale ids nothing reads). With a window on every layer,
-    the entries given back read -1 in the persistent rows too, not the ids they held (now another's)."""
+    the entries given back read -1 in the persistent rows too, not the ids they held (now another's). With
+    speculative drafts, the drafts follow each drafting request's last token and its logits rows cover them."""
     import random
 
     from tests.engine.fake_runner import Simulation
+    from tests.engine.test_speculative import draft_for
     from worker.engine.batch_builder import build_step_requests
     from worker.model.input import PersistentInput, build_model_input
 
     rng = random.Random(3)
-    # Fewer blocks under a window: given back as requests go, 24 would not run out.
-    sim = Simulation(make_scheduler(num_blocks=24 if kv_window is None else 12, max_num_batched_tokens=24,
-                                    max_num_seqs=6, kv_window=kv_window))
+    # Fewer blocks under a window: given back as requests go, 24 would not run out (nor 12 when drafts shorten
+    # the run).
+    num_blocks = 24 if kv_window is None else 10 if drafting else 12
+    sim = Simulation(make_scheduler(num_blocks=num_blocks, max_num_batched_tokens=24, max_num_seqs=6,
+                                    kv_window=kv_window))
     inputs = PersistentInput(max_blocks_per_request=64, block_size=sim.scheduler.block_size, device="cpu",
                              num_rows=2)  # grows as needed
     num_checked = 0
@@ -75,6 +80,8 @@ def test_persistent_input_equals_the_explicit_layout_through_preemption_and_pref
         updates = sim.scheduler.update(output, sim.runner.step(output), sim.now)
         inputs.release(u.request_id for u in updates if u.finished)
         sim.now += 0.01
+        if drafting:
+            draft_for(sim.scheduler, rng, 4)
     assert num_checked > 200 and sim.scheduler.num_preemptions > 0 and sim.scheduler.pool.num_hit_tokens > 0
     assert (sim.scheduler.pool.num_window_freed > 0) == (kv_window is not None)
 

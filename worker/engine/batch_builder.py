@@ -23,8 +23,8 @@ def build_step_batch(output: SchedulerOutput) -> StepBatch:
         batch.slot_mapping += entry.slot_mapping(block_size)
         batch.query_start_loc.append(batch.query_start_loc[-1] + entry.num_new_tokens)
         batch.seq_lens.append(entry.seq_len)
-        if entry.samples:
-            batch.logits_indices.append(batch.query_start_loc[-1] - 1)
+        end = batch.query_start_loc[-1]
+        batch.logits_indices += range(end - entry.num_logits, end)
         # Only the blocks the context spans: the table may already hold blocks for later tokens.
         batch.block_table_rows.append(entry.request.block_ids[: -(-entry.seq_len // block_size)])
     return batch
@@ -38,12 +38,16 @@ def build_step_requests(output: SchedulerOutput) -> StepRequests:
     adapters = [request.adapter for request in requests]
     input_ids: list[int] = []
     pending: list[tuple[int, str]] = []
+    drafting = False
     for entry in scheduled:  # runs for every request at every step: properties inlined
         request = entry.request
         seq_len = entry.num_computed_before + entry.num_new_tokens
         output_ids = request.output_token_ids
         num_tokens = len(request.prompt_token_ids) + len(output_ids)
-        if seq_len > num_tokens:  # its one input is the token the step in flight samples
+        if entry.draft_token_ids:  # its last token, then the drafts it verifies
+            input_ids += entry.token_ids()
+            drafting = True
+        elif seq_len > num_tokens:  # its one input is the token the step in flight samples
             pending.append((len(input_ids), entry.request_id))
             input_ids.append(0)
         elif entry.num_new_tokens == 1 and seq_len == num_tokens and output_ids:
@@ -60,4 +64,5 @@ def build_step_requests(output: SchedulerOutput) -> StepRequests:
         adapters=adapters if any(name is not None for name in adapters) else [],
         pending=pending,
         num_freed=[request.num_freed_blocks for request in requests],
+        num_logits=[entry.num_logits for entry in scheduled] if drafting else [],
     )

@@ -29,7 +29,7 @@ from array import array
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Sequence
 
-from worker.engine.request import Request
+from worker.engine.request import MAX_DRAFT_TOKENS, Request
 
 
 FREED_BLOCK = -1
@@ -161,26 +161,28 @@ class BlockPool:
         outside = self.num_blocks_outside_window(best * self.block_size)
         return [FREED_BLOCK] * outside + block_ids[outside:best]
 
-    def allocate_for(self, request: Request, num_new_tokens: int, computed_block_ids: Sequence[int] = ()) -> bool:
+    def allocate_for(self, request: Request, num_new_tokens: int, computed_block_ids: Sequence[int] = (),
+                     num_draft: int = 0) -> bool:
         """Grow request.block_ids to hold num_scheduled_tokens + num_new_tokens tokens.
 
         `computed_block_ids` (from get_computed_blocks, only while the request holds no blocks) go first and
         their tokens count as computed (this sets num_computed_tokens); FREED_BLOCK entries among them (leading
-        ones only) take no block. Returns False, touching nothing, when too few blocks are free.
+        ones only) take no block. `num_draft`: the last of the new tokens are speculative, past the known ones.
+        Returns False, touching nothing, when too few blocks are free.
         """
         assert num_new_tokens >= 1, num_new_tokens
         if not computed_block_ids:  # the common case, a running request: often its blocks already hold it
             num_total_tokens = request.num_computed_tokens + request.num_inflight_tokens + num_new_tokens
             if num_total_tokens <= len(request.block_ids) * self.block_size:
-                assert num_total_tokens <= request.num_known_tokens, request.request_id
+                assert num_total_tokens <= request.num_known_tokens + num_draft, request.request_id
                 return True
         admitting = not request.block_ids
         if computed_block_ids:
             assert admitting and request.num_computed_tokens == 0, request.request_id
         num_cached_tokens = len(computed_block_ids) * self.block_size
         num_total_tokens = request.num_scheduled_tokens + num_cached_tokens + num_new_tokens
-        assert num_total_tokens <= request.num_known_tokens, (request.request_id, num_total_tokens,
-                                                              request.num_known_tokens)
+        assert num_total_tokens <= request.num_known_tokens + num_draft, (request.request_id, num_total_tokens,
+                                                                          request.num_known_tokens)
         num_held = len(request.block_ids) + len(computed_block_ids)
         num_new_blocks = max(0, self.num_blocks_for(num_total_tokens) - num_held)
         # Reviving an evictable hit takes it out of the free count just like a fresh block does.
@@ -285,7 +287,9 @@ class BlockPool:
             # Nothing given back that a query yet to run reads: the next one is at num_computed_tokens.
             assert num_freed <= self.num_blocks_outside_window(request.num_computed_tokens), request.request_id
             assert len(request.block_ids) >= self.num_blocks_for(request.num_computed_tokens), request.request_id
-            assert len(request.block_ids) <= self.num_blocks_for(request.num_tokens), request.request_id
+            # Blocks written by a step's rejected drafts stay with the request for its next steps.
+            assert len(request.block_ids) <= self.num_blocks_for(request.num_tokens + MAX_DRAFT_TOKENS), (
+                request.request_id)
 
     # ---- internals ----------------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from worker.engine.api import EngineRequest, EngineStats, RequestOutput, Samplin
 from worker.engine.batch_builder import build_step_requests
 from worker.engine.block_pool import salt_key
 from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.ngram import NgramDrafts
 from worker.engine.request import Request, RequestStatus
 from worker.engine.scheduler import Scheduler
 from worker.engine.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput
@@ -32,7 +33,7 @@ from worker.model.step_batch import StepRequests
 from worker.model.structured.manager import StructuredOutputManager
 from worker.tools.render import render_chat, template_renders_tools
 from worker.model.runner import ModelRunner, make_runner
-from worker.model.sampler import RowSampling, Sampler
+from worker.model.sampler import RowSampling, Sampler, greedy_tokens, select_rows
 from worker.model.token_mask import TokenMask
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,8 @@ class _Live:
     sampling: RowSampling
     constrained: bool = False
     """Structured output: its tokens follow a grammar (StructuredOutputManager keeps where it is in it)."""
+    drafts: NgramDrafts | None = None
+    """Its n-gram drafts, when it speculates (LLMEngine._speculates)."""
 
 
 @dataclass(slots=True)
@@ -81,6 +84,8 @@ class _InFlight:
     started: float
     """perf_counter() at its launch: the step's time runs from here to its tokens."""
     logprobs: dict | None = None
+    drafting: bool = False
+    """Some entry verifies drafts: its rows of the logits are its last 1 + drafts tokens'."""
 
 
 @dataclass(slots=True)
@@ -125,6 +130,12 @@ class LLMEngine:
             busy=self.scheduler.running.__len__, max_rows=self.settings.max_num_seqs,
             cache_size=self.settings.grammar_cache_size)
         self.async_scheduling = async_scheduling(self.settings.async_scheduling, self.runner)
+        # Drafts are proposed from the tokens of the step just applied, which async scheduling has not applied yet
+        # when it schedules the next step.
+        self.num_draft_tokens = 0 if self.async_scheduling else self.settings.speculative_ngram_tokens
+        """Speculative tokens proposed per step and request (0: no speculation)."""
+        self.num_proposed_tokens = 0
+        self.num_accepted_tokens = 0
         self._inflight: _InFlight | None = None
         """With async scheduling: the step launched by the last step() call, whose tokens the next one applies."""
         log.info("engine: policy=%s max_num_batched_tokens=%d max_num_seqs=%d block_size=%d prefix_caching=%s "
@@ -197,6 +208,8 @@ class LLMEngine:
                 shown = shown[:-1]  # never part of the text
             if shown:
                 live.detokenizer.push(shown)
+        if self._speculates(req, live):
+            live.drafts = NgramDrafts(token_ids + req.output_token_ids)
         if sampling.structured is None:
             if req.output_token_ids and (done := self._resumed_finished(req, live)) is not None:
                 return [done]
@@ -207,6 +220,13 @@ class LLMEngine:
         ready = self.structured.add(req.request_id, sampling.structured.kind, sampling.structured.spec, (req, live),
                                     now)
         return [] if ready is None else self._start_constrained(*ready.payload, ready.error)
+
+    def _speculates(self, req: Request, live: _Live) -> bool:
+        """Whether a request gets n-gram drafts: greedy, with nothing that reads each token's distribution
+        (penalties, min_tokens, logprobs) and no grammar, so that keeping the drafts the model's argmax agrees
+        with gives exactly the tokens of one step at a time."""
+        return bool(self.num_draft_tokens) and req.sampling.structured is None and live.sampling.greedy and (
+            live.sampling.plain)
 
     def _adapter_of(self, model: str | None) -> str | None:
         """The adapter a request's `model` names (None: the base model). An adapter is loaded here on first use
@@ -371,7 +391,10 @@ class LLMEngine:
         step = build_step_requests(sched)
         flight = self._launch(sched, step, self.runner.prepare_arrays(step))
         updates = self.scheduler.update(sched, self._sample(flight, outputs), time.monotonic())
-        return outputs + self._postprocess_step(flight, updates)
+        outputs += self._postprocess_step(flight, updates)
+        if self.num_draft_tokens:
+            self._propose()
+        return outputs
 
     def _step_async(self) -> list[RequestOutput]:
         """While step N's forward is in flight: schedule step N+1 and prepare its input arrays, its decode rows
@@ -409,11 +432,46 @@ class LLMEngine:
         launched = self.runner.launch(self.runner.input_from(step, arrays))
         sampling = [entry for entry in sched.scheduled if entry.samples]  # row order of the logits
         return _InFlight(sched, launched, sampling, [self._live[entry.request_id].sampling for entry in sampling],
-                         start)
+                         start, drafting=bool(step.num_logits))
 
     def _sample(self, flight: _InFlight, outputs: list[RequestOutput]) -> dict[str, int]:
-        """Wait for the step's logits and draw its rows: request id -> token id."""
-        sampling = flight.sampling
+        """Wait for the step's logits and draw its rows: request id -> token id (for a request that verified
+        drafts, the list of the drafts kept and the token after them)."""
+        if flight.drafting:
+            return self._sample_drafting(flight, outputs)
+        return self._sample_rows(flight, flight.sampling, flight.params, flight.launched.logits, outputs)
+
+    def _sample_drafting(self, flight: _InFlight, outputs: list[RequestOutput]) -> dict:
+        """A step with drafts: the other requests' rows are drawn as usual; a drafting request keeps its drafts
+        up to the first that differs from the model's greedy token at that place, then takes the model's token
+        there (after all of them when every draft was right)."""
+        logits = flight.launched.logits
+        plain_rows, plain, params, verify = [], [], [], []
+        row = 0
+        for entry, row_sampling in zip(flight.sampling, flight.params):
+            if entry.draft_token_ids:
+                verify.append((entry, row, entry.num_logits))
+            else:
+                plain_rows.append(row)
+                plain.append(entry)
+                params.append(row_sampling)
+            row += entry.num_logits
+        sampled = self._sample_rows(flight, plain, params, select_rows(logits, plain_rows), outputs)
+        flight.launched.wait()
+        for entry, first, num in verify:
+            greedy = greedy_tokens(logits, first, num)
+            drafts = entry.draft_token_ids
+            kept = 0
+            while kept < len(drafts) and drafts[kept] == greedy[kept]:
+                kept += 1
+            sampled[entry.request_id] = drafts[:kept] + [greedy[kept]]
+            self.num_proposed_tokens += len(drafts)
+            self.num_accepted_tokens += kept
+            self._live[entry.request_id].drafts.verified(len(drafts), kept)
+        return sampled
+
+    def _sample_rows(self, flight: _InFlight, sampling: list[ScheduledRequest], params: list[RowSampling],
+                     logits, outputs: list[RequestOutput]) -> dict[str, int]:
         sampling_ids = [entry.request_id for entry in sampling]
         # Everything that does not need the logits comes before waiting for them: on a GPU (and with async
         # scheduling) the forward is still running meanwhile.
@@ -421,15 +479,18 @@ class LLMEngine:
         # The draw's counter is the index of the token being generated: stable across preemption and replay.
         counters = [len(entry.request.output_token_ids) for entry in sampling]
         # The draw goes in behind the forward, as a GPU queues it on its stream (worker/model/input.py, Launched).
-        sampled = self.sampler.sample_step(
-            flight.launched.logits, flight.params, counters,  # [S, V]
-            # Asked only for the rows with penalties.
-            lambda row: (sampling[row].request.prompt_token_ids, sampling[row].request.output_token_ids),
-            mask,
-        )
+        token_ids: list[int] = []
+        if sampling:  # (a step where every row verifies drafts has none)
+            sampled = self.sampler.sample_step(
+                logits, params, counters,  # [S, V]
+                # Asked only for the rows with penalties.
+                lambda row: (sampling[row].request.prompt_token_ids, sampling[row].request.output_token_ids),
+                mask,
+            )
+            token_ids = sampled.token_ids
+            if sampled.logprobs:
+                flight.logprobs = {sampling_ids[row]: lp for row, lp in sampled.logprobs.items()}
         flight.launched.wait()
-        if sampled.logprobs:
-            flight.logprobs = {sampling_ids[row]: lp for row, lp in sampled.logprobs.items()}
         sched = flight.sched
         seconds = time.perf_counter() - flight.started
         self.step_time.observe(sched.num_batched_tokens, seconds)
@@ -437,7 +498,7 @@ class LLMEngine:
         self.num_batched_tokens += sched.num_batched_tokens
         self.busy_s += seconds
         self._last_step = (sched.num_batched_tokens, len(sched.scheduled), seconds)
-        return dict(zip(sampling_ids, sampled.token_ids))
+        return dict(zip(sampling_ids, token_ids))
 
     def _postprocess_step(self, flight: _InFlight, updates: list[RequestUpdate]) -> list[RequestOutput]:
         outputs = []
@@ -446,6 +507,9 @@ class LLMEngine:
             # The common case inlined (a running request's next token, no grammar): it runs for every running
             # request at every step. _postprocess has the rest.
             live = live_of[update.request.request_id] if update.finish_status is None else None
+            if len(update.new_token_ids) > 1:
+                outputs.append(self._postprocess_verified(update))
+                continue
             if live is None or live.constrained:
                 outputs.append(self._postprocess(update))
                 continue
@@ -461,6 +525,49 @@ class LLMEngine:
                 if lp is not None and out.new_token_ids:
                     out.new_logprobs = [TokenLogprobs(out.new_token_ids[-1], *lp)]
         return outputs
+
+    def _postprocess_verified(self, update: RequestUpdate) -> RequestOutput:
+        """The tokens of a step that kept drafts, one at a time as steps of their own would have given them, so
+        that a stop string ends the request at the token that completes it (the tokens after it are dropped, as
+        they would never have been generated); one output for them all."""
+        request = update.request
+        token_ids = update.new_token_ids
+        output_ids = request.output_token_ids
+        num_before = len(output_ids) - len(token_ids)
+        del output_ids[num_before:]
+        merged: RequestOutput | None = None
+        for i, token_id in enumerate(token_ids):
+            output_ids.append(token_id)
+            last = i == len(token_ids) - 1
+            out = self._postprocess(RequestUpdate(request, [token_id], update.finish_status if last else None))
+            if merged is not None:
+                out.new_token_ids = merged.new_token_ids + out.new_token_ids
+                out.text_delta = merged.text_delta + out.text_delta
+            merged = out
+            if out.finished:
+                break
+        return merged
+
+    def _propose(self) -> None:
+        """Drafts for the next step of each running request that speculates, while the batch is small enough
+        for a step's extra rows to cost little (ENGINE_SPECULATIVE_MAX_BATCH)."""
+        running = self.scheduler.running
+        if len(running) > self.settings.speculative_max_batch:
+            return
+        settings = self.settings
+        for request in running:
+            live = self._live.get(request.request_id)
+            drafts = live.drafts if live is not None else None
+            if drafts is None or request.num_computed_tokens != request.num_tokens - 1:
+                continue  # no speculation, or still prefilling
+            known = len(drafts.tokens)
+            if known < request.num_tokens:
+                drafts.extend(request.output_token_ids[known - request.num_tokens:])
+            elif known > request.num_tokens:
+                drafts.truncate(request.num_tokens)
+            room = request.sampling.max_new_tokens - len(request.output_token_ids) - 1
+            request.draft_token_ids = drafts.propose(min(self.num_draft_tokens, room), settings.speculative_ngram_min,
+                                                     settings.speculative_ngram_max)
 
     def _grammar_mask(self, sampling_ids: list[str], outputs: list[RequestOutput]) -> TokenMask | None:
         """The bitmasks of this step's constrained rows. A request whose grammar cannot go on (an error state,
@@ -513,6 +620,8 @@ class LLMEngine:
     def _postprocess_stopped(self, request: Request, token_ids: list[int], text: str) -> RequestOutput:
         """A stop string (or a complete grammar) ended the request at this token."""
         request.stop_reason = self._live[request.request_id].detokenizer.stop_string
+        if request.status.finished:  # drafts kept past the stop: the scheduler ended it on a later token
+            request.status = RequestStatus.FINISHED_STOPPED
         self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
         return self._final(request, token_ids, text)
 

@@ -14,6 +14,10 @@ from dataclasses import dataclass, field
 from worker.engine.api import SamplingParams
 
 
+MAX_DRAFT_TOKENS = 16
+"""The most speculative tokens one step verifies for a request (ENGINE_SPECULATIVE_NGRAM_TOKENS's limit)."""
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -76,6 +80,9 @@ class Request:
     num_preemptions: int = 0
     seat_wait_step: int | None = None
     """The scheduler step at which it first found every seat taken (it may preempt for one a step later)."""
+    draft_token_ids: list[int] = field(default_factory=list)
+    """Speculative tokens (ngram.py) the next step verifies after the request's last token; the scheduler hands
+    them to that step and clears them."""
     stop_reason: int | str | None = None
     """The EOS or stop token id, or the stop string, that finished the request (None for other endings)."""
     first_scheduled_time: float | None = None

@@ -31,7 +31,7 @@ from worker.engine.block_pool import BlockPool
 from worker.engine.api import fair_preempts
 from worker.engine.deadlines import DeadlinePlanner, StepCost
 from worker.engine.policies import AdmissionPolicy, WaitingQueue
-from worker.engine.request import Request, RequestStatus
+from worker.engine.request import MAX_DRAFT_TOKENS, Request, RequestStatus
 from worker.engine.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput
 
 
@@ -209,16 +209,20 @@ class Scheduler:
             num_known = len(request.prompt_token_ids) + len(request.output_token_ids) + request.num_pending_samples
             num_new_tokens = min(num_known - num_before, budget)
             assert num_new_tokens > 0, request.request_id
+            drafts = request.draft_token_ids
+            if drafts:
+                drafts = self._take_drafts(request, num_known - num_before, budget)
+                num_new_tokens += len(drafts)
             if num_before + num_new_tokens <= len(request.block_ids) * block_size:
                 # Its blocks already hold the step's tokens (allocate_for's first test, without the call).
-                samples = num_before + num_new_tokens == num_known
+                samples = num_before + num_new_tokens - len(drafts) == num_known
                 request.num_inflight_tokens += num_new_tokens
                 request.num_pending_samples += samples
                 scheduled[request.request_id] = ScheduledRequest(request, num_new_tokens, num_before, samples,
-                                                                 request.request_id)
+                                                                 request.request_id, drafts or None)
                 budget -= num_new_tokens
                 continue
-            while not self.pool.allocate_for(request, num_new_tokens):
+            while not self.pool.allocate_for(request, num_new_tokens, num_draft=len(drafts)):
                 victim = max(self.running, key=self._victim_key)
                 self._preempt(victim)
                 output.preempted_request_ids.append(victim.request_id)
@@ -228,9 +232,17 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled[request.request_id] = self._entry(request, num_new_tokens, num_before)
+                scheduled[request.request_id] = self._entry(request, num_new_tokens, num_before, drafts)
                 budget -= num_new_tokens
         return budget
+
+    def _take_drafts(self, request: Request, num_uncomputed: int, budget: int) -> list[int]:
+        """The request's speculative tokens for this step (they are cleared either way): only behind its last
+        token when that is all it has to compute, within the budget and max_model_len."""
+        drafts, request.draft_token_ids = request.draft_token_ids, []
+        if num_uncomputed != 1 or request.num_pending_samples:
+            return []
+        return drafts[:min(budget - 1, self.max_model_len - request.num_tokens, MAX_DRAFT_TOKENS)]
 
     def _admit_waiting(self, now: float, step_cost: StepCost, budget: int, scheduled: dict[str, ScheduledRequest],
                        output: SchedulerOutput) -> int:
@@ -351,6 +363,12 @@ class Scheduler:
                 continue
             num_new = entry.num_new_tokens
             assert request.num_computed_tokens == entry.num_computed_before, request.request_id
+            if entry.draft_token_ids:
+                num_consumed += 1
+                request.num_inflight_tokens -= num_new
+                request.num_pending_samples -= 1
+                updates.append(self._apply_verified(entry, sampled_token_ids[entry.request_id], now))
+                continue
             request.num_computed_tokens = num_computed = request.num_computed_tokens + num_new
             request.num_inflight_tokens -= num_new
             if caching and num_computed % block_size < num_new:  # a block filled up in this step
@@ -384,6 +402,38 @@ class Scheduler:
             raise AssertionError(set(sampled_token_ids) - sampling_ids)
         return updates
 
+    def _apply_verified(self, entry: ScheduledRequest, token_ids: list[int], now: float) -> RequestUpdate:
+        """A step that verified drafts: `token_ids` are the drafts the model agreed with, then its own token after
+        them. The K/V of the request's last token and of the accepted drafts are computed; those of rejected drafts
+        sit past num_computed_tokens, written over when those positions are computed again. Stop conditions apply
+        token by token, as if each had come from a step of its own; tokens after a stop are dropped."""
+        request = entry.request
+        sampling = request.sampling
+        output_ids = request.output_token_ids
+        finish_status = None
+        for i, token_id in enumerate(token_ids):
+            output_ids.append(token_id)
+            if token_id in sampling.stop_token_ids or (not sampling.ignore_eos and token_id in request.eos_token_ids):
+                request.stop_reason = token_id
+                finish_status = RequestStatus.FINISHED_STOPPED
+            elif (len(output_ids) >= sampling.max_new_tokens
+                  or len(request.prompt_token_ids) + len(output_ids) >= self.max_model_len):
+                finish_status = RequestStatus.FINISHED_LENGTH
+            else:
+                continue
+            token_ids = token_ids[:i + 1]
+            break
+        request.num_computed_tokens = entry.num_computed_before + len(token_ids)
+        if self.pool.enable_caching:
+            self.pool.cache_full_blocks(request)
+        if self.pool.kv_window is not None:
+            self.pool.free_outside_window(request)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        if finish_status is not None:
+            self._finish(request, finish_status, now)
+        return RequestUpdate(request, list(token_ids), finish_status)
+
     def check_invariants(self) -> None:
         assert len(self.running) <= self.max_num_seqs
         running_ids = {request.request_id for request in self.running}
@@ -409,13 +459,15 @@ class Scheduler:
         return (request.num_output_tokens + request.num_pending_samples >= request.sampling.max_new_tokens
                 or request.num_known_tokens >= self.max_model_len)
 
-    def _entry(self, request: Request, num_new_tokens: int, num_computed_before: int) -> ScheduledRequest:
+    def _entry(self, request: Request, num_new_tokens: int, num_computed_before: int,
+               drafts: list[int] | None = None) -> ScheduledRequest:
         """The request's share of this step, counted as in flight until update() (a preemption later in the
         same schedule() resets the counts with the rest)."""
-        samples = num_computed_before + num_new_tokens == request.num_known_tokens
+        samples = num_computed_before + num_new_tokens - len(drafts or ()) == request.num_known_tokens
         request.num_inflight_tokens += num_new_tokens
         request.num_pending_samples += samples
-        return ScheduledRequest(request, num_new_tokens, num_computed_before, samples, request.request_id)
+        return ScheduledRequest(request, num_new_tokens, num_computed_before, samples, request.request_id,
+                                drafts or None)
 
     def _preempt_less_urgent(self, request: Request, scheduled: dict[str, ScheduledRequest],
                              output: SchedulerOutput) -> int:
@@ -446,6 +498,7 @@ class Scheduler:
         self.pool.free(request)
         self.running.remove(request)
         request.num_computed_tokens = request.num_inflight_tokens = request.num_pending_samples = 0
+        request.draft_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1

@@ -19,14 +19,25 @@ class ScheduledRequest:
     """True when the step computes the request's last known token, so a next token is sampled from it."""
     request_id: str
     """request.request_id (a field, not a property: the engine reads it several times per request and step)."""
+    draft_token_ids: list[int] | None = None
+    """Speculative tokens verified in this step after the request's last token (the last of num_new_tokens);
+    the step samples a token after each of its last 1 + len(draft_token_ids) inputs."""
 
     @property
     def seq_len(self) -> int:
         """Context length after this step: the attention span of the step's last token."""
         return self.num_computed_before + self.num_new_tokens
 
+    @property
+    def num_logits(self) -> int:
+        """Rows of logits the step computes for this request."""
+        return (1 + len(self.draft_token_ids)) if self.draft_token_ids else int(self.samples)
+
     def token_ids(self) -> list[int]:
-        """Input ids of this step: all_token_ids[num_computed_before : seq_len]."""
+        """Input ids of this step: all_token_ids[num_computed_before : seq_len], then its drafts."""
+        if self.draft_token_ids:
+            known = self.seq_len - len(self.draft_token_ids)
+            return self.request.token_slice(self.num_computed_before, known) + self.draft_token_ids
         return self.request.token_slice(self.num_computed_before, self.seq_len)
 
     def positions(self) -> range:
@@ -57,7 +68,8 @@ class SchedulerOutput:
 
 @dataclass(slots=True)
 class RequestUpdate:
-    """A request that sampled a token in the step that update() consumed."""
+    """A request that sampled a token in the step that update() consumed (several: drafts it accepted, and the
+    token after them)."""
 
     request: Request
     new_token_ids: list[int]

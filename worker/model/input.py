@@ -192,7 +192,13 @@ class PersistentInput:
         slot_mapping = self.block_table[token_rows, positions // bs] * bs + positions % bs  # [T] int64
         max_seq_len = int(seq_lens.max()) if num_requests else 0
         block_tables = self.block_table[rows, : -(-max_seq_len // bs)]  # [B, max_blocks] int32
-        logits_indices = qsl[1:][np.array(step.samples, dtype=bool)] - 1 if num_requests else qsl[:0]  # [S]
+        if step.num_logits:  # some request verifies drafts: rows for its last 1 + drafts tokens
+            num_logits = np.array(step.num_logits, dtype=np.int64)  # [B]
+            firsts = np.cumsum(num_logits) - num_logits  # [B] each request's first row among the S
+            within = np.arange(int(num_logits.sum())) - np.repeat(firsts, num_logits)  # [S]
+            logits_indices = np.repeat(qsl[1:] - num_logits, num_logits) + within
+        else:
+            logits_indices = qsl[1:][np.array(step.samples, dtype=bool)] - 1 if num_requests else qsl[:0]  # [S]
         return StepArrays(
             input_ids=np.array(step.input_ids, dtype=np.int64),
             positions=positions,

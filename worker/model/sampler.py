@@ -165,6 +165,16 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:  # [S] int64
     return logits.argmax(dim=-1)
 
 
+def greedy_tokens(logits: torch.Tensor, start: int, num: int) -> list[int]:
+    """The argmax of rows [start, start + num) of a step's logits, as the greedy draw takes it."""
+    return _argmax(logits[start:start + num]).tolist()
+
+
+def select_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Rows of a step's logits, in that order, as a tensor of their own."""
+    return logits.index_select(0, torch.tensor(rows, dtype=torch.int64, device=logits.device))
+
+
 class _StepParams:
     """What a step's RowSampling list gives the draw, worked out once and kept while the same requests sample in
     the same rows, as vLLM's persistent input batch keeps its sampling parameters between steps: at 256 rows,

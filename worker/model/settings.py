@@ -53,6 +53,19 @@ class EngineSettings(BaseSettings):
     cuda_graph_batch_sizes: list[int] = []
     """Batch sizes with a CUDA graph, each in [1, max_num_seqs]; empty: 1, 2, 4, the multiples of 8 below
     max_num_seqs, and max_num_seqs. Larger decode batches and steps with prefill tokens run eagerly."""
+    speculative_ngram_tokens: int = Field(0, ge=0, le=16)
+    """Speculative decoding without a second model: up to this many draft tokens per step, copied from where the
+    request's last tokens occurred earlier in its prompt or output (n-gram prompt lookup), verified in the same
+    forward as its next token; greedy requests without penalties, logprobs or a grammar only, and not with async
+    scheduling. Greedy output is the same token for token; a step costs a few rows more, and a request whose
+    drafts keep failing proposes ever more rarely. 0: off."""
+    speculative_ngram_min: int = Field(2, ge=1)
+    speculative_ngram_max: int = Field(4, ge=1)
+    """The n-grams looked up: the longest suffix of the request's tokens, from max down to min tokens, that
+    occurred before."""
+    speculative_max_batch: int = Field(8, ge=1)
+    """Drafts are proposed only while at most this many requests run: in a larger batch a step's extra rows
+    cost about what they save."""
     block_size: int = Field(16, ge=1, le=256)
     """Tokens per KV-cache block."""
     kv_cache_bytes: int = Field(256 * 1024**2, ge=1)

@@ -28,7 +28,8 @@ class StepBatch:
     block_table_rows: list[list[int]] = field(default_factory=list)
     """[B] rows of block ids: the blocks each request's context spans, unpadded (the tensor pads them)."""
     logits_indices: list[int] = field(default_factory=list)
-    """[S]: indices into T whose logits are computed (last token of each request that samples)."""
+    """[S]: indices into T whose logits are computed (last token of each request that samples; with speculative
+    tokens, the last 1 + drafts tokens of that request)."""
 
 
 @dataclass(slots=True)
@@ -59,6 +60,9 @@ class StepRequests:
     grow until the request's release. Empty: none anywhere."""
     adapters: list[str | None] = field(default_factory=list)
     """[B] the LoRA adapter each request runs with (None: the base model); empty when none uses one."""
+    num_logits: list[int] = field(default_factory=list)
+    """[B] rows of logits per request, in its last num_logits tokens: 1 + its drafts for a request verifying
+    speculative tokens, else 1 if it samples, 0 if not. Empty: `samples` says (no request has drafts)."""
     pending: list[tuple[int, str]] = field(default_factory=list)
     """(index into input_ids, request id) of each input that is the token a step still in flight samples for
     that request (async scheduling): input_ids holds 0 there until the engine writes the sampled token into the
