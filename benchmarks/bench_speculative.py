@@ -1,0 +1,148 @@
+"""Speculative decoding with n-gram drafts (ENGINE_SPECULATIVE_NGRAM_TOKENS) against plain decoding, on the
+default model, greedy, in one process and one run.
+
+Two traces of chat requests:
+  copy     the output repeats the prompt: a text repeated verbatim, a code edit (a rename), a JSON record edited,
+           a list reformatted;
+  nothing  open-ended answers (stories, explanations): little to copy.
+Each trace runs at 1 request at a time and at 4 at once, with drafts off and on, in alternation `--repeats`
+times on one shared model runner; the best output tokens/s of each counts (other work on the machine only slows
+a run down). Greedy outputs are compared request by request between the two.
+
+    python -m benchmarks.bench_speculative --dtype float32 --out benchmarks/results/<date>-speculative
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+from pathlib import Path
+
+from benchmarks.lib.results_store import write_results
+from worker.engine.api import EngineRequest, SamplingParams
+from worker.engine.engine import LLMEngine
+from worker.model.pull import ensure_default_model
+from worker.model.runner import ModelRunner
+from worker.model.settings import EngineSettings
+
+TEXT = ("Apache Kafka stores records in partitions. Each partition is an ordered log, and a consumer group "
+        "divides the partitions of a topic among its members. When a member fails, the group rebalances and the "
+        "partitions move to the members that remain, which resume from the committed offsets.")
+CODE = '''def total(items):
+    x = 0
+    for item in items:
+        if item.price > 0:
+            x = x + item.price * item.quantity
+    return x
+
+
+def average(items):
+    x = total(items)
+    return x / len(items) if items else 0
+'''
+RECORD = '{"id": 42, "name": "Bob", "city": "Rome", "email": "bob@example.com", "tags": ["kafka", "llm"]}'
+LIST = "apples 3, pears 5, plums 7, cherries 11, grapes 13, lemons 17, limes 19"
+
+COPY = [
+    "Repeat this text exactly, word for word:\n\n" + TEXT,
+    "Rename the variable x to count in this Python code and show the whole code:\n\n" + CODE,
+    "Change the city to Madrid in this JSON and print the whole JSON:\n\n" + RECORD,
+    "Write this list with one item per line, as 'fruit: number':\n\n" + LIST,
+]
+NOTHING = [
+    "Tell me a story about a dragon who learns to bake bread.",
+    "Explain why the sky is blue to a ten-year-old.",
+    "Write a short poem about autumn in a city.",
+    "Give me three ideas for a weekend trip and why each is fun.",
+]
+
+
+def requests(prompts: list[str], max_new_tokens: int, tag: str) -> list[EngineRequest]:
+    return [EngineRequest(f"{tag}-{i}", messages=[{"role": "user", "content": prompt}],
+                          sampling=SamplingParams(max_new_tokens=max_new_tokens)) for i, prompt in enumerate(prompts)]
+
+
+def run(runner: ModelRunner, settings: EngineSettings, batch: list[EngineRequest], concurrency: int) -> dict:
+    """Output tokens/s over the whole trace, `concurrency` requests at a time; each request's tokens."""
+    engine = LLMEngine(settings, runner)
+    tokens: dict[str, list[int]] = {}
+    start = time.perf_counter()
+    for first in range(0, len(batch), concurrency):
+        for request_id, completion in engine.generate(batch[first:first + concurrency]).items():
+            tokens[request_id] = completion.token_ids
+    seconds = time.perf_counter() - start
+    num_tokens = sum(len(t) for t in tokens.values())
+    return {"tokens_per_s": num_tokens / seconds, "seconds": seconds, "num_tokens": num_tokens,
+            "steps": engine.num_steps, "proposed": engine.num_proposed_tokens,
+            "accepted": engine.num_accepted_tokens, "tokens": tokens}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--num-draft", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=160)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = ensure_default_model()
+    base = EngineSettings(model=str(path), device="cpu", dtype=args.dtype, max_num_seqs=8,
+                          max_num_batched_tokens=512, enable_prefix_caching=False)
+    runner = ModelRunner(str(path), base)
+    loadavg = [f"{x:.2f}" for x in os.getloadavg()]
+    traces = {"copy": requests(COPY, args.max_new_tokens, "copy"),
+              "nothing": requests(NOTHING, args.max_new_tokens, "nothing")}
+    best: dict[tuple, dict] = {}
+    for _ in range(args.repeats):
+        for name, batch in traces.items():
+            for concurrency in (1, 4):
+                for num_draft in (0, args.num_draft):
+                    settings = base.model_copy(update={"speculative_ngram_tokens": num_draft})
+                    result = run(runner, settings, batch, concurrency)
+                    key = (name, concurrency, num_draft)
+                    if key not in best or result["tokens_per_s"] > best[key]["tokens_per_s"]:
+                        best[key] = result
+    rows = []
+    for name in traces:
+        for concurrency in (1, 4):
+            plain, drafted = best[name, concurrency, 0], best[name, concurrency, args.num_draft]
+            same = [rid for rid in plain["tokens"] if plain["tokens"][rid] == drafted["tokens"][rid]]
+            rows.append({
+                "trace": name, "concurrency": concurrency,
+                "plain_tokens_per_s": round(plain["tokens_per_s"], 1),
+                "drafted_tokens_per_s": round(drafted["tokens_per_s"], 1),
+                "ratio": round(drafted["tokens_per_s"] / plain["tokens_per_s"], 3),
+                "steps": [plain["steps"], drafted["steps"]],
+                "accepted_of_proposed": [drafted["accepted"], drafted["proposed"]],
+                "identical_outputs": f"{len(same)}/{len(plain['tokens'])}",
+                "output_tokens": [plain["num_tokens"], drafted["num_tokens"]],
+            })
+            print(f"{name:8s} x{concurrency}: {rows[-1]['plain_tokens_per_s']:7.1f} -> "
+                  f"{rows[-1]['drafted_tokens_per_s']:7.1f} tok/s  ratio {rows[-1]['ratio']:.2f}  "
+                  f"steps {plain['steps']} -> {drafted['steps']}  kept {drafted['accepted']}/{drafted['proposed']}"
+                  f"  identical {rows[-1]['identical_outputs']}")
+    # Plain decoding's own consistency, for reading the identical-output column: greedy tokens of requests run
+    # alone against the same requests four at once (in bf16 a matmul's rounding depends on the step's shape).
+    consistent = {name: sum(best[name, 1, 0]["tokens"][rid] == best[name, 4, 0]["tokens"][rid]
+                            for rid in best[name, 1, 0]["tokens"]) for name in traces}
+    print("plain decoding, alone vs four at once, identical:", consistent)
+    summary = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+               "loadavg_before": loadavg, "dtype": str(runner.dtype).replace("torch.", ""),
+               "threads": torch.get_num_threads(), "num_draft": args.num_draft,
+               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "rows": rows,
+               "plain_alone_vs_batched_identical": {name: f"{n}/{len(traces[name])}" for name, n in consistent.items()}}
+    if args.out is not None:
+        raw = {"summary": summary, "tokens": {f"{k[0]}-{k[1]}-{k[2]}": v["tokens"] for k, v in best.items()}}
+        print(write_results(args.out, raw, summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
