@@ -33,7 +33,7 @@ from worker.model.step_batch import StepRequests
 from worker.model.structured.manager import StructuredOutputManager
 from worker.tools.render import render_chat, template_renders_tools
 from worker.model.runner import ModelRunner, make_runner
-from worker.model.sampler import RowSampling, Sampler, greedy_tokens, select_rows
+from worker.model.sampler import RowSampling, Sampler, greedy_tokens, select_rows, verify_sampled
 from worker.model.token_mask import TokenMask
 
 log = logging.getLogger(__name__)
@@ -222,11 +222,12 @@ class LLMEngine:
         return [] if ready is None else self._start_constrained(*ready.payload, ready.error)
 
     def _speculates(self, req: Request, live: _Live) -> bool:
-        """Whether a request gets n-gram drafts: greedy, with nothing that reads each token's distribution
-        (penalties, min_tokens, logprobs) and no grammar, so that keeping the drafts the model's argmax agrees
-        with gives exactly the tokens of one step at a time."""
-        return bool(self.num_draft_tokens) and req.sampling.structured is None and live.sampling.greedy and (
-            live.sampling.plain)
+        """Whether a request gets n-gram drafts: no penalties, min_tokens or logprobs (they read each token's
+        distribution as the tokens before it left it) and no grammar. Greedy ones keep the drafts the argmax
+        agrees with, sampled ones by speculative sampling (sampler.verify_sampled): either way each token comes
+        as one step at a time would give it, the same token when greedy, from the same distribution when
+        sampled."""
+        return bool(self.num_draft_tokens) and req.sampling.structured is None and live.sampling.plain
 
     def _adapter_of(self, model: str | None) -> str | None:
         """The adapter a request's `model` names (None: the base model). An adapter is loaded here on first use
@@ -442,9 +443,10 @@ class LLMEngine:
         return self._sample_rows(flight, flight.sampling, flight.params, flight.launched.logits, outputs)
 
     def _sample_drafting(self, flight: _InFlight, outputs: list[RequestOutput]) -> dict:
-        """A step with drafts: the other requests' rows are drawn as usual; a drafting request keeps its drafts
-        up to the first that differs from the model's greedy token at that place, then takes the model's token
-        there (after all of them when every draft was right)."""
+        """A step with drafts: the other requests' rows are drawn as usual; a greedy drafting request keeps its
+        drafts up to the first that differs from the model's greedy token at that place, then takes the model's
+        token there (after all of them when every draft was right); a sampled one verifies them by speculative
+        sampling."""
         logits = flight.launched.logits
         plain_rows, plain, params, verify = [], [], [], []
         row = 0
@@ -459,12 +461,18 @@ class LLMEngine:
         sampled = self._sample_rows(flight, plain, params, select_rows(logits, plain_rows), outputs)
         flight.launched.wait()
         for entry, first, num in verify:
-            greedy = greedy_tokens(logits, first, num)
             drafts = entry.draft_token_ids
-            kept = 0
-            while kept < len(drafts) and drafts[kept] == greedy[kept]:
-                kept += 1
-            sampled[entry.request_id] = drafts[:kept] + [greedy[kept]]
+            row_sampling = self._live[entry.request_id].sampling
+            if row_sampling.greedy:
+                greedy = greedy_tokens(logits, first, num)
+                kept = 0
+                while kept < len(drafts) and drafts[kept] == greedy[kept]:
+                    kept += 1
+                sampled[entry.request_id] = drafts[:kept] + [greedy[kept]]
+            else:
+                sampled[entry.request_id], kept = verify_sampled(
+                    logits[first:first + num].float().cpu().numpy(), row_sampling, drafts,
+                    len(entry.request.output_token_ids))
             self.num_proposed_tokens += len(drafts)
             self.num_accepted_tokens += kept
             self._live[entry.request_id].drafts.verified(len(drafts), kept)

@@ -56,9 +56,10 @@ class EngineSettings(BaseSettings):
     speculative_ngram_tokens: int = Field(0, ge=0, le=16)
     """Speculative decoding without a second model: up to this many draft tokens per step, copied from where the
     request's last tokens occurred earlier in its prompt or output (n-gram prompt lookup), verified in the same
-    forward as its next token; greedy requests without penalties, logprobs or a grammar only, and not with async
-    scheduling. Greedy output is the same token for token; a step costs a few rows more, and a request whose
-    drafts keep failing proposes ever more rarely. 0: off."""
+    forward as its next token; requests without penalties, min_tokens, logprobs or a grammar, and not with async
+    scheduling. Greedy output is the same token for token, sampled output has the same distribution (speculative
+    sampling); a step costs a few rows more, and a request whose drafts keep failing proposes ever more rarely.
+    0: off."""
     speculative_ngram_min: int = Field(2, ge=1)
     speculative_ngram_max: int = Field(4, ge=1)
     """The n-grams looked up: the longest suffix of the request's tokens, from max down to min tokens, that
