@@ -132,8 +132,9 @@ class Worker:
         TenantCollector(self.metrics.registry, self.tenants)
         self.fleet_share = FleetShare(self.tenants, settings.worker_id)
         self.status_reader = StatusReader(kafka, self.fleet_share.observe, client_id=f"{settings.worker_id}-status")
+        model = served_model_name(engine)
         if tracing is None:
-            tracing = RequestTracing.from_env(served_model_name(engine))
+            tracing = RequestTracing.from_env(model)
         self.publisher = Publisher(kafka.client_kwargs(),
                                    on_dropped=lambda topic: self.metrics.dropped_for(self._topic_label(topic)).inc(),
                                    gather_s=self.io_gather_s, topic_wait_s=settings.destination_wait_s,
@@ -157,7 +158,7 @@ class Worker:
         ) if kafka.exactly_once else None
         self.answers = Answers(
             self.publisher, self.tracker, self.metrics, settings.worker_id, kafka.result_topic,
-            kafka.dead_letter_topic, usage_topic=kafka.usage_topic, model=served_model_name(engine),
+            kafka.dead_letter_topic, usage_topic=kafka.usage_topic, model=model,
             priority_of=lambda tp: priority_of_partition(tp.partition, kafka.num_request_partitions,
                                                          kafka.num_priorities),
             tenants=self.tenants, lanes=lanes, replacement=replacement)
