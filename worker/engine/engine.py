@@ -33,7 +33,7 @@ from worker.model.step_batch import StepRequests
 from worker.model.structured.manager import StructuredOutputManager
 from worker.tools.render import render_chat, template_renders_tools
 from worker.model.runner import ModelRunner, make_runner
-from worker.model.sampler import RowSampling, Sampler, greedy_tokens, select_rows, verify_sampled
+from worker.model.sampler import RowSampling, Sampler
 from worker.model.token_mask import TokenMask
 
 log = logging.getLogger(__name__)
@@ -223,10 +223,8 @@ class LLMEngine:
 
     def _speculates(self, req: Request, live: _Live) -> bool:
         """Whether a request gets n-gram drafts: no penalties, min_tokens or logprobs (they read each token's
-        distribution as the tokens before it left it) and no grammar. Greedy ones keep the drafts the argmax
-        agrees with, sampled ones by speculative sampling (sampler.verify_sampled): either way each token comes
-        as one step at a time would give it, the same token when greedy, from the same distribution when
-        sampled."""
+        distribution as the tokens before it left it) and no grammar. Greedy or sampled, its drafts are kept
+        while they are the tokens drawn at their places (_sample_drafting)."""
         return bool(self.num_draft_tokens) and req.sampling.structured is None and live.sampling.plain
 
     def _adapter_of(self, model: str | None) -> str | None:
@@ -443,62 +441,64 @@ class LLMEngine:
         return self._sample_rows(flight, flight.sampling, flight.params, flight.launched.logits, outputs)
 
     def _sample_drafting(self, flight: _InFlight, outputs: list[RequestOutput]) -> dict:
-        """A step with drafts: the other requests' rows are drawn as usual; a greedy drafting request keeps its
-        drafts up to the first that differs from the model's greedy token at that place, then takes the model's
-        token there (after all of them when every draft was right); a sampled one verifies them by speculative
-        sampling."""
-        logits = flight.launched.logits
-        plain_rows, plain, params, verify = [], [], [], []
-        row = 0
+        """A step with drafts: every row is drawn as one step at a time would draw it, a drafting request's rows
+        at the counters of the tokens they stand for (greedy rows take the argmax, sampled ones the same seeded
+        draw). A drafting request keeps its drafts while each equals the token drawn at its place, and takes the
+        drawn token at the first that does not (or after the last). A draft is then kept with the probability
+        the request's distribution gives it, and a refused place gets a token from that distribution without the
+        draft: speculative sampling with a one-hot proposal, coupled to the plain draw, so the tokens are those of
+        decoding without drafts, greedy or seeded."""
+        rows: list[ScheduledRequest] = []
+        params: list[RowSampling] = []
+        counters: list[int] = []
         for entry, row_sampling in zip(flight.sampling, flight.params):
-            if entry.draft_token_ids:
-                verify.append((entry, row, entry.num_logits))
-            else:
-                plain_rows.append(row)
-                plain.append(entry)
-                params.append(row_sampling)
-            row += entry.num_logits
-        sampled = self._sample_rows(flight, plain, params, select_rows(logits, plain_rows), outputs)
-        flight.launched.wait()
-        for entry, first, num in verify:
+            num = entry.num_logits
+            rows += [entry] * num
+            params += [row_sampling] * num
+            first = len(entry.request.output_token_ids)
+            counters += range(first, first + num)
+        drawn = self._sample_rows(flight, rows, params, flight.launched.logits, outputs, counters, dict_of=False)
+        sampled: dict = {}
+        row = 0
+        for entry in flight.sampling:
             drafts = entry.draft_token_ids
-            row_sampling = self._live[entry.request_id].sampling
-            if row_sampling.greedy:
-                greedy = greedy_tokens(logits, first, num)
-                kept = 0
-                while kept < len(drafts) and drafts[kept] == greedy[kept]:
-                    kept += 1
-                sampled[entry.request_id] = drafts[:kept] + [greedy[kept]]
-            else:
-                sampled[entry.request_id], kept = verify_sampled(
-                    logits[first:first + num].float().cpu().numpy(), row_sampling, drafts,
-                    len(entry.request.output_token_ids))
+            if not drafts:
+                sampled[entry.request_id] = drawn[row]
+                row += 1
+                continue
+            tokens = drawn[row:row + entry.num_logits]
+            row += entry.num_logits
+            kept = 0
+            while kept < len(drafts) and drafts[kept] == tokens[kept]:
+                kept += 1
+            sampled[entry.request_id] = drafts[:kept] + [tokens[kept]]
             self.num_proposed_tokens += len(drafts)
             self.num_accepted_tokens += kept
             self._live[entry.request_id].drafts.verified(len(drafts), kept)
         return sampled
 
     def _sample_rows(self, flight: _InFlight, sampling: list[ScheduledRequest], params: list[RowSampling],
-                     logits, outputs: list[RequestOutput]) -> dict[str, int]:
+                     logits, outputs: list[RequestOutput], counters: list[int] | None = None,
+                     dict_of: bool = True) -> dict[str, int] | list[int]:
+        """The tokens drawn from each row of the logits (`sampling` and `params` row by row): request id -> token,
+        or the list of tokens in row order (dict_of False)."""
         sampling_ids = [entry.request_id for entry in sampling]
         # Everything that does not need the logits comes before waiting for them: on a GPU (and with async
         # scheduling) the forward is still running meanwhile.
         mask = self._grammar_mask(sampling_ids, outputs) if self.structured.has_constrained() else None
         # The draw's counter is the index of the token being generated: stable across preemption and replay.
-        counters = [len(entry.request.output_token_ids) for entry in sampling]
+        if counters is None:
+            counters = [len(entry.request.output_token_ids) for entry in sampling]
         # The draw goes in behind the forward, as a GPU queues it on its stream (worker/model/input.py, Launched).
-        token_ids: list[int] = []
-        if sampling:  # (a step where every row verifies drafts has none)
-            sampled = self.sampler.sample_step(
-                logits, params, counters,  # [S, V]
-                # Asked only for the rows with penalties.
-                lambda row: (sampling[row].request.prompt_token_ids, sampling[row].request.output_token_ids),
-                mask,
-            )
-            token_ids = sampled.token_ids
-            if sampled.logprobs:
-                flight.logprobs = {sampling_ids[row]: lp for row, lp in sampled.logprobs.items()}
+        sampled = self.sampler.sample_step(
+            logits, params, counters,  # [S, V]
+            # Asked only for the rows with penalties.
+            lambda row: (sampling[row].request.prompt_token_ids, sampling[row].request.output_token_ids),
+            mask,
+        )
         flight.launched.wait()
+        if sampled.logprobs:
+            flight.logprobs = {sampling_ids[row]: lp for row, lp in sampled.logprobs.items()}
         sched = flight.sched
         seconds = time.perf_counter() - flight.started
         self.step_time.observe(sched.num_batched_tokens, seconds)
@@ -506,7 +506,7 @@ class LLMEngine:
         self.num_batched_tokens += sched.num_batched_tokens
         self.busy_s += seconds
         self._last_step = (sched.num_batched_tokens, len(sched.scheduled), seconds)
-        return dict(zip(sampling_ids, token_ids))
+        return dict(zip(sampling_ids, sampled.token_ids)) if dict_of else sampled.token_ids
 
     def _postprocess_step(self, flight: _InFlight, updates: list[RequestUpdate]) -> list[RequestOutput]:
         outputs = []

@@ -165,67 +165,6 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:  # [S] int64
     return logits.argmax(dim=-1)
 
 
-ACCEPT_COUNTER = 1 << 62
-"""Added to a token's counter for the uniform that decides whether a draft is kept (the draw at that place uses
-the counter itself): two independent streams from one seed."""
-
-
-def kept_distribution(logits: np.ndarray, params: RowSampling) -> np.ndarray:  # [V] float64, sums to 1
-    """The probabilities a sampled row's draw gives each token, by the draw's own definition (module docstring):
-    weights exp((logit - max) / T), then top-k and top-p on tokens ranked by logit (ties by id)."""
-    logits = logits.astype(np.float64)
-    weights = np.exp((logits - logits.max()) / max(params.temperature, float(np.finfo(np.float32).tiny)))
-    if params.top_k > 0 or params.top_p < 1.0:
-        order = np.argsort(-logits, kind="stable")  # descending, equal logits by token id
-        ranked = weights[order]
-        keep = len(ranked) if params.top_k <= 0 else min(params.top_k, len(ranked))
-        if params.top_p < 1.0:
-            reached = np.cumsum(ranked[:keep]) >= params.top_p * ranked[:keep].sum()
-            keep = int(np.argmax(reached)) + 1
-        cut = np.zeros_like(weights)
-        cut[order[:keep]] = ranked[:keep]
-        weights = cut
-    return weights / weights.sum()
-
-
-def _draw_from(probs: np.ndarray, u: float) -> int:
-    """The first token whose cumulative probability exceeds u (one of positive probability)."""
-    cumulative = np.cumsum(probs)
-    token = int(np.searchsorted(cumulative, u * cumulative[-1], side="right"))
-    return min(token, int(np.flatnonzero(probs)[-1]))
-
-
-def verify_sampled(logits: np.ndarray, params: RowSampling, drafts: list[int], counter: int) -> tuple[list[int], int]:
-    """Speculative sampling of a sampled row's drafts, whose proposer is deterministic (it names one token):
-    `logits` [1 + k, V] are the rows at the request's last token and at each draft. Draft i is kept with the
-    probability p_i(d_i) the model gives it; at the first one refused, the token is drawn from p_i without d_i
-    (p_i minus the draft's one-hot, clipped at 0, renormalized); after k kept ones, from p_k. Each token so comes
-    with the distribution one step at a time would give it (Leviathan et al. 2023, Chen et al. 2023), from
-    uniforms hash(seed, counter) as the sampler's draws. Returns the tokens and how many drafts were kept."""
-    seeds = [params.seed] * (2 * len(drafts) + 1)
-    counters = [counter + i for i in range(len(drafts) + 1)] + [ACCEPT_COUNTER + counter + i
-                                                                 for i in range(len(drafts))]
-    u = counter_uniforms(seeds, counters)
-    u_draw, u_accept = u[:len(drafts) + 1], u[len(drafts) + 1:]
-    for i, draft in enumerate(drafts):
-        probs = kept_distribution(logits[i], params)
-        if u_accept[i] < probs[draft]:
-            continue
-        probs[draft] = 0.0
-        return drafts[:i] + [_draw_from(probs, u_draw[i])], i
-    return drafts + [_draw_from(kept_distribution(logits[len(drafts)], params), u_draw[len(drafts)])], len(drafts)
-
-
-def greedy_tokens(logits: torch.Tensor, start: int, num: int) -> list[int]:
-    """The argmax of rows [start, start + num) of a step's logits, as the greedy draw takes it."""
-    return _argmax(logits[start:start + num]).tolist()
-
-
-def select_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """Rows of a step's logits, in that order, as a tensor of their own."""
-    return logits.index_select(0, torch.tensor(rows, dtype=torch.int64, device=logits.device))
-
-
 class _StepParams:
     """What a step's RowSampling list gives the draw, worked out once and kept while the same requests sample in
     the same rows, as vLLM's persistent input batch keeps its sampling parameters between steps: at 256 rows,

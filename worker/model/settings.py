@@ -57,9 +57,9 @@ class EngineSettings(BaseSettings):
     """Speculative decoding without a second model: up to this many draft tokens per step, copied from where the
     request's last tokens occurred earlier in its prompt or output (n-gram prompt lookup), verified in the same
     forward as its next token; requests without penalties, min_tokens, logprobs or a grammar, and not with async
-    scheduling. Greedy output is the same token for token, sampled output has the same distribution (speculative
-    sampling); a step costs a few rows more, and a request whose drafts keep failing proposes ever more rarely.
-    0: off."""
+    scheduling. The output is the same token for token, greedy or seeded (a draft is kept when it is the token
+    the sampler draws at its place); a step costs a few rows more, and a request whose drafts keep failing
+    proposes ever more rarely. 0: off."""
     speculative_ngram_min: int = Field(2, ge=1)
     speculative_ngram_max: int = Field(4, ge=1)
     """The n-grams looked up: the longest suffix of the request's tokens, from max down to min tokens, that
