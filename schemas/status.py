@@ -83,6 +83,10 @@ class WorkerStatus(WireRecord, kw_only=True):
     commit_waiting_partitions: Annotated[list[Partition], Meta(description=(
         "Request-topic partitions not read until their committed offset moves: the requests answered above it "
         "(requests finish out of order) fill the record of them that each exactly-once commit carries."))] = []
+    num_draft_tokens: Annotated[int, Meta(ge=0, le=MAX_SAFE_INT, description=(
+        "Speculative draft tokens the engine verified since the worker started (0 with speculation off)."))] = 0
+    num_accepted_draft_tokens: Annotated[int, Meta(ge=0, le=MAX_SAFE_INT, description=(
+        "Of those, the ones kept; over an interval, their share of num_draft_tokens is the acceptance rate."))] = 0
     num_preemptions: Annotated[int, Meta(ge=0, le=MAX_SAFE_INT, description=(
         "Running requests preempted (to be recomputed) since the worker started."))] = 0
     last_step_ms: Annotated[float, Meta(ge=0.0, description="How long the engine's last step took.")] = 0.0

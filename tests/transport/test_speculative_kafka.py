@@ -66,3 +66,6 @@ async def test_drafted_streams_are_whole_and_equal_plain_decoding(kafka_topics, 
         assert text == expected.text, request.id
         assert final.usage.completion_tokens == len(expected.token_ids)
     assert collector.results.latest_final("stopped").reason == "stop"
+    # Operators see the drafts on the status topic.
+    last = [s for s in collector.results.statuses if s.num_draft_tokens][-1]
+    assert 0 < last.num_accepted_draft_tokens <= last.num_draft_tokens <= drafting.num_proposed_tokens

@@ -220,6 +220,10 @@ class EngineStats:
     num_compiling: int = 0
     """Structured-output requests held outside the scheduler while their grammars compile (in num_waiting too):
     they hold no seat yet, and most hostile formats end there."""
+    num_draft_tokens: int = 0
+    """Speculative draft tokens verified since the engine started (ENGINE_SPECULATIVE_NGRAM_TOKENS)."""
+    num_accepted_draft_tokens: int = 0
+    """Of those, the ones kept: each saved a step of its request."""
 
 
 class Engine(Protocol):

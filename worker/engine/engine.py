@@ -678,6 +678,8 @@ class LLMEngine:
             protected_priorities=self.scheduler.protected_priorities,
             num_waiting_by_priority=self.scheduler.num_waiting_by_priority(),
             num_compiling=self.structured.num_held,
+            num_draft_tokens=self.num_proposed_tokens,
+            num_accepted_draft_tokens=self.num_accepted_tokens,
             **self._adapter_stats(),
         )
 

@@ -157,6 +157,9 @@ class WorkerMetrics:
     """A gauge mirroring the engine's own running count (the engine owns the counter)."""
     adapter_loads: Gauge
     """Likewise for the engine's LoRA adapter loads."""
+    draft_tokens: Gauge
+    """Likewise for the engine's speculative draft tokens verified, and those kept."""
+    accepted_draft_tokens: Gauge
     batch_size: Histogram
     consumer_lag: Gauge
     paused_partitions: Gauge
@@ -196,6 +199,10 @@ class WorkerMetrics:
             num_preemptions=Gauge(f"{NS}num_preemptions", "Preemptions since the engine started.", registry=r),
             adapter_loads=Gauge(f"{NS}adapter_loads", "LoRA adapter loads since the engine started (reloads after "
                                 "an eviction included).", registry=r),
+            draft_tokens=Gauge(f"{NS}spec_decode_draft_tokens", "Speculative draft tokens verified since the engine "
+                               "started.", registry=r),
+            accepted_draft_tokens=Gauge(f"{NS}spec_decode_accepted_tokens", "Speculative draft tokens kept since "
+                                        "the engine started.", registry=r),
             batch_size=Histogram(f"{NS}batch_size", "Sequences per engine step.", buckets=BATCH_BUCKETS, registry=r),
             consumer_lag=Gauge(f"{NS}consumer_lag", "Unread plus locally queued requests.", ["priority"], registry=r),
             paused_partitions=Gauge(f"{NS}paused_partitions", "Paused request partitions.", ["priority"], registry=r),

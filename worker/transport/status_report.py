@@ -68,6 +68,8 @@ class StatusReporter:
         m.prefix_cache_hit_rate.set(stats.prefix_cache_hit_rate)
         m.num_preemptions.set(stats.num_preemptions)
         m.adapter_loads.set(stats.num_adapter_loads)
+        m.draft_tokens.set(stats.num_draft_tokens)
+        m.accepted_draft_tokens.set(stats.num_accepted_draft_tokens)
         m.desired_workers.set(view.desired_workers or 0.0)
         if stats.last_step_num_seqs:
             m.batch_size.observe(stats.last_step_num_seqs)
@@ -109,6 +111,8 @@ class StatusReporter:
             assigned_partitions=sorted(view.assigned_partitions),
             commit_waiting_partitions=sorted(view.commit_waiting),
             num_preemptions=stats.num_preemptions,
+            num_draft_tokens=stats.num_draft_tokens,
+            num_accepted_draft_tokens=stats.num_accepted_draft_tokens,
             last_step_ms=max(0.0, stats.last_step_s * 1000.0),
             num_steps=stats.num_steps,
             num_batched_tokens=stats.num_batched_tokens,
