@@ -77,6 +77,15 @@ class Results:
                 earlier.update({c.seq: c for c in chunks if c.index == index and c.seq < final.resumed_at})
         return [earlier[seq] for seq in sorted(earlier)] + mine
 
+    def delivered(self, final: FinalRecord, streamed: bool) -> tuple[list[int], str]:
+        """A request's tokens and text as its reader gets them: from its stream's chunks (checked whole and in
+        order), or from its final when it did not stream."""
+        if not streamed:
+            return final.token_ids, final.text
+        chunks = self.stream_of(final)
+        assert [c.seq for c in chunks] == list(range(len(chunks))), final.id
+        return [t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks)
+
     def stream_text(self, request_id: str, attempt: int) -> str:
         return "".join(c.text for c in self.chunks[(request_id, attempt)])
 

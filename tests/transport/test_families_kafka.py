@@ -64,12 +64,7 @@ async def test_a_family_serves_through_the_broker_as_transformers_generates(fami
         with torch.no_grad():
             expected = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
                                       min_new_tokens=MAX_NEW_TOKENS)[0, len(ids):].tolist()
-        if request.stream:
-            chunks = collector.results.stream_of(final)
-            assert [c.seq for c in chunks] == list(range(len(chunks))), request.id
-            tokens, text = [t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks)
-        else:
-            tokens, text = final.token_ids, final.text
+        tokens, text = collector.results.delivered(final, request.stream)
         assert tokens == expected, request.id
         assert text == tokenizer.decode(expected, skip_special_tokens=True), request.id
         assert final.usage.prompt_tokens == len(ids)

@@ -56,12 +56,7 @@ async def test_drafted_streams_are_whole_and_equal_plain_decoding(kafka_topics, 
         final = collector.results.latest_final(request.id)
         expected = plain[request.id]
         assert (final.status, final.reason) == ("completed", expected.finish_reason), request.id
-        if request.stream:
-            chunks = collector.results.stream_of(final)
-            assert [c.seq for c in chunks] == list(range(len(chunks))), request.id
-            tokens, text = [t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks)
-        else:
-            tokens, text = final.token_ids, final.text
+        tokens, text = collector.results.delivered(final, request.stream)
         assert tokens == expected.token_ids, request.id
         assert text == expected.text, request.id
         assert final.usage.completion_tokens == len(expected.token_ids)
