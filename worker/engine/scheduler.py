@@ -348,11 +348,10 @@ class Scheduler:
         """Apply a finished step: advance num_computed_tokens, append one sampled token per sampling request,
         check stop conditions, free finished requests. Requests finished since schedule() are skipped."""
         now = time.monotonic() if now is None else now
-        # The loop of a decode step: it runs for every running request, so properties and calls are inlined.
+        # The loop of a decode step: it runs for every running request, so properties are inlined.
         caching = self.pool.enable_caching
         window = self.pool.kv_window
         block_size = self.block_size
-        max_model_len = self.max_model_len
         running = RequestStatus.RUNNING
         num_consumed = 0
         updates = []
@@ -381,18 +380,11 @@ class Scheduler:
             request.num_pending_samples -= 1
             token_id = sampled_token_ids[entry.request_id]
             num_consumed += 1
-            output_ids = request.output_token_ids
-            output_ids.append(token_id)
+            request.output_token_ids.append(token_id)
             if request.first_token_time is None:
                 request.first_token_time = now
-            sampling = request.sampling
-            if token_id in sampling.stop_token_ids or (not sampling.ignore_eos and token_id in request.eos_token_ids):
-                request.stop_reason = token_id
-                finish_status = RequestStatus.FINISHED_STOPPED
-            elif (len(output_ids) >= sampling.max_new_tokens
-                  or len(request.prompt_token_ids) + len(output_ids) >= max_model_len):
-                finish_status = RequestStatus.FINISHED_LENGTH
-            else:
+            finish_status = self._ends_with(request, token_id)
+            if finish_status is None:
                 updates.append(RequestUpdate(request, [token_id], None))
                 continue
             self._finish(request, finish_status, now)
@@ -408,21 +400,13 @@ class Scheduler:
         sit past num_computed_tokens, written over when those positions are computed again. Stop conditions apply
         token by token, as if each had come from a step of its own; tokens after a stop are dropped."""
         request = entry.request
-        sampling = request.sampling
-        output_ids = request.output_token_ids
         finish_status = None
         for i, token_id in enumerate(token_ids):
-            output_ids.append(token_id)
-            if token_id in sampling.stop_token_ids or (not sampling.ignore_eos and token_id in request.eos_token_ids):
-                request.stop_reason = token_id
-                finish_status = RequestStatus.FINISHED_STOPPED
-            elif (len(output_ids) >= sampling.max_new_tokens
-                  or len(request.prompt_token_ids) + len(output_ids) >= self.max_model_len):
-                finish_status = RequestStatus.FINISHED_LENGTH
-            else:
-                continue
-            token_ids = token_ids[:i + 1]
-            break
+            request.output_token_ids.append(token_id)
+            finish_status = self._ends_with(request, token_id)
+            if finish_status is not None:
+                token_ids = token_ids[:i + 1]
+                break
         request.num_computed_tokens = entry.num_computed_before + len(token_ids)
         if self.pool.enable_caching:
             self.pool.cache_full_blocks(request)
@@ -433,6 +417,18 @@ class Scheduler:
         if finish_status is not None:
             self._finish(request, finish_status, now)
         return RequestUpdate(request, list(token_ids), finish_status)
+
+    def _ends_with(self, request: Request, token_id: int) -> RequestStatus | None:
+        """How `token_id`, just appended to the request's output, ends it (a stop or EOS token, whose id becomes
+        its stop_reason; max_new_tokens; max_model_len), or None when it goes on."""
+        sampling = request.sampling
+        if token_id in sampling.stop_token_ids or (not sampling.ignore_eos and token_id in request.eos_token_ids):
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        num_output = len(request.output_token_ids)
+        if num_output >= sampling.max_new_tokens or len(request.prompt_token_ids) + num_output >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
 
     def check_invariants(self) -> None:
         assert len(self.running) <= self.max_num_seqs
