@@ -177,6 +177,8 @@ async def running_worker(kafka: KafkaSettings, settings: WorkerSettings, engine,
     finally:
         worker.stop()
         assert await asyncio.wait_for(task, 60) == 0
+        # Whatever the test did to it, no request was answered twice, or after it was given up.
+        assert worker.answers.book.violations == []
 
 
 def subprocess_env(kafka: KafkaSettings, **worker_env) -> dict[str, str]:

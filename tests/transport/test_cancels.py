@@ -143,7 +143,7 @@ async def test_an_aborted_cancelled_stream_ends_cancelled_with_its_text_so_far()
 
 
 def with_cancels(w, *request_ids: str):
-    ids = w.cancellations.ids
+    ids = w.lifecycle.cancels
     now = time.time() * 1000
     for rid in request_ids:
         ids.add(rid, now, now, reason="stop it")

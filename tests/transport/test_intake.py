@@ -16,7 +16,8 @@ from worker.worker_settings import WorkerSettings
 from worker.engine.api import EngineStats
 from worker.transport.load.admission import Admission
 from worker.transport.requests.answers import Answers
-from worker.transport.requests.cancellation import Cancellations
+from worker.transport.requests.lifecycle import Lifecycle
+from worker.transport.requests.stages import RequestBook
 from worker.transport.requests.cancels import CancelledIds
 from worker.transport.requests.dispatcher import COMPILING_CAPS, Dispatcher
 from worker.transport.requests.intake import Intake, IntakeLayout
@@ -42,24 +43,37 @@ def build(max_in_engine: int = 4, **settings_overrides) -> SimpleNamespace:
     service = ServiceModel(KAFKA.num_priorities, 64, 512)
     tenants = TenantBook.from_settings(settings, KAFKA.num_priorities)
     queue = LocalQueue(KAFKA.num_priorities, settings.max_waiting, tenants.fair)
+    book = RequestBook()
     answers = Answers(publisher, tracker, metrics, settings.worker_id, KAFKA.result_topic, KAFKA.dead_letter_topic,
-                      tenants=tenants)
+                      tenants=tenants, book=book)
     admission = Admission(KAFKA.result_topic, frozenset(KAFKA.allowed_reply_topics), list(settings.itl_target_ms))
     streamer = Streamer(publisher, tracker, answers, metrics, service, settings.worker_id, KAFKA.num_priorities, 0.0,
                         tenants)
-    cancellations = Cancellations(CancelledIds(settings.cancel_ttl_s, settings.cancel_max_ids), queue, streamer,
-                                  engine, answers)
-    dispatcher = Dispatcher(queue, streamer, engine, admission, answers, service, max_in_engine, cancellations,
-                            tenants)
-    intake = Intake(consumer, tracker, queue, answers, admission, service,
-                    IntakeLayout.from_settings(KAFKA, settings, DEFAULT_LIMITS), tenants, cancellations)
+    lifecycle = Lifecycle(book, queue, streamer, engine, answers, admission, service, tenants,
+                          CancelledIds(settings.cancel_ttl_s, settings.cancel_max_ids), KAFKA.result_topic)
+    dispatcher = Dispatcher(lifecycle, admission, max_in_engine)
+    intake = Intake(consumer, tracker, lifecycle, answers, IntakeLayout.from_settings(KAFKA, settings, DEFAULT_LIMITS))
     load_control = LoadControl(Shedder(list(settings.max_queue_time_s), KAFKA.num_priorities),
                                Backpressure.from_settings(settings, KAFKA.num_priorities), service)
     all_partitions = {TopicPartition(TOPIC, p) for p in range(KAFKA.num_request_partitions)}
     intake.on_assigned(all_partitions, group_generation=7)
     return SimpleNamespace(consumer=consumer, publisher=publisher, engine=engine, tracker=tracker, queue=queue,
                            intake=intake, dispatcher=dispatcher, streamer=streamer, load_control=load_control,
-                           service=service, answers=answers, tenants=tenants, cancellations=cancellations)
+                           service=service, answers=answers, tenants=tenants, lifecycle=lifecycle, book=book)
+
+
+def revoke(w, partitions: set) -> None:
+    """The start of a rebalance, as Worker._on_revoked does it (without the commit)."""
+    w.lifecycle.hold(partitions)
+    w.intake.on_revoked(partitions)
+
+
+def assign(w, partitions: set, group_generation: int, **kwargs) -> set:
+    """The assignment that ends it, as Worker._on_assigned does it: returns the partitions given up."""
+    held = set(w.streamer.held_partitions)
+    gone = w.intake.on_assigned(partitions, group_generation, **kwargs) | (held - partitions)
+    w.engine.abort(w.lifecycle.settle(gone))
+    return gone
 
 
 def send(w, priority: int, request_id: str, value: bytes | None = None, timestamp_ms: int | None = None, **fields):
@@ -219,12 +233,14 @@ async def test_a_rebalance_keeps_what_stays_and_forgets_what_moved():
     tp_b, _ = send(w, 2, "b")
     await w.intake.fetch_once()
     everything = set(w.intake.assigned)
-    w.intake.on_revoked(everything)  # eager: every partition, at the start of the rebalance
+    revoke(w, everything)  # eager: every partition, at the start of the rebalance
     assert list(w.queue) == [] and w.intake.assigned == set()
+    assert w.book.by_stage()["held"] == 2
     w.consumer.seek(tp_b, 0)  # what aiokafka does at the assignment: back to the committed offset
-    w.intake.on_assigned(everything - {tp_a}, group_generation=8)
+    assign(w, everything - {tp_a}, group_generation=8)
     # tp_b stayed: its request waits again, under its first attempt, and reading resumes after it (no refetch).
     assert [(q.request.id, q.attempt) for q in w.queue] == [("b", 7)]
+    assert w.book.by_stage()["queued"] == 1 and w.book.num_given_up == 1 and w.book.violations == []
     assert w.consumer.positions[tp_b] == 1 and w.tracker.next_offset(tp_b) == 1
     await w.intake.fetch_once()
     assert [q.request.id for q in w.queue] == ["b"]
@@ -240,13 +256,13 @@ async def test_a_worker_that_missed_a_generation_keeps_nothing_of_what_it_held()
     tp_b, _ = send(w, 2, "b")
     await w.intake.fetch_once()
     everything = set(w.intake.assigned)
-    w.intake.on_revoked(everything)
+    revoke(w, everything)
     assert w.intake.kept_of(everything, 8) == everything  # the next generation: it kept them
     assert w.intake.kept_of(everything, 9) == set()  # generation 8 went on without it
     assert w.intake.kept_of(everything, 8, lost={tp_b}) == everything - {tp_b}  # its lane was fenced
     w.consumer.seek(tp_b, 0)
-    moved = w.intake.on_assigned(everything, group_generation=9, progress={tp_b: (0, [(1, 2)])})
-    assert moved == everything and list(w.queue) == []
+    moved = assign(w, everything, group_generation=9, progress={tp_b: (0, [(1, 2)])})
+    assert moved == everything and list(w.queue) == [] and len(w.book) == 0 and w.book.num_given_up == 1
     assert w.consumer.positions[tp_b] == 0 and w.tracker.progress(tp_b) == (0, [(1, 2)])
     await w.intake.fetch_once()
     assert [(q.request.id, q.attempt) for q in w.queue] == [("b", 9)]  # offset 0 again, under the new generation

@@ -78,7 +78,8 @@ async def test_tables_are_empty_after_a_mixed_load(kafka_topics, tiny_model_path
                 assert sorted(f.index for f in results.finals[r.id] if f.index is not None) == [0, 1]
 
         tables = worker.memory.table_sizes()
-        assert tables["streams"] == tables["local_queue"] == tables["offsets_pending"] == 0, tables
+        assert tables["requests"] == tables["streams"] == tables["local_queue"] == 0, tables
+        assert tables["offsets_pending"] == 0, tables
         assert tables["held_completions"] == 0, tables
         assert tables["engine_in_flight"] == 0, tables
         assert tables["cancelled_ids"] <= 16

@@ -48,7 +48,9 @@ async def test_chunks_then_one_final_and_the_offset_is_done_when_acknowledged():
         streamer.open(q)
     assert streamer.num_open_by_priority == [0, 3, 0]
     await streamer.handle([output(a, 1), output(b, 1), output(gone, 1)])
-    assert streamer.close_where(lambda q: q.request.id == "gone") == [gone.engine_id]
+    closed = []
+    assert streamer.close_where(lambda q: q.request.id == "gone", closed.append) == [gone.engine_id]
+    assert closed == [gone]
     await streamer.handle([output(a, 2), output(b, 2, True, "length"), output(gone, 2)])
     await streamer.handle([output(a, 3, True, "stop")])
     chunks = publisher.chunks()
@@ -131,7 +133,9 @@ async def test_held_during_a_rebalance_then_released_or_closed():
     assert [(c.id, c.seq) for c in publisher.chunks()] == [("stays", 0), ("moves", 0)]
     assert publisher.finals() == {} and len(streamer) == 2  # both finals wait; shutdown would wait for them
     # The assignment: partition 1 went to another worker, partition 0 stayed.
-    assert streamer.close_where(lambda q: q.partition == moves.partition) == []  # its final was already held
+    closed = []
+    assert streamer.close_where(lambda q: q.partition == moves.partition, closed.append) == []  # final held
+    assert closed == [moves]
     streamer.release({stays.partition})
     chunks = [(c.id, c.seq, c.token_ids) for c in publisher.chunks()]
     assert chunks == [("stays", 0, [1]), ("moves", 0, [1]), ("stays", 1, [2, 3])]  # no gap, same attempt

@@ -204,17 +204,17 @@ async def test_a_full_contended_queue_sheds_the_tenant_holding_most_of_it():
         send(w, 1, f"flood-{i}", tenant="flood")
     await w.intake.fetch_once()  # one tenant: the poll overshoots, nothing shed (pausing is the backpressure)
     assert len(w.queue) == 6 and not w.publisher.finals()
-    assert w.intake.overflow_priorities(0.0) == frozenset()
+    assert w.lifecycle.overflow_priorities(0.0) == frozenset()
     send(w, 0, "urgent", tenant="calm")  # a second tenant, read at another priority: not contention at 1
     await w.intake.fetch_once()
-    assert w.intake.overflow_priorities(time.monotonic()) == frozenset()
+    assert w.lifecycle.overflow_priorities(time.monotonic()) == frozenset()
     # Two tenants read at priority 1 (it was read before the queue filled): the queue overflows.
     w = build(max_in_engine=0, max_waiting=4, resume_waiting=2)
     for i in range(5):
         send(w, 1, f"flood-{i}", tenant="flood")
     send(w, 1, "calm-0", tenant="calm")
     await w.intake.fetch_once()
-    assert w.intake.overflow_priorities(time.monotonic()) == {0, 1, 2} - {0, 2}
+    assert w.lifecycle.overflow_priorities(time.monotonic()) == {0, 1, 2} - {0, 2}
     for i in range(5, 9):
         send(w, 1, f"flood-{i}", tenant="flood")
     send(w, 1, "calm-1", tenant="calm")

@@ -171,6 +171,9 @@ class WorkerMetrics:
     unreadable_records: Counter
     requests_cancelled: Counter
     requests_resumed: Counter
+    lifecycle_violations: Counter
+    """Answers refused because their request had ended (a second final, or one after it was given up) and
+    moves between stages that should not happen: 0 unless the worker has a bug (transport/requests/stages.py)."""
     resumed_tokens: Counter
     reply_topic_available: Gauge
     desired_workers: Gauge
@@ -217,6 +220,9 @@ class WorkerMetrics:
                                        "them could not be read (e.g. a compression codec missing).", registry=r),
             requests_cancelled=Counter(f"{NS}requests_cancelled", "Cancelled finals (cancelled by their producer).",
                                        registry=r),
+            lifecycle_violations=Counter(f"{NS}request_lifecycle_violations", "Answers refused because their "
+                                         "request had ended, and other moves against a request's stages: 0 "
+                                         "unless the worker has a bug.", registry=r),
             requests_resumed=Counter(f"{NS}requests_resumed", "Requests taken over from another worker whose "
                                      "streams went on where they stopped (docs/delivery.md, Resumed streams).",
                                      registry=r),

@@ -1,8 +1,9 @@
 """The worker: built once from its settings, it connects to Kafka, runs its loops and shuts down cleanly.
 
-The path of one request (docs/architecture.md): Intake.fetch_once → decode → admission → LocalQueue →
-Dispatcher.admit → the engine client (engine_client.py) → Streamer.handle → Publisher → OffsetTracker →
-Intake.commit. Answers that bypass the engine go Intake → Answers → Publisher → OffsetTracker.
+The path of one request (docs/architecture.md): Intake.fetch_once → decode → Lifecycle.arrive → LocalQueue →
+Dispatcher.admit → Lifecycle.enter → the engine client (engine_client.py) → Streamer.handle → Answers →
+Publisher → OffsetTracker → Intake.commit. The lifecycle (lifecycle.py) decides every way a request ends
+before the engine's final (rejected, shed, deadline, cancelled), each through Answers, the one way out.
 
 Tasks on one asyncio loop: intake (fetch, decode, check, queue; then admit into the engine), outputs (engine
 outputs -> chunks and finals; then admit, since room was made), commits (every commit_interval_s), control
@@ -49,13 +50,14 @@ from worker.transport.kafka.aiokafka_compat import group_generation
 from worker.transport.requests.answers import Answers, FinalReplacement
 from worker.transport.load.autoscale import ScaleSignal
 from worker.transport.load.backpressure import Backpressure
-from worker.transport.requests.cancellation import Cancellations
 from worker.transport.requests.cancels import Cancel, CancelledIds
 from worker.transport.requests.control import ControlReader
 from worker.transport.requests.delivery import ConsumerCommits, TransactionalCommits
 from worker.transport.requests.dispatcher import Dispatcher
 from worker.transport.requests.engine_client import make_engine_client
 from worker.transport.requests.intake import Intake, IntakeLayout
+from worker.transport.requests.lifecycle import Lifecycle
+from worker.transport.requests.stages import RequestBook
 from worker.transport.kafka.kafka_clients import RebalanceListener, make_consumer
 from worker.transport.load.load_control import LoadControl
 from worker.transport.requests.local_queue import LocalQueue
@@ -161,20 +163,19 @@ class Worker:
             kafka.dead_letter_topic, usage_topic=kafka.usage_topic, model=model,
             priority_of=lambda tp: priority_of_partition(tp.partition, kafka.num_request_partitions,
                                                          kafka.num_priorities),
-            tenants=self.tenants, lanes=lanes, replacement=replacement)
+            tenants=self.tenants, lanes=lanes, replacement=replacement,
+            book=RequestBook(on_violation=self.metrics.lifecycle_violations.inc))
         self.admission = admission = Admission(kafka.result_topic, frozenset(kafka.allowed_reply_topics),
                                                list(settings.itl_target_ms), max_num_batched_tokens,
                                                allowed_reply_topic_prefixes=tuple(kafka.allowed_reply_topic_prefixes))
         self.streamer = Streamer(self.publisher, self.tracker, self.answers, self.metrics, self.service,
                                  settings.worker_id, kafka.num_priorities, settings.chunk_interval_ms, self.tenants)
-        self.cancellations = Cancellations(self.cancels, self.queue, self.streamer, self.engine_thread,
-                                           self.answers)
-        self.dispatcher = Dispatcher(self.queue, self.streamer, self.engine_thread, admission, self.answers,
-                                     self.service, settings.max_engine_inflight or 2 * max_num_seqs,
-                                     self.cancellations, self.tenants)
-        self.intake = Intake(self.consumer, self.tracker, self.queue, self.answers, admission, self.service,
-                             IntakeLayout.from_settings(kafka, settings, limits), self.tenants, self.cancellations,
-                             tracing=tracing)
+        self.lifecycle = Lifecycle(self.answers.book, self.queue, self.streamer, self.engine_thread, self.answers,
+                                   admission, self.service, self.tenants, self.cancels, kafka.result_topic)
+        """Every request from its read to its end: what becomes of it is decided there."""
+        self.dispatcher = Dispatcher(self.lifecycle, admission, settings.max_engine_inflight or 2 * max_num_seqs)
+        self.intake = Intake(self.consumer, self.tracker, self.lifecycle, self.answers,
+                             IntakeLayout.from_settings(kafka, settings, limits), tracing=tracing)
         self.delivery = (TransactionalCommits(lanes, kafka, self.consumer, self.publisher, self.intake)
                          if lanes is not None else ConsumerCommits(self.intake))
         """How what is answered gets committed: the lanes' transactions (exactly once) or the consumer's."""
@@ -199,6 +200,7 @@ class Worker:
         """What each per-request table and cache holds now (memory_metrics.py; bounds in docs/memory.md). Read on
         the metrics thread."""
         return {
+            "requests": lambda: len(self.answers.book),
             "streams": lambda: len(self.streamer),
             "local_queue": lambda: len(self.queue),
             "engine_in_flight": lambda: self.engine_thread.num_in_flight,
@@ -255,12 +257,12 @@ class Worker:
         self.service.see(EngineView(stats, stats.num_waiting > 0 or stats.num_running >= self.max_num_seqs,
                                     tuple(self.streamer.num_open_by_priority)))
 
-    # -- cancellation (docs/delivery.md, "Cancellation"; decided in cancellation.py) ------------------------
+    # -- cancellation (docs/delivery.md, "Cancellation"; decided in lifecycle.py) --------------------------
     def _on_cancel(self, cancel: Cancel) -> None:
         """A cancel record was read (control.py); after shutdown only a request read later (by another worker)
         could need it."""
         if not self.closing:
-            self.cancellations.arrived(cancel)
+            self.lifecycle.cancel_arrived(cancel)
 
     async def _wait_for_cancels(self) -> None:
         """Before intake starts: let the control reader catch up with the cancels of its lookback window, so a
@@ -276,7 +278,7 @@ class Worker:
         if not self.started.is_set():
             return  # the first join of a starting worker: nothing is owned yet
         await self.delivery.commit(revoked)
-        self.streamer.hold(revoked)
+        self.lifecycle.hold(revoked)
         self.intake.on_revoked(revoked)
         log.info("revoked %s; their requests keep running, unpublished, until the assignment",
                  sorted(tp.partition for tp in revoked))
@@ -286,11 +288,8 @@ class Worker:
         progress_found, lost = await self.delivery.take_over(assigned, generation)
         held = set(self.streamer.held_partitions)
         gone = self.intake.on_assigned(assigned, generation, progress_found, lost) | (held - assigned)
-        self.answers.forget(gone)
-        ids = self.streamer.close_where(lambda queued: queued.partition in gone)
+        ids = self.lifecycle.settle(gone)
         self.engine_thread.abort(ids)
-        self.streamer.release(held - gone)
-        self.cancellations.sweep()  # requests set aside during the rebalance, cancelled meanwhile, are back
         if held:
             log.info("rebalance: kept %d partitions, gave up %d; aborted %d requests of those given up",
                      len(held & assigned), len(held - assigned), len(ids))
@@ -410,7 +409,7 @@ class Worker:
         deadline = loop.time() + self.settings.drain_timeout_s
         while len(self.streamer) and loop.time() < deadline:
             await asyncio.sleep(0.02)
-        abandoned = self.streamer.close_where(lambda queued: True)
+        abandoned = self.lifecycle.give_up(lambda queued: True)
         if abandoned:
             log.warning("drain timeout: %d requests abandoned; they stay uncommitted and will be redelivered",
                         len(abandoned))

@@ -1,3 +1,4 @@
-"""The request path: intake, the local queue, the dispatcher, the engine thread and process, the
-streamer, answers and records, cancellation, tracing. Uses `kafka` and `load`; never `worker.py`.
+"""The request path: intake, the lifecycle (one owner per request), the local queue, the dispatcher, the
+engine thread and process, the streamer, answers and records, cancels, tracing. Uses `kafka` and `load`;
+never `worker.py`.
 """

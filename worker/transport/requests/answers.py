@@ -1,9 +1,10 @@
-"""Answers that bypass the engine: the one place that writes a final record (and, for records that cannot be
-served at all, a dead-letter record) for a request the engine did not finish: `error` (invalid, too large,
-reply topic not allowed, ...), `rejected`/`shed`, `rejected`/`deadline` and `cancelled`; dead letters for undecodable
-records, for offsets whose batch cannot be read, and for poison requests (the engine fails on them). As for
-the engine's finals, the request record's offset counts as done only once Kafka has acknowledged everything
-written for it (`OffsetTracker.on_acked`).
+"""The one way out: every final record (and, for records that cannot be served at all, a dead-letter record)
+is written here. The engine's finals (`request_final`, from streamer.py) and those of requests it did not
+finish: `error` (invalid, too large, reply topic not allowed, ...), `rejected`/`shed`, `rejected`/`deadline`
+and `cancelled`; dead letters for undecodable records, for offsets whose batch cannot be read, and for poison
+requests (the engine fails on them). A request's final ends it in the RequestBook (stages.py), which refuses a
+second one. The request record's offset counts as done only once Kafka has acknowledged everything written
+for it (`OffsetTracker.on_acked`), or once its partition's transaction commits (exactly-once lanes).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from worker.transport.metrics import WorkerMetrics
 from worker.transport.kafka.offsets import OffsetTracker
 from worker.transport.kafka.publisher import OnFailed, Publisher
 from worker.transport.requests.records import answer_record, cancel_message, slimmed
+from worker.transport.requests.stages import RequestBook
 
 if TYPE_CHECKING:
     from worker.transport.kafka.exactly_once import FinalLanes
@@ -81,8 +83,12 @@ class Answers:
         result_topic: str, dead_letter_topic: str, *, usage_topic: str = "", model: str = "",
         tenants: TenantBook, priority_of: Callable[[Hashable], int] = lambda partition: 0,
         lanes: FinalLanes | None = None, replacement: FinalReplacement | None = None,
+        book: RequestBook | None = None,
     ) -> None:
         self.publisher = publisher
+        self.book = book if book is not None else RequestBook()
+        """The requests not ended yet (stages.py): a request's final ends it there, and a request that has ended
+        gets no second one."""
         self.usage_topic = usage_topic
         """Where each request's usage record goes, beside its final (schemas/usage.py); empty: nowhere."""
         self.model = model
@@ -118,13 +124,23 @@ class Answers:
             self.metrics.rejected_for(verdict.reason).inc()
         self.final(partition, offset, topic, record, tenant)
 
-    def reject_queued(self, queued: QueuedRequest, verdict: Verdict) -> None:
+    def reject_queued(self, queued: QueuedRequest, verdict: Verdict, topic: str | None = None) -> None:
+        """Answer a request with the verdict's final record, on its reply topic unless `topic` is given."""
+        if not self.book.answered(queued):
+            return
         self.tenants.finished(queued.tenant, verdict.status)
-        self.reject(queued.partition, queued.offset, queued.request.id, queued.attempt, verdict, queued.reply_topic,
-                    queued.timestamp_ms, queued.request.metadata, queued.tenant)
+        self.reject(queued.partition, queued.offset, queued.request.id, queued.attempt, verdict,
+                    topic or queued.reply_topic, queued.timestamp_ms, queued.request.metadata, queued.tenant)
+
+    def request_final(self, queued: QueuedRequest, final: FinalRecord) -> None:
+        """The engine's final of a request (the request's own when it has several completions)."""
+        if self.book.answered(queued):
+            self.final(queued.partition, queued.offset, queued.reply_topic, final, queued.tenant)
 
     def cancelled(self, queued: QueuedRequest, reason: str, when: str) -> None:
         """A request cancelled before it reached the engine: a `cancelled` final with empty output."""
+        if not self.book.answered(queued):
+            return
         record = answer_record(queued.request.id, queued.attempt, "cancelled", "cancelled",
                                cancel_message(reason, when), queued.timestamp_ms, self.worker_id,
                                queued.request.metadata)
@@ -221,6 +237,8 @@ class Answers:
     def dead_letter_request(self, queued: QueuedRequest, code: str, message: str) -> None:
         """A decoded request that cannot be served (it makes the engine fail): its re-encoded request goes to
         the dead-letter topic and an `error` final to its reply topic."""
+        if not self.book.answered(queued):
+            return
         self._set_aside(queued.partition, queued.offset, encode(queued.request), queued.request.id.encode(),
                         queued.timestamp_ms, code, message, queued.request.id, queued.attempt, queued.reply_topic,
                         queued.tenant)

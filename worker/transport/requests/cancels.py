@@ -1,7 +1,7 @@
 """The ids this worker knows to be cancelled: a bounded map with a time to live. Pure (no Kafka, no asyncio).
 
 Fed by the control reader (control.py) with every cancel record of the control topic, whichever worker holds
-the request; asked by cancellation.py, which decides what a cancel does wherever its request is.
+the request; asked by lifecycle.py, which decides what a cancel does wherever its request is.
 
 An entry lives `ttl_s` from its record's timestamp (bounded by now, so a producer clock running ahead cannot
 make one live longer), and at most `max_ids` entries are kept (the oldest go first). Both bounds only ever

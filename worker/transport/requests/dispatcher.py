@@ -3,9 +3,9 @@ than `max_in_engine` are in it (or past that, while less urgent ones are in it: 
 each wire request to the engine's `EngineRequest` on the way; tell the engine when input has ended for now
 (the consumer caught up), so a static batch may start partial.
 
-A request whose deadline passed while it waited locally, or that can no longer finish before it (its predicted
-service, with admission's safety margin), is answered here instead (`rejected`/`deadline`): handing it over
-would only spend compute on an answer nobody can use. A less urgent request is held back while admitting it
+The head of a queue goes to the lifecycle (lifecycle.py), which answers it instead when its cancel is known
+or its deadline can no longer be met (handing it over would only spend compute on an answer nobody can use),
+and otherwise moves it into the engine. A less urgent request is held back while admitting it
 would slow a more urgent running one past its inter-token latency target (admission.py); the ones behind it
 wait too, so priorities hold.
 """
@@ -19,15 +19,13 @@ import msgspec
 from schemas.request import (GenerationRequest, GrammarFormat, JsonObjectFormat, JsonSchemaFormat, RegexFormat,
                              ResponseFormat)
 from schemas.tools import NamedToolChoice
-from worker.engine.api import EngineRequest, EngineStats, SamplingParams, StructuredOutput, fair_preempts
-from worker.transport.load.admission import Admission, Verdict
-from worker.transport.requests.answers import Answers
-from worker.transport.requests.cancellation import Cancellations
+from worker.engine.api import EngineRequest, EngineStats, SamplingParams, StructuredOutput
+from worker.transport.load.admission import Admission
 from worker.transport.requests.engine_client import EngineClient
-from worker.transport.requests.local_queue import LocalQueue, QueuedRequest
-from worker.transport.load.service_model import ServiceModel
+from worker.transport.requests.lifecycle import Lifecycle
+from worker.transport.requests.local_queue import QueuedRequest
 from worker.transport.requests.streamer import Streamer
-from worker.transport.load.tenant_book import TenantBook, cache_salt_of
+from worker.transport.load.tenant_book import cache_salt_of
 from worker.tools.grammar import tool_call_grammar
 
 
@@ -157,20 +155,15 @@ def to_engine_requests(queued: QueuedRequest, fair_tag: float = 0.0) -> list[Eng
 
 
 class Dispatcher:
-    def __init__(
-        self, queue: LocalQueue, streamer: Streamer, engine: EngineClient, admission: Admission, answers: Answers,
-        service: ServiceModel, max_in_engine: int, cancellations: Cancellations, tenants: TenantBook,
-    ) -> None:
-        self.queue = queue
-        self.tenants = tenants
-        self._may_start = None if self.tenants.quotas.action != "defer" else (
-            lambda queued: self.tenants.may_dispatch(queued.tenant, queued.expected_tokens, time.monotonic()))
-        self.cancellations = cancellations
-        self.streamer = streamer
-        self.engine = engine
+    def __init__(self, lifecycle: Lifecycle, admission: Admission, max_in_engine: int) -> None:
+        self.lifecycle = lifecycle
+        self.queue = lifecycle.queue
+        self.streamer: Streamer = lifecycle.streamer
+        tenants = lifecycle.tenants
+        self._may_start = None if tenants.quotas.action != "defer" else (
+            lambda queued: tenants.may_dispatch(queued.tenant, queued.expected_tokens, time.monotonic()))
+        self.engine: EngineClient = lifecycle.engine
         self.admission = admission
-        self.answers = answers
-        self.service = service
         self.max_in_engine = max_in_engine
         self.draining = False
         """Set at shutdown: nothing more enters the engine."""
@@ -182,34 +175,12 @@ class Dispatcher:
         stats: EngineStats = self.engine.stats
         for priority in range(len(self.streamer.num_open_by_priority)):
             while (queued := self.queue.head(priority, self._may_start)) is not None and self._has_room(queued):
-                if self.cancellations.stops(queued):  # normally taken out when its cancel arrived
-                    self.queue.pop(priority)
-                    continue
-                verdict = self._check_deadline(queued)
-                if verdict is not None:
-                    self.queue.pop(priority)
-                    self.answers.reject_queued(queued, verdict)
+                if self.lifecycle.ended_before_engine(queued):
                     continue
                 if not self.admission.may_enter_batch(priority, queued.num_prompt_tokens,
                                                       self.streamer.num_open_by_priority, stats):
                     return  # less urgent requests would slow the same urgent ones even more: hold them all
-                self.queue.pop(priority)
-                self.streamer.open(queued)
-                queued.charged_tokens = queued.expected_tokens
-                queued.fair_tag = self.tenants.dispatched(priority, queued.tenant, queued.expected_tokens,
-                                                          time.monotonic())
-                queued.dispatched_ms = time.time() * 1000.0
-                for request in to_engine_requests(queued, queued.fair_tag):
-                    self.engine.add(request)
-
-    def _check_deadline(self, queued: QueuedRequest) -> Verdict | None:
-        if queued.deadline_ms is None:
-            return None
-        now_ms = time.time() * 1000.0
-        if now_ms >= queued.deadline_ms:
-            return Verdict("rejected", "deadline", "deadline passed while waiting in the local queue")
-        service = self.service.service_for(queued, self.service.num_sharing())
-        return self.admission.check_deadline(queued.deadline_ms, now_ms, 0.0, service, queued.priority)
+                self.lifecycle.enter(queued, lambda queued: to_engine_requests(queued, queued.fair_tag))
 
     def _has_room(self, queued: QueuedRequest) -> bool:
         """Below the cap, or past it while less urgent requests hold places in the engine, or requests of its
@@ -226,17 +197,7 @@ class Dispatcher:
         num_open = self.streamer.num_open_by_priority
         if sum(num_open[priority + 1:]) > 0 and sum(num_open[:priority + 1]) < self.max_in_engine:
             return True
-        return num_in_engine < 2 * self.max_in_engine and self._fair_room(queued)
-
-    def _fair_room(self, queued: QueuedRequest) -> bool:
-        """Whether a request of another tenant at its priority, far above its share, is in the engine."""
-        if not self.queue.fair.contended(queued.priority, time.monotonic()):
-            return False
-        probe = EngineRequest("", fair_tag=self.queue.fair.counter(queued.priority, queued.tenant),
-                              tenant=queued.tenant)
-        mine = [s.queued for s in self.streamer.streams.values() if s.queued.priority == queued.priority]
-        tenants = [q.tenant for q in mine]
-        return any(fair_preempts(probe, q, tenants) for q in mine)
+        return num_in_engine < 2 * self.max_in_engine and self.lifecycle.fair_room(queued)
 
     def set_input_ended(self, ended: bool) -> None:
         """The consumer caught up (True) or has records to read again (False); passed on when it changes."""

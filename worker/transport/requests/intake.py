@@ -43,16 +43,14 @@ from schemas.decode import RequestError, decode_request, encode
 from schemas.limits import DEFAULT_LIMITS, Limits
 from schemas.priority import priority_of_partition
 from schemas.progress import ProgressRecord
-from worker.transport.load.admission import Admission, Verdict, estimate_prompt_tokens
+from worker.transport.load.admission import estimate_prompt_tokens
 from worker.transport.requests.answers import Answers
-from worker.transport.requests.cancellation import Cancellations
 from worker.transport.load.load_control import LoadDecision
-from worker.transport.requests.local_queue import LocalQueue, QueuedRequest, resumable
+from worker.transport.requests.lifecycle import Lifecycle
+from worker.transport.requests.local_queue import QueuedRequest, resumable
 from worker.transport.kafka.offsets import OffsetTracker
 from worker.transport.kafka.progress import Runs
-from worker.transport.load.service_model import ServiceModel
 from worker.transport.load.shedding import ReachFraction
-from worker.transport.load.tenant_book import TenantBook
 from worker.transport.load.tenants import DEFAULT_TENANT
 from worker.transport.requests.tracing import NoTracing, RequestTracing
 
@@ -93,20 +91,18 @@ class IntakeLayout:
 
 class Intake:
     def __init__(
-        self, consumer: AIOKafkaConsumer, tracker: OffsetTracker, queue: LocalQueue, answers: Answers,
-        admission: Admission, service: ServiceModel, layout: IntakeLayout, tenants: TenantBook,
-        cancellations: Cancellations, tracing: RequestTracing | NoTracing = NoTracing(),
+        self, consumer: AIOKafkaConsumer, tracker: OffsetTracker, lifecycle: Lifecycle, answers: Answers,
+        layout: IntakeLayout, tracing: RequestTracing | NoTracing = NoTracing(),
     ) -> None:
         self.consumer = consumer
         self.tracing = tracing
         """tracing.RequestTracing when tracing is on: traced records start their spans here."""
-        self.cancellations = cancellations
         self.tracker = tracker
-        self.queue = queue
+        self.lifecycle = lifecycle
+        """Every request read goes to it (Lifecycle.arrive), which decides what becomes of it."""
+        self.queue = lifecycle.queue
         self.answers = answers
-        self.admission = admission
-        self.service = service
-        self.tenants = tenants
+        """For records that are no request: undecodable, or unreadable from their batch."""
         self.num_priorities = layout.num_priorities
         self.num_partitions = layout.num_partitions
         self.result_topic = layout.result_topic
@@ -124,8 +120,6 @@ class Intake:
         """A suspect that reads nothing (refetching, or idle) returns to normal reads after this time."""
         self.paused: set[TopicPartition] = set()
         self.group_generation = -1
-        self.load: LoadDecision | None = None
-        """The last load decision applied: which priorities are shed, and why."""
         self.fetching_stopped = False
         self._failed: KafkaError | None = None
         """A fetch error raised after records were drained: fetch_once handles those records, then raises it."""
@@ -133,8 +127,6 @@ class Intake:
         """Which of a priority's partitions a poll asks first (it moves on by one each poll: _fetch_shared)."""
         self._suspended: set[TopicPartition] = set()
         """Revoked in the rebalance under way; kept or given up at its assignment."""
-        self._held: list[QueuedRequest] = []
-        """The suspended partitions' waiting requests, in queue order."""
         self._resumable: dict[TopicPartition, dict[str, ProgressRecord]] = {}
         """Progress read at takeover (kafka/resume.py) of requests not read here yet: each continues its stream
         from its record when its request record comes."""
@@ -216,7 +208,7 @@ class Intake:
         would fetch in-flight requests a second time). The others start from their committed offset, skipping
         the offsets above it that `progress` says are answered (exactly-once: progress.py). Returns the
         suspended partitions that went elsewhere, or that may have had another owner since (kept_of): the
-        caller aborts their requests in the engine."""
+        caller gives up their requests (Lifecycle.settle)."""
         kept = self.kept_of(assigned, group_generation, lost)
         moved = self._suspended - kept
         if moved & assigned:
@@ -227,8 +219,6 @@ class Intake:
         self._resumable = {tp: found for tp, found in self._resumable.items() if tp in assigned}
         for tp in moved:
             self.tracker.revoke(tp)
-        self.queue.restore([q for q in self._held if q.partition in kept])
-        self._held = []
         self.outside_layout = {tp for tp in assigned if not 0 <= tp.partition < self.num_partitions}
         assigned = assigned - self.outside_layout
         if self.outside_layout:
@@ -257,11 +247,10 @@ class Intake:
         return moved
 
     def on_revoked(self, revoked: set[TopicPartition]) -> None:
-        """Revoked at the start of a rebalance (commit them first): stop reading them and set their waiting
-        requests aside, but forget nothing yet; the assignment that ends the rebalance (on_assigned) says
-        which of them stay with this worker."""
+        """Revoked at the start of a rebalance (commit them first; the lifecycle holds their requests): stop
+        reading them, but forget nothing yet; the assignment that ends the rebalance (on_assigned) says which of
+        them stay with this worker."""
         self._suspended |= revoked & self.assigned
-        self._held += self.queue.take_partitions(revoked)
         self.assigned -= revoked
         self.outside_layout -= revoked
         self.paused -= revoked
@@ -279,8 +268,9 @@ class Intake:
 
     # -- fetching ------------------------------------------------------------------------------------------
     async def fetch_once(self) -> None:
-        shed = self.load.shed_priorities if self.load else frozenset()
-        overflow = self.overflow_priorities(time.monotonic())
+        load = self.lifecycle.load
+        shed = load.shed_priorities if load else frozenset()
+        overflow = self.lifecycle.overflow_priorities(time.monotonic())
         budget = self.max_poll_records
         waiting, ahead, priorities = self.queue.num_waiting_by_priority(), 0, []
         for priority in range(self.num_priorities):
@@ -422,10 +412,10 @@ class Intake:
         self.consumer.seek(tp, offset + 1)
 
     def handle(self, tp: TopicPartition, msg, attempt: int) -> str:
-        """Decode one record, then answer it at once (error, rejection) or queue it locally. Never raises for
-        bad input: schemas.decode turns any bytes into a request or a RequestError. Returns what became of it:
-        "queued", "invalid" (refused for what it is), "load" (shed or deadline), "cancelled" (its cancel came
-        first) or "seen" (a refetch)."""
+        """Decode one record and hand the request to the lifecycle, which answers it at once (error, rejection)
+        or queues it. Never raises for bad input: schemas.decode turns any bytes into a request or a
+        RequestError. Returns what became of it: "queued", "invalid" (refused for what it is), "load" (shed or
+        deadline), "cancelled" (its cancel came first) or "seen" (a refetch)."""
         if not self.tracker.track(tp, msg.offset):
             return "seen"
         decoded = decode_request(msg.value, self.limits)
@@ -433,10 +423,9 @@ class Intake:
             self.answers.dead_letter(tp, msg, decoded, attempt)
             return "invalid"
         req = decoded
-        priority = self.priority_of(tp)
         now_ms = time.time() * 1000.0
         queued = QueuedRequest(
-            request=req, partition=tp, offset=msg.offset, priority=priority, attempt=attempt,
+            request=req, partition=tp, offset=msg.offset, priority=self.priority_of(tp), attempt=attempt,
             timestamp_ms=msg.timestamp, deadline_ms=req.deadline_at_ms(msg.timestamp),
             reply_topic=req.reply_topic or self.result_topic,
             num_prompt_tokens=estimate_prompt_tokens(req.prompt, req.messages, req.prompt_token_ids,
@@ -447,88 +436,7 @@ class Intake:
         if self._resumable and resumable(req):
             queued.resume = self._resume_of(tp, req.id, msg.offset, attempt)
         queued.trace = self.tracing.begin(msg.headers, req.id.encode(), queued)
-        verdict = self.admission.check_reply_topic(req.reply_topic)
-        if verdict is not None:
-            # An error about the reply topic goes to the result topic: never write where we may not.
-            self.answers.reject(tp, msg.offset, req.id, attempt, verdict, self.result_topic, msg.timestamp,
-                                req.metadata, queued.tenant)
-            return "invalid"
-        if self.cancellations.stops(queued):  # its cancel came first (or it is redelivered after one)
-            return "cancelled"
-        queued.expected_tokens = self.service.expected_cost(queued.num_prompt_tokens, req.max_new_tokens,
-                                                            req.num_completions)
-        self.service.observe_read(priority, queued.num_prompt_tokens, req.max_new_tokens, req.num_completions)
-        now = time.monotonic()
-        self.tenants.note_read(priority, queued.tenant, queued.expected_tokens, now)
-        if queued.resume is not None:
-            # Its stream is under way: shedding it or its deadline now would waste what was delivered.
-            self.queue.push(queued)
-            return "queued"
-        if (self.load is not None and priority in self.load.shed_priorities
-                and self.tenants.fair.over_share(priority, queued.tenant, now)):
-            self.answers.shed(queued, self.load.shed_message(priority))
-            return "load"
-        verdict = self._check_deadline(queued) or self.tenants.check_quota(queued.tenant, queued.expected_tokens, now)
-        if verdict is not None:
-            self.answers.reject_queued(queued, verdict)
-            return "load"
-        if not self._make_room(queued, now):
-            return "load"
-        self.queue.push(queued)
-        return "queued"
-
-    def overflow_priorities(self, now: float) -> frozenset[int]:
-        """Priorities read on while their local queue is full: contended by two or more tenants (FairShare.
-        contended) and not filled by more urgent requests. Reading stops on a full queue to leave the rest in
-        Kafka, but Kafka keeps a priority's records in arrival order: a tenant's flood ahead would then hold
-        the others' records there. Read on, the newest request of the tenant holding most of the queue is shed
-        instead (_make_room)."""
-        fair = self.queue.fair
-        waiting, ahead, overflow = self.queue.num_waiting_by_priority(), 0, []
-        for priority in range(self.num_priorities):
-            if ahead < self.queue.max_waiting and fair.contended(priority, now):
-                overflow.append(priority)
-            ahead += waiting[priority]
-        return frozenset(overflow)
-
-    def _make_room(self, queued: QueuedRequest, now: float) -> bool:
-        """Whether `queued` may join the local queue: there is room, or its priority overflows and the tenant
-        holding most of its queue (over its share) gives up its newest request for it; False when that tenant is
-        its own, and it is shed instead."""
-        priority = queued.priority
-        if sum(self.queue.num_waiting_by_priority()[:priority + 1]) < self.queue.max_waiting:
-            return True
-        if priority not in self.overflow_priorities(now):
-            return True  # the fetch rule stops reading; the rest of this poll still joins
-        heaviest = self.queue.heaviest_tenant(priority)
-        tokens = self.queue.tenant_tokens(priority)
-        weight = self.queue.fair.weight
-        if heaviest is None or heaviest == queued.tenant or (
-                (tokens.get(queued.tenant, 0.0) + queued.expected_tokens) / weight(queued.tenant)
-                >= tokens[heaviest] / weight(heaviest)):
-            self._shed_over_share(queued, now)
-            return False
-        self._shed_over_share(self.queue.pop_newest(priority, heaviest), now)
-        return True
-
-    def _shed_over_share(self, queued: QueuedRequest, now: float) -> None:
-        self.tenants.dropped(queued.tenant, queued.expected_tokens, now)
-        self.answers.shed(queued, f"tenant {queued.tenant or '(none)'!r} holds the most of priority "
-                                  f"{queued.priority}'s full queue while other tenants wait (over its fair share)")
-
-    def _check_deadline(self, queued: QueuedRequest) -> Verdict | None:
-        """Predict its queue wait and completion (kept on the request, reported in its final record) and refuse
-        it if the prediction, with its margin, is past the deadline."""
-        # Fair share serves the other tenants' queued tokens in step with its own: only up to as many count.
-        ahead = (self.queue.tokens_ahead(queued.priority, queued.tenant, queued.expected_tokens)
-                 + self.service.engine_tokens_ahead(queued.priority))
-        num_ahead = sum(self.queue.num_waiting(q) for q in range(queued.priority + 1))
-        wait = self.service.wait_s(ahead)
-        service = self.service.service_for(queued, self.service.num_sharing(num_ahead))
-        now_ms = time.time() * 1000.0
-        queued.predicted_queue_ms = max(0.0, now_ms - queued.timestamp_ms) + (wait or 0.0) * 1000.0
-        queued.predicted_e2e_ms = queued.predicted_queue_ms + service * 1000.0
-        return self.admission.check_deadline(queued.deadline_ms, now_ms, wait, service, queued.priority)
+        return self.lifecycle.arrive(queued)
 
     # -- load ----------------------------------------------------------------------------------------------
     async def lag_by_priority(self) -> list[int]:
@@ -555,20 +463,14 @@ class Intake:
         return max(0, highwater - position)
 
     def apply(self, decision: LoadDecision) -> None:
-        """Answer the waiting requests of newly shed priorities; pause and resume partitions as decided."""
-        self.load = decision
-        now = time.monotonic()
-        for priority in sorted(decision.newly_shed, reverse=True):
-            # Tenants under their share keep their waiting requests: shedding falls on the others.
-            for queued in self.queue.pop_all(
-                    priority, keep=lambda tenant, p=priority: not self.queue.fair.over_share(p, tenant, now)):
-                self.tenants.dropped(queued.tenant, queued.expected_tokens, now)
-                self.answers.shed(queued, decision.shed_message(priority))
+        """The lifecycle answers the waiting requests of newly shed priorities; partitions are paused and
+        resumed as decided."""
+        self.lifecycle.apply(decision)
         if not self.fetching_stopped:
             # A priority that overflows (contended by tenants) is read on past a full queue or a full KV cache:
             # what it reads waits in the bounded local queue, and pausing would hold the other tenants' records
             # in Kafka behind the flood's. A more urgent priority's backlog still pauses it.
-            overflow = self.overflow_priorities(now)
+            overflow = self.lifecycle.overflow_priorities(time.monotonic())
             reasons = {p: r for p, r in decision.pause_reasons.items()
                        if not (r in ("queue", "kv") and p in overflow)}
             self._set_paused({tp for tp in self.assigned if self.priority_of(tp) in reasons}, reasons)

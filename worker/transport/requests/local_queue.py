@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from schemas.request import GenerationRequest
 from worker.transport.load.tenants import DEFAULT_TENANT, FairShare
+from worker.transport.requests.stages import Stage
 
 
 def resumable(request: GenerationRequest) -> bool:
@@ -67,6 +68,8 @@ class QueuedRequest:
     resume: object | None = None
     """A schemas.progress.ProgressRecord: an earlier attempt delivered this much of its output, and this one
     continues from there (its streams go on at that seq, the engine after those tokens)."""
+    stage: Stage = Stage.READ
+    """Where it is in its lifecycle (stages.py); moved by the lifecycle (lifecycle.py) only."""
 
     def resumed(self, index: int):
         """The CompletionProgress of completion `index` to continue from, or None."""

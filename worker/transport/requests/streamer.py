@@ -357,14 +357,20 @@ class Streamer:
             out.append((queued.request.id.encode(), encode(record)))
         return out
 
-    def close_where(self, predicate: Callable[[QueuedRequest], bool]) -> list[str]:
-        """Silence the streams whose request matches; returns their engine ids (for the engine's abort)."""
+    def close_where(self, predicate: Callable[[QueuedRequest], bool],
+                    on_closed: Callable[[QueuedRequest], None]) -> list[str]:
+        """Silence the streams whose request matches, and the finals held for them, passing each one's request
+        to on_closed; returns their engine ids (for the engine's abort)."""
         ids = [eid for eid, stream in self.streams.items() if predicate(stream.queued)]
         for eid in ids:
             stream = self.streams.pop(eid)
             self.num_open_by_priority[stream.queued.priority] -= 1
             if not stream.started:
                 self._started(stream)
+            on_closed(stream.queued)
+        for stream, _ in self._held_finals:
+            if predicate(stream.queued):
+                on_closed(stream.queued)
         self._held_finals = [(stream, out) for stream, out in self._held_finals if not predicate(stream.queued)]
         return ids
 
@@ -480,7 +486,7 @@ class Streamer:
             return
         self.num_completed += 1
         self._observe(final, queued)
-        self.answers.final(queued.partition, queued.offset, queued.reply_topic, final, queued.tenant)
+        self.answers.request_final(queued, final)
 
     def _finish_completion(self, stream: RequestStream, group: CompletionGroup, final: FinalRecord) -> None:
         """One completion of a request with several ended: its final goes out (at once, or ranked when all are
@@ -503,7 +509,7 @@ class Streamer:
                                     queued.timestamp_ms)
         self.num_completed += 1
         self._observe(request_final, queued)
-        self.answers.final(queued.partition, queued.offset, queued.reply_topic, request_final, queued.tenant)
+        self.answers.request_final(queued, request_final)
 
     def _publish(self, queued: QueuedRequest, record: FinalRecord) -> None:
         self.answers.final(queued.partition, None, queued.reply_topic, record)
