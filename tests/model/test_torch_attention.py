@@ -24,29 +24,32 @@ def naive_attention(q_b, k_ctx, v_ctx, scale):  # [n, Hq, D], [L, Hkv, D], [L, H
     return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v).float()
 
 
-def run_case(history: list[list[Chunk]], seed: int) -> None:
+def run_case(history: list[list[Chunk]], seed: int, dtype: torch.dtype = torch.float32, hkv: int = HKV) -> None:
     """Every step of `history` runs through TorchAttention; a dense copy of each request's K/V checks it."""
     gen = torch.Generator().manual_seed(seed)
-    k_cache = torch.randn(NUM_BLOCKS, BLOCK, HKV, D, generator=gen)  # garbage where nothing was written
-    v_cache = torch.randn(NUM_BLOCKS, BLOCK, HKV, D, generator=gen)
+    k_cache = torch.randn(NUM_BLOCKS, BLOCK, hkv, D, generator=gen).to(dtype)  # garbage where nothing was written
+    v_cache = torch.randn(NUM_BLOCKS, BLOCK, hkv, D, generator=gen).to(dtype)
     dense: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # first block id -> all K, V so far
     backend, scale = TorchAttention(), D**-0.5
+    # bf16 inputs are exact in float64; what is left is the kernels' bf16 rounding (of the output, mostly).
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for step in history:
         model_input = make_input(step, BLOCK)
         num_tokens = model_input.input_ids.shape[0]
-        q = torch.randn(num_tokens, HQ, D, generator=gen)
-        k = torch.randn(num_tokens, HKV, D, generator=gen)
-        v = torch.randn(num_tokens, HKV, D, generator=gen)
+        q = torch.randn(num_tokens, HQ, D, generator=gen).to(dtype)
+        k = torch.randn(num_tokens, hkv, D, generator=gen).to(dtype)
+        v = torch.randn(num_tokens, hkv, D, generator=gen).to(dtype)
         out = backend.forward(q, k, v, k_cache, v_cache, model_input.attn, scale)
+        assert out.dtype == dtype and out.shape == q.shape
         start = 0
         for chunk in step:
             n = len(chunk.new_token_ids)
             key = chunk.block_ids[0]
-            old_k, old_v = dense.get(key, (torch.empty(0, HKV, D), torch.empty(0, HKV, D)))
+            old_k, old_v = dense.get(key, (torch.empty(0, hkv, D, dtype=dtype), torch.empty(0, hkv, D, dtype=dtype)))
             assert old_k.shape[0] == chunk.num_computed
             dense[key] = (torch.cat([old_k, k[start : start + n]]), torch.cat([old_v, v[start : start + n]]))
             ref = naive_attention(q[start : start + n], *dense[key], scale)
-            torch.testing.assert_close(out[start : start + n], ref, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(out[start : start + n].float(), ref, atol=tolerance, rtol=tolerance)
             start += n
 
 
@@ -59,6 +62,20 @@ def test_prefill_then_mixed_then_decode_only(seed):
         [Chunk([0], 6, a), Chunk([0], 9, b), Chunk([0], 9, c)],  # decode only, ragged lengths
         [Chunk([0], 7, a), Chunk([0], 10, b), Chunk([0], 10, c)],
     ], seed)
+
+
+@pytest.mark.parametrize("hkv", [HKV, HQ, 1], ids=["gqa", "mha", "mqa"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_in_reduced_precision_with_query_heads_as_rows(dtype, hkv):
+    # In bf16 and fp16 on the CPU, decode rows attend with each KV head's query heads as rows of queries (a lone
+    # head given a second row): the same attention as the single-row call, checked against float64.
+    a, b, c = [1, 7, 3, 9], [20, 2, 31], [15, 16, 17, 18, 19]
+    run_case([
+        [Chunk([0] * 5, 0, a), Chunk([0] * 3, 0, b)],
+        [Chunk([0], 5, a), Chunk([0] * 6, 3, b), Chunk([0] * 9, 0, c)],
+        [Chunk([0], 6, a), Chunk([0], 9, b), Chunk([0], 9, c)],
+        [Chunk([0], 7, a), Chunk([0], 10, b), Chunk([0], 10, c)],
+    ], seed=5, dtype=dtype, hkv=hkv)
 
 
 def test_single_token_prompts_take_the_decode_path():

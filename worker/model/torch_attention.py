@@ -17,6 +17,11 @@ blocks (zeros after it, which causality hides from every real query), and every 
 built at start-up (`fix_kernels`); a chunk after a cached context attends in float32, which goes to MKL and
 keeps nothing per shape. Decode attention keeps nothing per shape either.
 
+Decode attention in bf16 and fp16 on the CPU: torch's flash kernel takes a slow path for a single query row (a
+decode request's), several times slower than for two rows or more (docs/benchmarks.md, "Decode attention in
+bf16"). So `_decode` gives each KV head its query heads as rows, which is the same attention; outputs differ from
+the single-row call by the order of the bf16 rounding only.
+
 Everything derived from the metadata (slot indices, masks, host-side lengths) is computed once per step
 (`_plan`) and reused by all layers: the model calls forward once per layer with the same metadata object.
 
@@ -110,6 +115,10 @@ class _DecodeGroup:
             view = self.windowed[window] = (blocks, num_blocks, mask)
         return view
 
+
+FOLDED_DTYPES = (torch.bfloat16, torch.float16)
+"""Decode attention on the CPU in these dtypes runs with each KV head's query heads as rows (TorchAttention._decode).
+In float32 the single-row path is as fast or faster, and stays as it was."""
 
 DECODE_PADDING = 1.25
 """A decode group grows while (requests x its longest context, in whole blocks) stays within this factor
@@ -342,6 +351,19 @@ class TorchAttention(AttentionBackend):
         # several times slower on the CPU.
         k_ctx = k_cache.index_select(0, blocks).view(num_reqs, ctx_len, num_kv_heads, head_dim)
         v_ctx = v_cache.index_select(0, blocks).view(num_reqs, ctx_len, num_kv_heads, head_dim)
+        if softcap is None and q.device.type == "cpu" and q.dtype in FOLDED_DTYPES:
+            # The group of query heads that share a KV head becomes that head's rows of queries: [n, Hkv, g, D]
+            # against [n, Hkv, L, D] is the same attention (one query per request, every key masked alike) with
+            # no enable_gqa. torch's CPU flash kernel in bf16/fp16 takes a slow path for a single query row, so
+            # folded it runs several times faster (module docstring); a lone head (g = 1) is given a second,
+            # identical row for the same reason, and its result dropped.
+            group = num_heads // num_kv_heads
+            rows = q.view(num_reqs, num_kv_heads, group, head_dim)
+            if group == 1:
+                rows = rows.expand(num_reqs, num_kv_heads, 2, head_dim)
+            out = F.scaled_dot_product_attention(rows, k_ctx.transpose(1, 2), v_ctx.transpose(1, 2), attn_mask=mask,
+                                                 scale=scale)  # [n, Hkv, max(g, 2), D]
+            return out[:, :, :group].reshape(num_reqs, num_heads, head_dim)
         out = _attend(
             q.unsqueeze(2),  # [n, Hq, 1, D]
             k_ctx.transpose(1, 2),  # [n, Hkv, L, D]

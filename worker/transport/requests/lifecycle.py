@@ -73,8 +73,8 @@ class Lifecycle:
                 and self.tenants.fair.over_share(priority, queued.tenant, now)):
             self.answers.shed(queued, self.load.shed_message(priority))
             return "load"
-        verdict = self.deadline_verdict(queued) or self.tenants.check_quota(queued.tenant, queued.expected_tokens,
-                                                                            now)
+        verdict = (self.deadline_verdict(queued, at_read=True)
+                   or self.tenants.check_quota(queued.tenant, queued.expected_tokens, now))
         if verdict is not None:
             self.answers.reject_queued(queued, verdict)
             return "load"
@@ -127,14 +127,14 @@ class Lifecycle:
                                   f"{queued.priority}'s full queue while other tenants wait (over its fair share)")
 
     # -- the deadline, decided here only -------------------------------------------------------------------
-    def deadline_verdict(self, queued: QueuedRequest) -> Verdict | None:
-        """Whether the request can still finish before its deadline, with admission's margin: at its read, after
+    def deadline_verdict(self, queued: QueuedRequest, at_read: bool = False) -> Verdict | None:
+        """Whether the request can still finish before its deadline, with admission's margin: `at_read`, after
         the predicted wait behind what is queued and running ahead of it (the prediction is kept on the request
-        and reported in its final); in the queue, on its own service from now (it is next)."""
-        if queued.deadline_ms is None and queued.stage is not Stage.READ:
+        and reported in its final, deadline or not); at the head of its queue, on its own service from now."""
+        if queued.deadline_ms is None and not at_read:
             return None
         now_ms = time.time() * 1000.0
-        if queued.stage is Stage.READ:
+        if at_read:
             # Fair share serves the other tenants' queued tokens in step with its own: only up to as many count.
             ahead = (self.queue.tokens_ahead(queued.priority, queued.tenant, queued.expected_tokens)
                      + self.service.engine_tokens_ahead(queued.priority))
