@@ -55,6 +55,10 @@ class WorkerSettings(BaseSettings):
     """Per priority: inter-token latency target; 0 disables latency-target admission for that priority."""
     status_interval_s: float = Field(1.0, gt=0)
     """How often the worker publishes a status record."""
+    scale_arrival_window_s: float = Field(20.0, gt=0)
+    """The window the offered load behind `desired_workers` (the status record's scaling signal) is measured
+    over: longer is steadier against the noise of a few requests a second, shorter shows a load step sooner
+    (docs/fleet.md)."""
     chunk_interval_ms: float = Field(100.0, ge=0)
     """Coalesce stream chunks for this long; 0 sends one chunk per engine step. The first token of a request
     goes out at once. On a simulated H200 running Llama-3.1-8B with 256 requests, the Kafka path reached

@@ -56,10 +56,10 @@ async def fleet(kafka_bootstrap):
     provider.add_span_processor(SimpleSpanProcessor(spans))
     async with Collector(kafka) as collector:
         # The worker's capacity model is told the engine's seats (it is built with them in production).
-        worker = Worker(kafka, worker_settings(metrics_port=port), engine, max_num_seqs=engine.max_num_seqs,
-                        tracing=RequestTracing(provider.get_tracer("test"), model="instant"))
         # A shorter arrival window than the shipped 20 s, so the idle estimate after a burst comes sooner.
-        worker.scale_signal.arrivals.window_s = ARRIVAL_WINDOW_S
+        worker = Worker(kafka, worker_settings(metrics_port=port, scale_arrival_window_s=ARRIVAL_WINDOW_S), engine,
+                        max_num_seqs=engine.max_num_seqs,
+                        tracing=RequestTracing(provider.get_tracer("test"), model="instant"))
         task = asyncio.create_task(worker.run())
         try:
             async with asyncio.timeout(30):

@@ -474,7 +474,7 @@ class LLMEngine:
             sampled[entry.request_id] = drafts[:kept] + [tokens[kept]]
             self.num_proposed_tokens += len(drafts)
             self.num_accepted_tokens += kept
-            self._live[entry.request_id].drafts.verified(len(drafts), kept)
+            self._live[entry.request_id].drafts.verified(kept)
         return sampled
 
     def _sample_rows(self, flight: _InFlight, sampling: list[ScheduledRequest], params: list[RowSampling],

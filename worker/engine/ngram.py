@@ -21,9 +21,10 @@ MAX_COOLDOWN_STEPS = 64
 
 
 class NgramDrafts:
-    """One request's token history and its drafting record."""
+    """One request's token history and how long it waits before it proposes again (the engine counts the
+    drafts verified and kept, for every request together)."""
 
-    __slots__ = ("tokens", "_bytes", "_cooldown", "_wait", "num_proposed", "num_accepted", "num_drafting_steps")
+    __slots__ = ("tokens", "_bytes", "_cooldown", "_wait")
 
     def __init__(self, token_ids: list[int]) -> None:
         self.tokens = array("i", token_ids)
@@ -32,9 +33,6 @@ class NgramDrafts:
         """Steps to wait after the next step whose drafts are all rejected."""
         self._wait = 0
         """Steps left before this request proposes again."""
-        self.num_proposed = 0
-        self.num_accepted = 0
-        self.num_drafting_steps = 0
 
     def extend(self, token_ids: list[int]) -> None:
         self.tokens.extend(token_ids)
@@ -73,11 +71,8 @@ class NgramDrafts:
                 end = found + len(needle) - 1
         return []
 
-    def verified(self, num_proposed: int, num_accepted: int) -> None:
-        """The model kept `num_accepted` of the `num_proposed` drafts of the last step."""
-        self.num_proposed += num_proposed
-        self.num_accepted += num_accepted
-        self.num_drafting_steps += 1
+    def verified(self, num_accepted: int) -> None:
+        """The model kept `num_accepted` of the drafts of the last step: none makes the next wait longer."""
         if num_accepted:
             self._cooldown = 0
             return

@@ -48,7 +48,7 @@ from worker.transport.kafka.access_check import AccessDenied, Needs, check_acces
 from worker.transport.load.admission import Admission
 from worker.transport.kafka.aiokafka_compat import group_generation
 from worker.transport.requests.answers import Answers, FinalReplacement
-from worker.transport.load.autoscale import ScaleSignal
+from worker.transport.load.autoscale import ArrivalRate, ScaleSignal
 from worker.transport.load.backpressure import Backpressure
 from worker.transport.requests.cancels import Cancel, CancelledIds
 from worker.transport.requests.control import ControlReader
@@ -183,7 +183,8 @@ class Worker:
                                         Backpressure.from_settings(settings, kafka.num_priorities), self.service)
         self.reporter = StatusReporter(self.publisher, self.metrics, settings.worker_id, kafka.status_topic,
                                        kafka.allowed_reply_topics, kafka.allowed_reply_topic_prefixes)
-        self.scale_signal = ScaleSignal(list(settings.max_queue_time_s), kafka.num_request_partitions)
+        self.scale_signal = ScaleSignal(list(settings.max_queue_time_s), kafka.num_request_partitions,
+                                        ArrivalRate(settings.scale_arrival_window_s))
         self.watchdog = LoopWatchdog()
         self.memory = MemoryCollector(self.metrics.registry, self._tables())
 

@@ -31,9 +31,10 @@ at its full capacity has queues that grow with every burst (its waits climb stee
 capacity is itself an estimate."""
 
 ARRIVAL_WINDOW_S = 20.0
-"""The offered load is measured over this window: long enough that the Poisson noise of a few requests a second
-does not ask for a worker a steady load below capacity does not need (a 10 s window did, at 60 % of capacity,
-now and then), short enough that a load step shows within seconds (benchmarks/sim_autoscale.py)."""
+"""The offered load is measured over this window by default (WORKER_SCALE_ARRIVAL_WINDOW_S): long enough that
+the Poisson noise of a few requests a second does not ask for a worker a steady load below capacity does not
+need (a 10 s window did, at 60 % of capacity, now and then), short enough that a load step shows within seconds
+(benchmarks/sim_autoscale.py)."""
 
 
 def workers_needed(backlog_tokens: list[float], budgets_s: list[float], arrival_tokens_per_s: float,
