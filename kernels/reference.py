@@ -104,3 +104,22 @@ def ref_lora(
             continue
         delta = (x[r].float() @ a[slot].float()) @ b[slot].float()
         out[r] = (out[r].float() + delta).to(out.dtype)
+
+
+def ref_moe(
+    x: torch.Tensor,  # [N, H]
+    gate_up: torch.Tensor,  # [E, 2I, H]
+    down: torch.Tensor,  # [E, H, I]
+    weights: torch.Tensor,  # [N, k]
+    expert_ids: torch.Tensor,  # [N, k]
+    act,
+) -> torch.Tensor:  # [N, H], fp32
+    """out[t] = sum over j of weights[t, j] * down[e] @ (act(gate[e] @ x[t]) * (up[e] @ x[t])), e = expert_ids[t, j],
+    in fp32, one token and one expert at a time."""
+    size = gate_up.shape[1] // 2
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for t in range(x.shape[0]):
+        for j, e in enumerate(expert_ids[t].tolist()):
+            h = gate_up[e].float() @ x[t].float()
+            out[t] += float(weights[t, j]) * (down[e].float() @ (act(h[:size]) * h[size:]))
+    return out

@@ -20,7 +20,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import kv_write, paged_decode, ragged_prefill
+import torch.nn.functional as F
+
+from kernels import kv_write, lora, moe, paged_decode, ragged_prefill
 
 TYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
               torch.int64: "i64"}
@@ -109,6 +111,18 @@ def cases() -> list[tuple[str, object, tuple, dict]]:
                               meta(5, dtype=torch.int64))
 
         found += [(f"write_kv {dtype}", *launch) for launch in launches(kv_write, ("_write_kv_kernel",), write)]
+    # LoRA and MoE in the serving dtype, on CPU tensors: their wrappers' index work runs for real, and what is
+    # compiled depends only on the recorded arguments' dtypes and values.
+    found += [(f"lora {launch[0].fn.__name__}", *launch) for launch in launches(lora, (
+        "_shrink_kernel", "_expand_kernel"), lambda: lora.add_lora(
+            torch.zeros(5, 576, dtype=torch.bfloat16), torch.tensor([0, -1, 1, 0, 1]),
+            torch.zeros(2, 576, 16, dtype=torch.bfloat16), torch.zeros(2, 16, 960, dtype=torch.bfloat16),
+            torch.zeros(5, 960, dtype=torch.bfloat16)))]
+    bf16 = torch.bfloat16
+    found += [(f"moe {launch[0].fn.__name__}", *launch) for launch in launches(moe, ("_grouped_matmul_kernel",),
+        lambda: moe.fused_moe(torch.zeros(7, 256, dtype=bf16), torch.zeros(8, 1024, 256, dtype=bf16),
+                              torch.zeros(8, 256, 512, dtype=bf16), torch.full((7, 2), 0.5),
+                              torch.tensor([[i % 8, (i + 3) % 8] for i in range(7)]), F.silu))]
     return found
 
 

@@ -6,6 +6,10 @@ N = rows, E = experts, k = experts per token, H = hidden size, I = one expert's 
 Grouped: the (token, expert) assignments are sorted by expert, and each expert that any token chose runs one
 matmul pair over exactly its tokens, so a step costs k expert MLPs per token, not E. Experts are summed into
 each token in expert order, the order transformers adds them in, so float32 results track it closely.
+
+On CUDA the same grouping runs as two fused Triton kernels (kernels/moe.py: every expert's block of rows in one
+launch, no loop over experts on the host, nothing read back to it); tests/kernels/test_moe.py holds the two paths
+to each other and to a reference.
 """
 
 from __future__ import annotations
@@ -56,6 +60,10 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, H]
         k = self.config.num_experts_per_tok
         weights, expert_ids = self.route(x)
+        if x.device.type == "cuda":
+            from kernels.moe import fused_moe  # imported here: Triton is slow to import and absent on some CPUs
+
+            return fused_moe(x, self.gate_up_weight, self.down_weight, weights, expert_ids, self.act)
         flat_weights = weights.reshape(-1)  # [N k]
         # Assignments grouped by expert; a stable sort keeps each expert's tokens in row order.
         order = torch.argsort(expert_ids.reshape(-1), stable=True)  # [N k]
