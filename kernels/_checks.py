@@ -94,3 +94,22 @@ def check_scale(scale: float) -> float:
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
         raise ValueError(f"scale must be a positive float, got {scale!r}")
     return float(scale)
+
+
+def window_arg(window: int | None) -> int:
+    """A sliding window as the kernels take it (their HAS_WINDOW says whether it is read): a positive int."""
+    if window is None:
+        return 0
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
+    return window
+
+
+def softcap_arg(softcap: float | None) -> float:
+    """A soft cap as the kernels take it (in base-2 units, like their scores; HAS_SOFTCAP says whether it is
+    read): softcap * log2(e)."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0:
+        raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
+    return float(softcap) * 1.4426950408889634

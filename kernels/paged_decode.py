@@ -21,6 +21,8 @@ from kernels._checks import (
     check_query_and_cache,
     check_same_device,
     check_scale,
+    softcap_arg,
+    window_arg,
 )
 from kernels._dot import dot_options
 
@@ -44,9 +46,12 @@ def _decode_kernel(
     qk_scale,  # softmax scale * log2(e): scores live in base 2 so exp2 can be used
     stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
     group_size, head_dim,
+    window,  # HAS_WINDOW: the query (at seq_len - 1) sees keys in (seq_len - 1 - window, seq_len - 1]
+    softcap2,  # HAS_SOFTCAP: the soft cap in base-2 units (softcap * log2(e))
     BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -67,8 +72,13 @@ def _decode_kernel(
 
     seq_len = tl.load(seq_lens_ptr + b)
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_start = split * tiles_per_split
+    # A windowed layer starts at the tile of its first key: the blocks before it may be freed (-1 in the table).
+    first_key = 0
+    if HAS_WINDOW:
+        first_key = tl.maximum(seq_len - window, 0)
+    first_tile = first_key // BLOCK_N
+    tiles_per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
+    tile_start = first_tile + split * tiles_per_split
     tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max (base-2 scores)
@@ -76,7 +86,7 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for tile in range(tile_start, tile_end):
         n = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
-        n_mask = n < seq_len
+        n_mask = (n < seq_len) & (n >= first_key)
         block_ids = tl.load(block_tables_ptr + b64 * stride_bt + n // BLOCK_SIZE, mask=n_mask, other=0)
         slots = block_ids.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE  # [BLOCK_N]
         kv_off = (slots[:, None] * NUM_KV_HEADS + kv_head) * head_dim + d[None, :]  # [BLOCK_N, BLOCK_D]
@@ -88,6 +98,8 @@ def _decode_kernel(
             v = v.to(tl.float32)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N] fp32
+        if HAS_SOFTCAP:  # cap * tanh(score / cap), with tanh(y) = 2 / (1 + e^-2y) - 1
+            s = softcap2 * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap2)) - 1.0)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # Every tile in range holds >= 1 valid key, so m_new is finite; the guard keeps exp2 NaN-free regardless.
@@ -166,8 +178,12 @@ def paged_decode_attention(
     scale: float,
     num_splits: int | None = None,
     max_seq_len: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [B, Hq, D]
-    """Attention of each request's single new query over its first seq_lens[b] cached tokens.
+    """Attention of each request's single new query over its first seq_lens[b] cached tokens; with `window`, over
+    its last `window` of them only (block-table entries before the window's first block are never read, so they
+    may be freed); with `softcap`, scores become softcap * tanh(score / softcap) first.
 
     num_splits None picks the split count from the SM count and max_seq_len (default: the most the block
     table can address, M * block_size). Rows with seq_len 0 come out as zeros. Each seq_lens[b] must be
@@ -201,10 +217,11 @@ def paged_decode_attention(
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_m, part_l, part_acc, qk_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        group_size, head_dim,
+        group_size, head_dim, window_arg(window), softcap_arg(softcap),
         BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads,
         BLOCK_G=max(16, triton.next_power_of_2(group_size)), BLOCK_D=block_d, BLOCK_N=BLOCK_N,
         NUM_SPLITS=num_splits, **dot_options(q.dtype, _decode_kernel),
+        HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
         num_warps=4,
     )
     if num_splits > 1:

@@ -26,6 +26,8 @@ from kernels._checks import (
     check_query_and_cache,
     check_same_device,
     check_scale,
+    softcap_arg,
+    window_arg,
 )
 from kernels._dot import dot_options
 
@@ -47,9 +49,11 @@ def _prefill_kernel(
     qk_scale,  # softmax scale * log2(e)
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     num_requests, head_dim,
+    window,  # HAS_WINDOW: a query at position p sees keys in (p - window, p]
+    softcap2,  # HAS_SOFTCAP: the soft cap in base-2 units (softcap * log2(e))
     GROUP_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     virtual_tile = tl.program_id(1)
@@ -83,12 +87,16 @@ def _prefill_kernel(
     # Keys 0 .. last valid row's position; a tile past the request's end has no valid rows and runs no loop.
     last_tok = tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len) - 1
     kv_end = tl.where(last_tok >= 0, seq_len - q_len + last_tok + 1, 0)
+    # A windowed layer starts at the first key of the tile's earliest query: the blocks before it may be freed.
+    kv_start = 0
+    if HAS_WINDOW:
+        kv_start = tl.maximum(seq_len - q_len + tile * BLOCK_Q - window + 1, 0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for kv_tile in range(0, tl.cdiv(kv_end, BLOCK_N)):
+    for kv_tile in range(kv_start // BLOCK_N, tl.cdiv(kv_end, BLOCK_N)):
         n = kv_tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
-        n_mask = n < kv_end
+        n_mask = (n < kv_end) & (n >= kv_start)
         block_ids = tl.load(block_tables_ptr + b.to(tl.int64) * stride_bt + n // BLOCK_SIZE, mask=n_mask, other=0)
         slots = block_ids.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
         kv_off = (slots[:, None] * NUM_KV_HEADS + kv_head) * head_dim + d[None, :]  # [BLOCK_N, BLOCK_D]
@@ -100,11 +108,16 @@ def _prefill_kernel(
             v = v.to(tl.float32)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
+        if HAS_SOFTCAP:  # cap * tanh(score / cap), with tanh(y) = 2 / (1 + e^-2y) - 1
+            s = softcap2 * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap2)) - 1.0)
         causal = n_mask[None, :] & (n[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            causal = causal & (n[None, :] > pos[:, None] - window)
         s = tl.where(causal, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # Each row sees key 0 in the first tile, so m_new is finite from then on; the guard keeps exp2 NaN-free
-        # even for metadata that breaks the preconditions (seq_len < q_len).
+        # Each row sees a key in the first tile (without a window: key 0), so m_new is finite from then on; a
+        # windowed row may see none in a tile before its window starts, and the guard keeps exp2 NaN-free then
+        # (and for metadata that breaks the preconditions, seq_len < q_len).
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
@@ -137,8 +150,13 @@ def ragged_prefill_attention(
     block_tables: torch.Tensor,  # [B, M] int32
     scale: float,
     max_query_len: int,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
-    """Causal attention of each request's new tokens over its cached context plus themselves.
+    """Causal attention of each request's new tokens over its cached context plus themselves; with `window`, a
+    query at position p sees keys in (p - window, p] only (block-table entries before the window of a request's
+    earliest new token are never read, so they may be freed); with `softcap`, scores become
+    softcap * tanh(score / softcap) first.
 
     Preconditions not checked (they would need a device sync): query_start_loc is non-decreasing from 0 to
     T, q_len_b <= seq_lens[b] <= M * block_size; max_query_len only sizes tiles, any value stays correct."""
@@ -168,10 +186,10 @@ def ragged_prefill_attention(
     _prefill_kernel[(num_kv_heads, num_virtual_tiles)](
         q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out, qk_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        num_requests, head_dim,
+        num_requests, head_dim, window_arg(window), softcap_arg(softcap),
         GROUP_SIZE=group_size, BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
-        **dot_options(q.dtype, _prefill_kernel),
+        **dot_options(q.dtype, _prefill_kernel), HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
         num_warps=4 if block_m <= 64 else 8,
     )
     return out

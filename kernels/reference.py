@@ -43,15 +43,24 @@ def attend_one_request(
     block_table: torch.Tensor,  # [M] int32
     seq_len: int,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:  # [q_len, Hq, D] fp32
+    """`window` > 0: a query at position p sees keys in (p - window, p]. `softcap` > 0: scores become
+    softcap * tanh(score / softcap) before the mask."""
     q_len = q.shape[0]
     group_size = q.shape[1] // k_cache.shape[2]
     # [seq_len, Hq, D]: each KV head repeated for the G query heads that share it
     k = gather_context(k_cache, block_table, seq_len).float().repeat_interleave(group_size, dim=1)
     v = gather_context(v_cache, block_table, seq_len).float().repeat_interleave(group_size, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale  # [Hq, q_len, seq_len]
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
     positions = torch.arange(seq_len - q_len, seq_len, device=q.device)  # [q_len]
-    visible = torch.arange(seq_len, device=q.device)[None, :] <= positions[:, None]  # [q_len, seq_len]
+    keys = torch.arange(seq_len, device=q.device)[None, :]
+    visible = keys <= positions[:, None]  # [q_len, seq_len]
+    if window > 0:
+        visible &= keys > positions[:, None] - window
     scores = scores.masked_fill(~visible, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
 
@@ -64,13 +73,15 @@ def ref_ragged_attention(
     seq_lens: torch.Tensor,  # [B] int32
     block_tables: torch.Tensor,  # [B, M] int32
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:  # [T, Hq, D], q's dtype
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     qsl = query_start_loc.tolist()
     for b, seq_len in enumerate(seq_lens.tolist()):
         if qsl[b + 1] > qsl[b]:
             out[qsl[b] : qsl[b + 1]] = attend_one_request(
-                q[qsl[b] : qsl[b + 1]], k_cache, v_cache, block_tables[b], seq_len, scale
+                q[qsl[b] : qsl[b + 1]], k_cache, v_cache, block_tables[b], seq_len, scale, window, softcap
             )
     return out.to(q.dtype)
 
@@ -82,11 +93,14 @@ def ref_paged_decode(
     block_tables: torch.Tensor,  # [B, M] int32
     seq_lens: torch.Tensor,  # [B] int32
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:  # [B, Hq, D]; seq_len 0 rows are zeros
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     for b, seq_len in enumerate(seq_lens.tolist()):
         if seq_len > 0:
-            out[b] = attend_one_request(q[b : b + 1], k_cache, v_cache, block_tables[b], seq_len, scale)[0]
+            out[b] = attend_one_request(q[b : b + 1], k_cache, v_cache, block_tables[b], seq_len, scale, window,
+                                        softcap)[0]
     return out.to(q.dtype)
 
 

@@ -111,6 +111,19 @@ def cases() -> list[tuple[str, object, tuple, dict]]:
                               meta(5, dtype=torch.int64))
 
         found += [(f"write_kv {dtype}", *launch) for launch in launches(kv_write, ("_write_kv_kernel",), write)]
+    # Sliding windows and soft caps (their own kernels: HAS_WINDOW and HAS_SOFTCAP are constexprs), bf16.
+    cache = meta(64, 16, 4, 128, dtype=torch.bfloat16)
+    for window, softcap in ((4096, None), (4096, 50.0)):
+        label = f"window={window} softcap={softcap}"
+        found += [(f"decode {label}", *launch) for launch in launches(paged_decode, (
+            "_decode_kernel", "_merge_splits_kernel"), lambda: paged_decode.paged_decode_attention(
+                meta(4, 16, 128, dtype=torch.bfloat16), cache, cache, meta(4, 16, dtype=torch.int32),
+                meta(4, dtype=torch.int32), 0.1, num_splits=3, window=window, softcap=softcap))]
+        found += [(f"prefill {label}", *launch) for launch in launches(ragged_prefill, ("_prefill_kernel",),
+            lambda: ragged_prefill.ragged_prefill_attention(
+                meta(300, 16, 128, dtype=torch.bfloat16), cache, cache, meta(3, dtype=torch.int32),
+                meta(2, dtype=torch.int32), meta(2, 16, dtype=torch.int32), 0.1, 300, window=window,
+                softcap=softcap))]
     # LoRA and MoE in the serving dtype, on CPU tensors: their wrappers' index work runs for real, and what is
     # compiled depends only on the recorded arguments' dtypes and values.
     found += [(f"lora {launch[0].fn.__name__}", *launch) for launch in launches(lora, (

@@ -42,3 +42,19 @@ def test_triton_backend_generates_the_tokens_of_torch_and_transformers(tiny_mode
     torch_tokens, _ = generate(tiny_model_path, "torch")
     expected = hf_reference(tiny_model_path, TRACE, set(engine.runner.eos_token_ids))
     assert triton_tokens == torch_tokens == expected
+
+
+@pytest.mark.slow  # interpreted kernels on two tiny families: about half a minute
+@pytest.mark.parametrize("family", ["mistral-windowed", "gemma2"])
+def test_windowed_and_capped_families_generate_the_tokens_of_torch(family: str, smollm2_path: Path,
+                                                                   tmp_path: Path) -> None:
+    """Mistral windowed on every layer (window 8: the prompts and chunks run past it, and blocks behind the window
+    are given back, so the kernels meet freed block-table entries) and Gemma2 (windows alternating with global
+    layers, attention soft-capping): the Triton backend gives the torch backend's tokens."""
+    from worker.model.tiny import build_tiny_family
+
+    path = build_tiny_family(tmp_path / family, smollm2_path, family)
+    triton_tokens, engine = generate(path, "triton")
+    assert engine.runner.backend.name == "triton" and engine.runner.config.sliding_window is not None
+    torch_tokens, _ = generate(path, "torch")
+    assert triton_tokens == torch_tokens

@@ -18,6 +18,7 @@ from worker.model.input import AttentionMetadata
 
 class TritonAttention(AttentionBackend):
     name = "triton"
+    supports_windows = True
 
     def prompt_lengths_to_compile(self, num_heads: int, num_kv_heads: int, head_dim: int,
                                   max_query_len: int) -> tuple[int, ...]:
@@ -48,15 +49,15 @@ class TritonAttention(AttentionBackend):
         window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
-        if window is not None or softcap is not None:  # the runner refuses such models at start; never silently
-            raise NotImplementedError("the Triton kernels implement neither sliding windows nor soft-capping")
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         # The decode kernel maps q row b to request b, which holds only if every request has one token:
         # max_query_len == 1 with T == B (a request with 0 new tokens would shift the rows).
         if meta.is_decode_only and q.shape[0] == meta.seq_lens.shape[0]:
             return paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, max_seq_len=meta.max_seq_len
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, max_seq_len=meta.max_seq_len,
+                window=window, softcap=softcap,
             )
         return ragged_prefill_attention(
-            q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, meta.max_query_len
+            q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, meta.max_query_len,
+            window=window, softcap=softcap,
         )
