@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_dtype, check_ndim, check_same_device
+from kernels._checks import check_dtype, check_last_dim_contiguous, check_ndim, check_same_device
 from kernels._dot import dot_options
 
 
@@ -122,10 +122,9 @@ def fused_moe(
     act: Callable[[torch.Tensor], torch.Tensor],
     block_m: int = 16,
 ) -> torch.Tensor:  # [N, H]
-    check_ndim("x", x, 2, "[N, H]")
-    check_ndim("gate_up", gate_up, 3, "[E, 2I, H]")
-    check_ndim("down", down, 3, "[E, H, I]")
-    check_ndim("expert_ids", expert_ids, 2, "[N, k]")
+    for name, t, layout in (("x", x, "[N, H]"), ("gate_up", gate_up, "[E, 2I, H]"), ("down", down, "[E, H, I]"),
+                            ("expert_ids", expert_ids, "[N, k]")):
+        check_ndim(name, t, len(layout.split(",")), layout)
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = gate_up.shape
     size = two_i // 2
@@ -137,8 +136,7 @@ def fused_moe(
     check_dtype("gate_up", gate_up, (x.dtype,))
     check_dtype("down", down, (x.dtype,))
     for name, t in (("x", x), ("gate_up", gate_up), ("down", down)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dimension")
+        check_last_dim_contiguous(name, t)
     check_same_device(x=x, gate_up=gate_up, down=down, weights=weights, expert_ids=expert_ids)
     top_k = expert_ids.shape[1]
     if num_tokens == 0:
