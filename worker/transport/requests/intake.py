@@ -47,7 +47,7 @@ from worker.transport.load.admission import estimate_prompt_tokens
 from worker.transport.requests.answers import Answers
 from worker.transport.load.load_control import LoadDecision
 from worker.transport.requests.lifecycle import Lifecycle
-from worker.transport.requests.local_queue import QueuedRequest, resumable
+from worker.transport.requests.local_queue import UNTRACED, QueuedRequest, resumable
 from worker.transport.kafka.offsets import OffsetTracker
 from worker.transport.kafka.progress import Runs
 from worker.transport.load.shedding import ReachFraction
@@ -435,7 +435,7 @@ class Intake:
         )
         if self._resumable and resumable(req):
             queued.resume = self._resume_of(tp, req.id, msg.offset, attempt)
-        queued.trace = self.tracing.begin(msg.headers, req.id.encode(), queued)
+        queued.trace = self.tracing.begin(msg.headers, req.id.encode(), queued) or UNTRACED
         return self.lifecycle.arrive(queued)
 
     # -- load ----------------------------------------------------------------------------------------------

@@ -25,6 +25,18 @@ def resumable(request: GenerationRequest) -> bool:
     return not request.sampling.logprobs and request.num_completions == request.n
 
 
+class Untraced:
+    """The trace of a request whose record started none (tracing off, or not sampled): records nothing."""
+
+    __slots__ = ()
+
+    def engine_done(self, out) -> None:
+        pass
+
+
+UNTRACED = Untraced()
+
+
 @dataclass(slots=True)
 class QueuedRequest:
     """A decoded request record and where it came from."""
@@ -53,8 +65,8 @@ class QueuedRequest:
     """At intake: predicted time from the record's timestamp to its first step (reported in the final)."""
     predicted_e2e_ms: float | None = None
     """At intake: predicted time from the record's timestamp to its last token, if it runs to max_new_tokens."""
-    trace: object | None = None
-    """A tracing.RequestTrace when its record carried a traceparent and tracing is on."""
+    trace: object = UNTRACED
+    """A tracing.RequestTrace when its record carried a sampled traceparent and tracing is on."""
     tenant: str = DEFAULT_TENANT
     """The request's tenant ("" when it names none)."""
     charged_tokens: float = 0.0

@@ -479,8 +479,7 @@ class Streamer:
         if stream.resumed_at is not None:
             final = msgspec.structs.replace(final, resumed_at=stream.resumed_at)
         self.num_output_tokens += len(stream.token_ids)
-        if queued.trace is not None:
-            queued.trace.engine_done(out)
+        queued.trace.engine_done(out)
         if group is not None:
             self._finish_completion(stream, group, final)
             return
