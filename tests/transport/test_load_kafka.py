@@ -75,11 +75,11 @@ async def test_overload_keeps_urgent_deadlines_and_sheds_the_rest(kafka_topics):
     """Urgent traffic at a quarter of capacity, first alone (its unloaded latency), then beside bulk traffic at
     several times capacity: the urgent requests all complete, their p95 stays near the unloaded one (not merely
     under a deadline a hundred times their service time), the bulk is shed or rejected, and the worker keeps
-    serving near its capacity (goodput) instead of thrashing. The p90 of 120 requests: the four urgent requests
-    of a tick arrive together, so one hiccup of the host (the broker, this process and the worker share two
-    cores) delays a whole tick, 100-300 ms; two such ticks in 30 set the p95 and happen on a busy host. Urgent
-    requests served behind the bulk queue (64 waiting at 160 requests/s: 400 ms) would move every tick, and
-    so the p90 and the median."""
+    serving near its capacity (goodput) instead of thrashing. Counted by tick: the four urgent requests of a tick
+    arrive together, so one hiccup of the host (the broker, this process and the worker share two cores) delays a
+    whole tick by 100-300 ms, and three or four such ticks in 30 happen on a busy host (they set the p90 of the
+    120 requests). Urgent requests served behind the bulk queue (64 waiting at 160 requests/s: 400 ms) would move
+    every tick: so at most one tick in six may be slow, and the median holds."""
     kafka = kafka_topics
     # Capacity: 8 sequences x 5 tokens x 10 ms steps, about 160 requests/s. Urgent: 40/s. Bulk: about 520/s.
     settings = worker_settings(max_waiting=64, resume_waiting=32, max_poll_records=32, pause_dwell_s=0.2,
@@ -116,7 +116,13 @@ async def test_overload_keeps_urgent_deadlines_and_sheds_the_rest(kafka_topics):
     assert all(f.status == "completed" for f in urgent_finals)
     loaded = [f.timings.e2e_ms for f in urgent_finals]
     loaded_p90, unloaded_p90 = percentile(loaded, 0.9), percentile(unloaded, 0.9)
-    assert loaded_p90 <= max(3 * unloaded_p90, unloaded_p90 + 250.0), (loaded_p90, unloaded_p90)
+    bound = max(3 * unloaded_p90, unloaded_p90 + 250.0)
+    slowest_by_tick: dict[str, float] = {}
+    for f in urgent_finals:
+        tick = f.id.rsplit("-", 1)[0]
+        slowest_by_tick[tick] = max(slowest_by_tick.get(tick, 0.0), f.timings.e2e_ms)
+    slow_ticks = sorted(v for v in slowest_by_tick.values() if v > bound)
+    assert len(slowest_by_tick) == 30 and len(slow_ticks) <= 5, (slow_ticks, bound)
     loaded_p50, unloaded_p50 = percentile(loaded, 0.5), percentile(unloaded, 0.5)
     assert loaded_p50 <= max(2 * unloaded_p50, unloaded_p50 + 100.0), (loaded_p50, unloaded_p50)
     assert max(loaded) <= 1000.0  # every one within its deadline
