@@ -105,9 +105,10 @@ def make_request(
     )
 
 
-def step(scheduler: Scheduler, runner: FakeRunner, now: float = 0.0) -> tuple[SchedulerOutput, list[RequestUpdate]]:
+def step(scheduler: Scheduler, runner: FakeRunner, now: float = 0.0,
+         step_cost: tuple[float, float] = (0.0, 0.0)) -> tuple[SchedulerOutput, list[RequestUpdate]]:
     """One engine step: schedule, fake forward pass, update; checks the budget and the invariants."""
-    output = scheduler.schedule(now)
+    output = scheduler.schedule(now, step_cost)
     assert output.num_batched_tokens <= scheduler.max_num_batched_tokens
     assert len(output.scheduled) <= scheduler.max_num_seqs
     scheduler.check_invariants()

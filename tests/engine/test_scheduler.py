@@ -572,3 +572,101 @@ def test_a_long_generation_holds_only_the_blocks_its_window_reaches(kv_window):
     else:
         assert most_held <= kv_window // 4 + 1
         assert scheduler.pool.num_free_blocks == 64
+
+
+STEP_COST = (0.040, 0.0045)  # a CPU's decode: 40 ms + 4.5 ms a token, so a step of 22 rows takes 139 ms
+
+
+def _tenant_request(request_id: str, tenant: str, max_new_tokens: int, arrival_time: float,
+                    num_prompt_tokens: int = 4):
+    request = make_request(request_id, num_prompt_tokens, max_new_tokens, priority=1, arrival_time=arrival_time)
+    request.tenant = tenant
+    return request
+
+
+def _run_flood_and_calm(fair_step_ms: float, calm_prompt_tokens: int = 4) -> dict:
+    """A flood tenant holding 20 seats, then two calm tenants' requests of 16 tokens; steps timed by STEP_COST.
+    Returns the simulated seconds each calm request took from its first step to its last, the flood's rows per
+    step while the calm ones ran, and every request at the end."""
+    scheduler = make_scheduler(num_blocks=1000, max_num_seqs=24, fair_step_ms=fair_step_ms)
+    runner = FakeRunner(1000, 4)
+    requests = [_tenant_request(f"flood-{i}", "flood", 120, i * 1e-3) for i in range(20)]
+    for request in requests:
+        scheduler.add_request(request)
+    now = 0.0
+    for _ in range(3):
+        output, _ = step(scheduler, runner, now, STEP_COST)
+        now += STEP_COST[0] + STEP_COST[1] * output.num_batched_tokens
+    calm = [_tenant_request(f"{tenant}-0", tenant, 16, now, calm_prompt_tokens) for tenant in ("a", "b")]
+    for request in calm:
+        scheduler.add_request(request)
+    requests += calm
+    flood_rows, started = [], {}
+    while scheduler.has_unfinished():
+        output, _ = step(scheduler, runner, now, STEP_COST)
+        for entry in output.scheduled:
+            started.setdefault(entry.request_id, now)
+        if any(not request.is_finished for request in calm):
+            flood_rows.append(sum(entry.request.tenant == "flood" for entry in output.scheduled))
+        now += STEP_COST[0] + STEP_COST[1] * output.num_batched_tokens
+        for request in calm:
+            if request.is_finished and request.request_id not in started.get("done", {}):
+                started.setdefault("done", {})[request.request_id] = now - started[request.request_id]
+    return {"calm_s": started["done"], "flood_rows": flood_rows, "requests": requests,
+            "preemptions": scheduler.num_preemptions}
+
+
+def test_a_fair_step_target_keeps_a_calm_tenants_steps_short_while_a_flood_holds_most_seats():
+    """ENGINE_FAIR_STEP_MS at 80 ms (8 tokens at STEP_COST): while the calm tenants run, the flood decodes 6 rows
+    a step instead of 20, so their 16 tokens take about 16 short steps; the flood loses no request and no
+    progress (its rows wait, keeping their KV), and gets going at full width once they are done."""
+    cut = _run_flood_and_calm(80.0)
+    full = _run_flood_and_calm(0.0)
+    for run in (cut, full):
+        assert all(request.status is RequestStatus.FINISHED_LENGTH for request in run["requests"])
+        assert run["preemptions"] == 0
+    assert max(full["flood_rows"]) == 20 and min(cut["flood_rows"]) >= 1
+    assert max(cut["flood_rows"]) <= 8 - 2 + 2  # the first step's prompts: the flood gets as much as one of them
+    for request_id, seconds in cut["calm_s"].items():
+        assert seconds <= 16 * 0.080 * 1.15, (request_id, seconds)
+        assert seconds <= 0.6 * full["calm_s"][request_id], (request_id, seconds, full["calm_s"])
+
+
+def test_a_fair_step_target_cuts_neither_a_lone_tenant_nor_tenants_in_step():
+    """A tenant alone, or two tenants holding half the seats each, run at full width: nobody is under its share
+    beside a larger one, so the target does not bind."""
+    for tenants in (("flood",), ("x", "y")):
+        scheduler = make_scheduler(num_blocks=400, max_num_seqs=24, fair_step_ms=80.0)
+        runner = FakeRunner(400, 4)
+        for i in range(24):
+            scheduler.add_request(_tenant_request(f"r-{i}", tenants[i % len(tenants)], 8, i * 1e-3))
+        for _ in range(3):
+            output, _ = step(scheduler, runner, 0.0, STEP_COST)
+        assert len(output.scheduled) == 24, tenants
+
+
+def test_a_flood_request_admitted_and_cut_in_the_same_step_goes_back_to_the_queue_as_it_was():
+    """A flood request placed in a step and then cut entirely goes back to the queue as it was: never counted as
+    started, not a preemption; it runs later, and every request completes."""
+    scheduler = make_scheduler(num_blocks=400, max_num_seqs=24, fair_step_ms=80.0)
+    runner = FakeRunner(400, 4)
+    for i in range(10):
+        scheduler.add_request(_tenant_request(f"flood-{i}", "flood", 40, i * 1e-3))
+    output, _ = step(scheduler, runner, 0.0, STEP_COST)
+    assert len(output.scheduled) == 10  # one tenant: nothing to cut
+    calm = _tenant_request("calm-0", "calm", 4, 1.0)
+    scheduler.add_request(calm)
+    late = [_tenant_request(f"flood-late-{i}", "flood", 4, 1.0 + i * 1e-3) for i in range(3)]
+    for request in late:
+        scheduler.add_request(request)
+    output, _ = step(scheduler, runner, 1.0, STEP_COST)
+    scheduled = {entry.request_id: entry.num_new_tokens for entry in output.scheduled}
+    # The calm prompt whole; the flood as many tokens as it (4), its oldest rows first.
+    assert scheduled == {"calm-0": 4} | {f"flood-{i}": 1 for i in range(4)}
+    for request in late:
+        assert request.status is RequestStatus.WAITING and request.first_scheduled_time is None
+        assert request.request_id in scheduler.waiting
+    run_to_completion(scheduler, runner)
+    assert calm.status is RequestStatus.FINISHED_LENGTH
+    assert all(request.status is RequestStatus.FINISHED_LENGTH for request in late)
+    assert scheduler.num_preemptions == 0

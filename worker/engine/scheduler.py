@@ -24,6 +24,7 @@ Times are time.monotonic() seconds; every method takes `now` so tests are determ
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterable
 
 from worker.model.settings import EngineSettings
@@ -47,6 +48,8 @@ class Scheduler:
         self.max_loras = settings.max_loras
         """Distinct LoRA adapters among the running requests, at most: the runner keeps that many loaded."""
         self.deadlines = DeadlinePlanner(self.max_num_batched_tokens, settings.protected_priorities)
+        self.fair_step_s = settings.fair_step_ms / 1000
+        """ENGINE_FAIR_STEP_MS in seconds (0: off): see _fit_fair_step."""
         # A request alone must always fit the pool, or preempting it would never help: cap its length there.
         # Under windows on every layer it holds at most its window and a step's chunk, however long it grows.
         self.max_model_len = min(max_model_len, num_blocks * settings.block_size)
@@ -167,8 +170,11 @@ class Scheduler:
         full_budget = budget = self.deadline_budget(now, step_cost)
         scheduled: dict[str, ScheduledRequest] = {}
         budget = self._schedule_running(budget, scheduled, output)
+        admitted: list[Request] = []
         if not output.preempted_request_ids:
-            budget = self._admit_waiting(now, step_cost, budget, scheduled, output)
+            budget = self._admit_waiting(now, step_cost, budget, scheduled, output, admitted)
+        if self.fair_step_s and step_cost[1] > 0 and len(scheduled) > 1:
+            budget += self._fit_fair_step(step_cost, scheduled, admitted)
         output.scheduled = list(scheduled.values())
         output.num_batched_tokens = full_budget - budget
         assert output.num_batched_tokens == sum(entry.num_new_tokens for entry in output.scheduled)
@@ -245,11 +251,11 @@ class Scheduler:
         return drafts[:min(budget - 1, self.max_model_len - request.num_tokens, MAX_DRAFT_TOKENS)]
 
     def _admit_waiting(self, now: float, step_cost: StepCost, budget: int, scheduled: dict[str, ScheduledRequest],
-                       output: SchedulerOutput) -> int:
+                       output: SchedulerOutput, admitted: list[Request]) -> int:
         """Waiting requests the policy names, in its order, reusing prefix-cached blocks, until the budget,
         max_num_seqs or the blocks run out (the first that does not fit blocks those behind it, so priorities
-        hold); one that cannot finish before its deadline is dropped instead. Returns the budget left."""
-        admitted: list[Request] = []
+        hold); one that cannot finish before its deadline is dropped instead. Those admitted are appended to
+        `admitted`. Returns the budget left."""
         hopeless: list[Request] = []
         # The size the next steps will have, for judging whether a waiting request can still finish.
         next_tokens = min(self.max_num_batched_tokens, len(self.running) + self.waiting.num_prompt_tokens
@@ -316,6 +322,87 @@ class Scheduler:
             request.num_cached_tokens = min(num_cached_tokens, request.num_prompt_tokens)
         scheduled[request.request_id] = self._entry(request, num_new_tokens, num_cached_tokens)
         return True, budget - num_new_tokens
+
+    def _fit_fair_step(self, step_cost: StepCost, scheduled: dict[str, ScheduledRequest],
+                       admitted: list[Request]) -> int:
+        """ENGINE_FAIR_STEP_MS: when the step would last longer than the target and, at some priority, a tenant
+        holding more than its equal share of the seats (max_num_seqs over the tenants running at the priority)
+        runs beside one holding no more, the larger tenants' entries, and those of less urgent priorities, are
+        cut to what fits the target after everything else, oldest admitted first (a prompt chunk shrinks, drafts
+        go first); they still get as many tokens as the largest smaller tenant. A cut request keeps its seat and
+        its KV and goes on at a later step; one admitted in this step goes back to the queue. On a device where
+        a step's time grows with its batch, the smaller tenants' time per token then stays near the target while
+        a flood holds most seats. Returns the tokens taken out of the step."""
+        base, per_token = step_cost
+        max_tokens = max(1, int((self.fair_step_s - base) / per_token))
+        if sum(entry.num_new_tokens for entry in scheduled.values()) <= max_tokens:
+            return 0
+        seats: dict[int, Counter[str]] = {}
+        for request in self.running:
+            seats.setdefault(request.priority, Counter())[request.tenant] += 1
+        larger: set[tuple[int, str]] = set()
+        for priority, counts in seats.items():
+            share = self.max_num_seqs / len(counts)
+            over = [tenant for tenant, num in counts.items() if num > share]
+            if over and len(over) < len(counts):
+                larger.update((priority, tenant) for tenant in over)
+        if not larger:
+            return 0
+        contended = min(priority for priority, _ in larger)
+        cut: list[ScheduledRequest] = []
+        kept = 0
+        smaller: Counter[str] = Counter()
+        for entry in scheduled.values():
+            request = entry.request
+            if request.priority > contended or (request.priority, request.tenant) in larger:
+                cut.append(entry)
+                continue
+            kept += entry.num_new_tokens
+            if request.priority == contended:
+                smaller[request.tenant] += entry.num_new_tokens
+        room = max(max_tokens - kept, max(smaller.values(), default=1))
+        removed = 0
+        cut.sort(key=lambda entry: entry.request.priority)  # stable: admission order within a priority
+        for entry in cut:
+            num_tokens = entry.num_new_tokens
+            if num_tokens <= room:
+                room -= num_tokens
+                continue
+            request = entry.request
+            keep = 0
+            if entry.draft_token_ids:
+                keep = num_tokens - len(entry.draft_token_ids)
+                keep = keep if keep <= room else 0
+            elif room and num_tokens > 1:
+                keep = room  # a prompt chunk: the rest comes at a later step
+            removed += num_tokens - keep
+            request.num_inflight_tokens -= num_tokens - keep
+            if not keep:
+                request.num_pending_samples -= entry.samples
+                del scheduled[entry.request_id]
+                if any(placed is request for placed in admitted):
+                    self._unplace(request)
+                continue
+            room -= keep
+            samples = entry.samples and bool(entry.draft_token_ids)
+            request.num_pending_samples -= entry.samples and not samples
+            scheduled[entry.request_id] = ScheduledRequest(request, keep, entry.num_computed_before, samples,
+                                                           entry.request_id)
+        return removed
+
+    def _unplace(self, request: Request) -> None:
+        """Undo the admission of a request placed in this step and given no tokens after all: back to the queue
+        as it was (not a preemption: nothing of it was computed)."""
+        self.pool.free(request)
+        self.running.remove(request)
+        request.num_computed_tokens = request.num_inflight_tokens = request.num_pending_samples = 0
+        if request.num_preemptions:
+            request.status = RequestStatus.PREEMPTED
+        else:
+            request.status = RequestStatus.WAITING
+            request.first_scheduled_time = None
+            request.num_cached_tokens = 0
+        self.waiting.push(request, self._add_order[request.request_id])
 
     def deadline_budget(self, now: float, step_cost: StepCost) -> int:
         """This step's token budget (deadlines.py): max_num_batched_tokens, or less so that the protected

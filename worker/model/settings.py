@@ -84,6 +84,13 @@ class EngineSettings(BaseSettings):
     three) are protected by deadline-aware step sizes: the scheduler shrinks a step's token budget when a running
     protected request's deadline needs it (down to a quarter of the budget), and admission counts on those
     smaller steps. Unprotected requests are admitted on full steps and stopped by their deadline. 0: none."""
+    fair_step_ms: float = Field(0.0, ge=0)
+    """Tenants' latency under another's flood: while a tenant holding no more than its equal share of the seats
+    runs beside one holding more, at the same priority, a step is cut to about this long (by the step-time model):
+    the larger tenant's rows beyond it wait for a later step, keeping their KV (no recompute), though it always
+    gets as many tokens as the largest smaller tenant. Where a step's time grows with its batch (a CPU) this keeps
+    the smaller tenants' time per token near this target, at the cost of throughput while they run; where it
+    hardly grows (a GPU's decode) it seldom binds. 0: off (docs/tenants.md)."""
     max_model_len: int | None = None
     """Longest prompt plus output; defaults to the model's max_position_embeddings."""
     enable_prefix_caching: bool = True
