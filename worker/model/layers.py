@@ -20,8 +20,11 @@ from worker.model.attention import AttentionBackend
 from worker.model.config import ModelConfig, rope_cos_sin
 from worker.model.input import AttentionMetadata
 from worker.model.lora import LayerLora
+from worker.model.quantize import linear, quantize_param
 
 Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+Matmul = tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+"""(input width, weight, bias, int8 scales or None) of one of a step's matmuls."""
 
 
 def param(*shape: int, device, dtype) -> nn.Parameter:
@@ -90,6 +93,13 @@ class Attention(nn.Module):
         self.o_bias = param(c.hidden_size, device=device, dtype=dtype) if c.o_bias else None
         self.q_norm = param(c.head_dim, device=device, dtype=dtype) if c.qk_norm else None
         self.k_norm = param(c.head_dim, device=device, dtype=dtype) if c.qk_norm else None
+        self.qkv_scale: torch.Tensor | None = None
+        self.o_scale: torch.Tensor | None = None
+        """Per output channel, when the weights are int8 (quantize_int8)."""
+
+    def quantize_int8(self) -> None:
+        self.qkv_scale = quantize_param(self, "qkv_weight")
+        self.o_scale = quantize_param(self, "o_weight")
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         """Hugging Face names (q_proj, k_proj, v_proj, o_proj, q_norm, k_norm under `prefix`) -> our views."""
@@ -121,7 +131,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [R, H]; rows past num_tokens are padding, left out of attention
         c = self.config
         num_rows = x.shape[0]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_scale)
         if lora is not None:
             qkv = lora.add("qkv", x, qkv)
         qkv = qkv[:num_tokens]  # [T, (Hq + 2 Hkv) D]
@@ -141,13 +151,13 @@ class Attention(nn.Module):
         attn = attn.reshape(num_tokens, c.q_size)
         if num_rows > num_tokens:
             attn = F.pad(attn, (0, 0, 0, num_rows - num_tokens))
-        out = F.linear(attn, self.o_weight, self.o_bias)
+        out = linear(attn, self.o_weight, self.o_bias, self.o_scale)
         return out if lora is None else lora.add("o", attn, out)
 
-    def matmuls(self) -> list[tuple[int, torch.Tensor, torch.Tensor | None]]:
-        """(input width, weight, bias) of each matmul, for building kernels ahead (ModelRunner)."""
-        return [(self.config.hidden_size, self.qkv_weight, self.qkv_bias),
-                (self.config.q_size, self.o_weight, self.o_bias)]
+    def matmuls(self) -> list[Matmul]:
+        """(input width, weight, bias, scale) of each matmul, for building kernels ahead (ModelRunner)."""
+        return [(self.config.hidden_size, self.qkv_weight, self.qkv_bias, self.qkv_scale),
+                (self.config.q_size, self.o_weight, self.o_bias, self.o_scale)]
 
 
 class GatedMLP(nn.Module):
@@ -161,6 +171,12 @@ class GatedMLP(nn.Module):
         self.gate_up_bias = param(2 * intermediate_size, device=device, dtype=dtype) if bias else None
         self.down_weight = param(hidden_size, intermediate_size, device=device, dtype=dtype)
         self.down_bias = param(hidden_size, device=device, dtype=dtype) if bias else None
+        self.gate_up_scale: torch.Tensor | None = None
+        self.down_scale: torch.Tensor | None = None
+
+    def quantize_int8(self) -> None:
+        self.gate_up_scale = quantize_param(self, "gate_up_weight")
+        self.down_scale = quantize_param(self, "down_weight")
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         size = self.intermediate_size
@@ -175,14 +191,14 @@ class GatedMLP(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor, lora: LayerLora | None = None) -> torch.Tensor:  # [R, H] -> [R, H]
-        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)  # [R, 2I]
+        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_scale)  # [R, 2I]
         if lora is not None:
             gate_up = lora.add("gate_up", x, gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         h = self.act(gate) * up  # [R, I]
-        out = F.linear(h, self.down_weight, self.down_bias)
+        out = linear(h, self.down_weight, self.down_bias, self.down_scale)
         return out if lora is None else lora.add("down", h, out)
 
-    def matmuls(self) -> list[tuple[int, torch.Tensor, torch.Tensor | None]]:
-        return [(self.hidden_size, self.gate_up_weight, self.gate_up_bias),
-                (self.intermediate_size, self.down_weight, self.down_bias)]
+    def matmuls(self) -> list[Matmul]:
+        return [(self.hidden_size, self.gate_up_weight, self.gate_up_bias, self.gate_up_scale),
+                (self.intermediate_size, self.down_weight, self.down_bias, self.down_scale)]

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from worker.model.settings import EngineSettings
 from worker.model.attention import AttentionBackend
@@ -28,6 +27,7 @@ from worker.model.input import Launched, ModelInput, PersistentInput, Persistent
 from worker.model.loader import load_model
 from worker.model.lora import AdapterRegistry, LoraStep
 from worker.model.pull import resolve_model
+from worker.model.quantize import linear
 from worker.model.step_batch import StepRequests
 
 log = logging.getLogger(__name__)
@@ -143,6 +143,16 @@ class ModelRunner(PersistentInputRunner):
         self.model = load_model(
             self.config, self.model_path, self.backend, self.max_model_len, self.device, self.dtype
         )
+        if settings.quantization == "int8":
+            if self.device.type != "cpu":
+                raise ValueError("ENGINE_QUANTIZATION=int8 is the CPU path (torch's int8 weight-pack matmul); "
+                                 f"this engine runs on {self.device.type}")
+            if self.dtype == torch.float32:
+                raise ValueError("ENGINE_QUANTIZATION=int8 needs ENGINE_DTYPE bfloat16 or float16: torch's int8 "
+                                 "matmul with float32 activations is several times slower than float32 weights")
+            skipped = self.model.quantize_int8()
+            log.info("weights quantized to int8 with per-channel scales%s",
+                     f" ({', '.join(skipped)} left in {self.dtype})" if skipped else "")
         self.loras: AdapterRegistry | None = None
         """The LoRA adapters of ENGINE_ADAPTERS_DIR (worker/model/lora.py); None when it is not set."""
         if settings.adapters_dir:
@@ -223,8 +233,8 @@ class ModelRunner(PersistentInputRunner):
         start = time.perf_counter()
         c = self.config
         for rows in self.model.row_buckets:
-            for width, weight, bias in self.model.matmuls():
-                F.linear(torch.zeros(rows, width, device=self.device, dtype=self.dtype), weight, bias)
+            for width, weight, bias, scale in self.model.matmuls():
+                linear(torch.zeros(rows, width, device=self.device, dtype=self.dtype), weight, bias, scale)
             if rows <= max_sampled_rows:
                 hidden = torch.zeros(rows, c.hidden_size, device=self.device, dtype=self.dtype)
                 self.model.lm_head_logits(hidden, self._kept_logits)

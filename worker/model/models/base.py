@@ -17,7 +17,7 @@ from worker.model.attention import AttentionBackend
 from worker.model.config import ModelConfig
 from worker.model.input import AttentionMetadata
 from worker.model.lora import LoraStep
-from worker.model.layers import Norm, param, rms_norm, rope_tables
+from worker.model.layers import Matmul, Norm, param, rms_norm, rope_tables
 
 
 class CausalLM(nn.Module):
@@ -64,10 +64,24 @@ class CausalLM(nn.Module):
             out.update(layer.checkpoint_tensors(f"model.layers.{i}."))
         return out
 
-    def matmuls(self) -> list[tuple[int, torch.Tensor, torch.Tensor | None]]:
-        """(input width, weight, bias) of every distinct matmul shape a step runs per row: every layer of a
+    def matmuls(self) -> list[Matmul]:
+        """(input width, weight, bias, int8 scales) of every distinct matmul shape a step runs per row: every layer of a
         family has the first layer's shapes, but for the expert matmuls, whose rows are the tokens routed there."""
         return self.layers[0].matmuls()
+
+    def quantize_int8(self) -> list[str]:
+        """Every layer's projection weights to int8 with per-channel scales (worker/model/quantize.py). The
+        embedding and the LM head stay in the model dtype: int8 made the head no faster at one request here and
+        its greedy tokens a little less often the model's; a MoE layer's experts and router stay too. Returns
+        the kinds of layer part left unquantized."""
+        skipped = set()
+        for layer in self.layers:
+            for part in (layer.attn, layer.mlp):
+                if hasattr(part, "quantize_int8"):
+                    part.quantize_int8()
+                else:
+                    skipped.add(type(part).__name__)
+        return sorted(skipped)
 
     def padded_rows(self, rows: int) -> int:
         """The smallest row bucket that holds `rows`; `rows` itself past the largest or without buckets."""

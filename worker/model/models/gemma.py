@@ -17,7 +17,7 @@ from worker.model.attention import AttentionBackend
 from worker.model.config import ModelConfig
 from worker.model.input import AttentionMetadata
 from worker.model.lora import LayerLora
-from worker.model.layers import Attention, GatedMLP, offset_rms_norm, param, rope_tables
+from worker.model.layers import Attention, GatedMLP, Matmul, offset_rms_norm, param, rope_tables
 from worker.model.models.base import CausalLM
 
 
@@ -38,7 +38,7 @@ class GemmaLayer(nn.Module):
             "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")}
         return out | self.attn.checkpoint_tensors(prefix + "self_attn.") | self.mlp.checkpoint_tensors(prefix + "mlp.")
 
-    def matmuls(self) -> list[tuple[int, torch.Tensor, torch.Tensor | None]]:
+    def matmuls(self) -> list[Matmul]:
         return self.attn.matmuls() + self.mlp.matmuls()
 
     def forward(

@@ -15,7 +15,7 @@ from worker.model.attention import AttentionBackend
 from worker.model.config import ModelConfig
 from worker.model.input import AttentionMetadata
 from worker.model.lora import LayerLora
-from worker.model.layers import Attention, GatedMLP, param, rms_norm
+from worker.model.layers import Attention, GatedMLP, Matmul, param, rms_norm
 from worker.model.models.base import CausalLM
 from worker.model.models.moe import SparseMoE
 
@@ -40,7 +40,7 @@ class LlamaLayer(nn.Module):
         out |= self.mlp.checkpoint_tensors(prefix if isinstance(self.mlp, SparseMoE) else prefix + "mlp.")
         return out
 
-    def matmuls(self) -> list[tuple[int, torch.Tensor, torch.Tensor | None]]:
+    def matmuls(self) -> list[Matmul]:
         return self.attn.matmuls() + self.mlp.matmuls()
 
     def forward(

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.model.config import ModelConfig
-from worker.model.layers import ACTIVATIONS, param
+from worker.model.layers import ACTIVATIONS, Matmul, param
 
 
 class SparseMoE(nn.Module):
@@ -81,5 +81,5 @@ class SparseMoE(nn.Module):
             out.index_add_(0, rows, y.to(x.dtype))
         return out
 
-    def matmuls(self) -> list[tuple[int, torch.Tensor, torch.Tensor | None]]:
-        return [(self.config.hidden_size, self.router_weight, None)]
+    def matmuls(self) -> list[Matmul]:
+        return [(self.config.hidden_size, self.router_weight, None, None)]

@@ -1,0 +1,157 @@
+"""int8 weights (ENGINE_QUANTIZATION=int8) against the model dtype on the default model, in one process and one
+run: time per output token at one request, output tokens/s at saturation, and accuracy.
+
+  latency     one request at a time, four open-ended chat prompts of `--max-new-tokens` tokens each (EOS
+              ignored): seconds per output token over the trace, prefills included;
+  saturation  `--batch` requests at once, the same prompts repeated: output tokens/s;
+  accuracy    sixteen chat prompts, greedy, with log-probabilities: the prompts whose whole output is the same
+              token for token, the tokens agreeing before the first difference, and the difference of the
+              chosen tokens' log-probabilities over those agreeing tokens (mean and max); and the same for the
+              model dtype against float32, for scale.
+
+The two runners are built once and alternate `--repeats` times; the median of each measurement counts.
+
+    python -m benchmarks.bench_quantization --out benchmarks/results/<date>-int8
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+from benchmarks.lib.results_store import write_results
+from worker.engine.api import EngineRequest, SamplingParams
+from worker.engine.engine import LLMEngine
+from worker.model.pull import ensure_default_model
+from worker.model.runner import ModelRunner
+from worker.model.settings import EngineSettings
+
+OPEN = [
+    "Tell me a story about a dragon who learns to bake bread.",
+    "Explain why the sky is blue to a ten-year-old.",
+    "Write a short poem about autumn in a city.",
+    "Give me three ideas for a weekend trip and why each is fun.",
+]
+ACCURACY = OPEN + [
+    "What is the capital of France, and what is it known for?",
+    "List five prime numbers and explain what makes a number prime.",
+    "How does a consumer group divide the partitions of a Kafka topic?",
+    "Write a Python function that reverses a string.",
+    "Summarise the plot of Romeo and Juliet in three sentences.",
+    "What are the benefits of regular exercise?",
+    "Translate 'good morning, how are you?' into French and Spanish.",
+    "Explain the difference between a list and a tuple in Python.",
+    "Describe how a rainbow forms.",
+    "Give me a recipe for a simple tomato soup.",
+    "Why do cats purr?",
+    "What should I pack for a week of hiking in the mountains?",
+]
+
+
+def chat(prompt: str, tag: str, max_new_tokens: int, **sampling) -> EngineRequest:
+    return EngineRequest(tag, messages=[{"role": "user", "content": prompt}],
+                         sampling=SamplingParams(max_new_tokens=max_new_tokens, **sampling))
+
+
+def timed(runner: ModelRunner, settings: EngineSettings, batches: list[list[EngineRequest]]) -> tuple[float, int]:
+    """Seconds and output tokens for the batches run one after another."""
+    engine = LLMEngine(settings, runner)
+    start = time.perf_counter()
+    num_tokens = sum(len(c.token_ids) for batch in batches for c in engine.generate(batch).values())
+    return time.perf_counter() - start, num_tokens
+
+
+def greedy_with_logprobs(runner: ModelRunner, settings: EngineSettings, max_new_tokens: int,
+                         prompts: list[str] = ACCURACY) -> dict[str, list]:
+    """Each prompt's greedy [(token id, log-probability)], all prompts in one batch."""
+    engine = LLMEngine(settings, runner)
+    out: dict[str, list] = {}
+    pending = []
+    for i, prompt in enumerate(prompts):
+        pending += engine.add_request(chat(prompt, f"acc-{i}", max_new_tokens, logprobs=True))
+        out[f"acc-{i}"] = []
+    while True:
+        for update in pending:
+            out[update.request_id] += [(lp.token_id, lp.logprob) for lp in update.new_logprobs or ()]
+        if not engine.has_unfinished():
+            return out
+        pending = engine.step()
+
+
+def compare(reference: dict[str, list], quantized: dict[str, list]) -> dict:
+    same, agreeing, total, diffs = 0, 0, 0, []
+    for request_id, ref in reference.items():
+        got = quantized[request_id]
+        total += len(ref)
+        same += [t for t, _ in ref] == [t for t, _ in got]
+        for (token, logprob), (other, other_logprob) in zip(ref, got):
+            if token != other:
+                break
+            agreeing += 1
+            diffs.append(abs(logprob - other_logprob))
+    return {"identical_outputs": f"{same}/{len(reference)}", "agreeing_tokens": f"{agreeing}/{total}",
+            "logprob_diff_mean": round(statistics.fmean(diffs), 4) if diffs else None,
+            "logprob_diff_max": round(max(diffs), 4) if diffs else None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16"])
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = ensure_default_model()
+    loadavg = [round(x, 2) for x in os.getloadavg()]
+    settings = {kind: EngineSettings(model=str(path), device="cpu", dtype=args.dtype, quantization=kind,
+                                     max_num_seqs=max(64, args.batch), enable_prefix_caching=False)
+                for kind in ("none", "int8")}
+    load_s, runners = {}, {}
+    for kind, s in settings.items():
+        start = time.perf_counter()
+        runners[kind] = ModelRunner(str(path), s)
+        load_s[kind] = round(time.perf_counter() - start, 2)
+    latency = [[chat(p, f"lat-{i}", args.max_new_tokens, ignore_eos=True)] for i, p in enumerate(OPEN)]
+    saturation = [[chat(OPEN[i % len(OPEN)], f"sat-{i}", args.max_new_tokens, ignore_eos=True)
+                   for i in range(args.batch)]]
+    samples: dict[tuple[str, str], list[float]] = {}
+    for _ in range(args.repeats):
+        for kind in settings:
+            seconds, tokens = timed(runners[kind], settings[kind], latency)
+            samples.setdefault((kind, "ms_per_token"), []).append(1000 * seconds / tokens)
+            seconds, tokens = timed(runners[kind], settings[kind], saturation)
+            samples.setdefault((kind, "tokens_per_s"), []).append(tokens / seconds)
+            print(kind, {k[1]: round(v[-1], 2) for k, v in samples.items() if k[0] == kind}, flush=True)
+    medians = {f"{kind}_{what}": round(statistics.median(v), 2) for (kind, what), v in samples.items()}
+    reference = greedy_with_logprobs(runners["none"], settings["none"], 48)
+    accuracy = compare(reference, greedy_with_logprobs(runners["int8"], settings["int8"], 48))
+    float32 = settings["none"].model_copy(update={"dtype": "float32"})
+    dtype_vs_float32 = compare(greedy_with_logprobs(ModelRunner(str(path), float32), float32, 48), reference)
+    summary = {
+        "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "loadavg_before": loadavg,
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()], "dtype": str(runners["none"].dtype).removeprefix(
+            "torch."), "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
+        "batch": args.batch, "repeats": args.repeats, "load_s": load_s, "medians": medians,
+        "ms_per_token_ratio": round(medians["int8_ms_per_token"] / medians["none_ms_per_token"], 3),
+        "saturation_ratio": round(medians["int8_tokens_per_s"] / medians["none_tokens_per_s"], 3),
+        "accuracy_48_tokens": accuracy, "dtype_vs_float32_48_tokens": dtype_vs_float32,
+        "samples": {f"{kind}_{what}": [round(x, 2) for x in v] for (kind, what), v in samples.items()},
+    }
+    print(summary)
+    if args.out is not None:
+        print(write_results(args.out, {"summary": summary}, summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
