@@ -9,6 +9,11 @@ Each trace runs at 1 request at a time and at 4 at once, with drafts off and on,
 times on one shared model runner; the best output tokens/s of each counts (other work on the machine only slows
 a run down). Greedy outputs are compared request by request between the two.
 
+Four at once, two ways: `waves`, the four prompts started together and the next wave when all four are done (a
+request that finishes early leaves its seat empty until its wave ends, so drafts pay only when every request of
+the wave gains); and `kept`, `--kept-requests` requests (the prompts repeated) with four always running, the next
+one started as soon as one finishes, as a server under a steady load of four does.
+
     python -m benchmarks.bench_speculative --dtype float32 --out benchmarks/results/<date>-speculative
 """
 
@@ -64,14 +69,28 @@ def requests(prompts: list[str], max_new_tokens: int, tag: str) -> list[EngineRe
                           sampling=SamplingParams(max_new_tokens=max_new_tokens)) for i, prompt in enumerate(prompts)]
 
 
-def run(runner: ModelRunner, settings: EngineSettings, batch: list[EngineRequest], concurrency: int) -> dict:
-    """Output tokens/s over the whole trace, `concurrency` requests at a time; each request's tokens."""
+def run(runner: ModelRunner, settings: EngineSettings, batch: list[EngineRequest], concurrency: int,
+        kept: bool = False) -> dict:
+    """Output tokens/s over the whole trace, `concurrency` requests at a time (in waves, or `kept` at that many
+    running); each request's tokens."""
     engine = LLMEngine(settings, runner)
     tokens: dict[str, list[int]] = {}
     start = time.perf_counter()
-    for first in range(0, len(batch), concurrency):
-        for request_id, completion in engine.generate(batch[first:first + concurrency]).items():
-            tokens[request_id] = completion.token_ids
+    if kept:
+        waiting, running, pending = list(batch), 0, []
+        while waiting or running:
+            while waiting and running < concurrency:
+                tokens[waiting[0].request_id] = []
+                pending += engine.add_request(waiting.pop(0))
+                running += 1
+            for out in pending:
+                tokens[out.request_id] += out.new_token_ids
+                running -= out.finished
+            pending = engine.step() if engine.has_unfinished() else []
+    else:
+        for first in range(0, len(batch), concurrency):
+            for request_id, completion in engine.generate(batch[first:first + concurrency]).items():
+                tokens[request_id] = completion.token_ids
     seconds = time.perf_counter() - start
     num_tokens = sum(len(t) for t in tokens.values())
     return {"tokens_per_s": num_tokens / seconds, "seconds": seconds, "num_tokens": num_tokens,
@@ -85,6 +104,8 @@ def main() -> None:
     parser.add_argument("--num-draft", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--kept-requests", type=int, default=16,
+                        help="kept: requests per trace (the prompts repeated), four always running")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -100,23 +121,27 @@ def main() -> None:
     loadavg = [f"{x:.2f}" for x in os.getloadavg()]
     traces = {"copy": requests(COPY, args.max_new_tokens, "copy"),
               "nothing": requests(NOTHING, args.max_new_tokens, "nothing")}
+    kept_traces = {name: requests((prompts * args.kept_requests)[:args.kept_requests], args.max_new_tokens, name)
+                   for name, prompts in (("copy", COPY), ("nothing", NOTHING))}
+    modes = ((1, "waves"), (4, "waves"), (4, "kept"))
     best: dict[tuple, dict] = {}
     for _ in range(args.repeats):
         for name, batch in traces.items():
-            for concurrency in (1, 4):
+            for concurrency, mode in modes:
                 for num_draft in (0, args.num_draft):
                     settings = base.model_copy(update={"speculative_ngram_tokens": num_draft})
-                    result = run(runner, settings, batch, concurrency)
-                    key = (name, concurrency, num_draft)
+                    result = run(runner, settings, kept_traces[name] if mode == "kept" else batch, concurrency,
+                                 kept=mode == "kept")
+                    key = (name, concurrency, mode, num_draft)
                     if key not in best or result["tokens_per_s"] > best[key]["tokens_per_s"]:
                         best[key] = result
     rows = []
     for name in traces:
-        for concurrency in (1, 4):
-            plain, drafted = best[name, concurrency, 0], best[name, concurrency, args.num_draft]
+        for concurrency, mode in modes:
+            plain, drafted = best[name, concurrency, mode, 0], best[name, concurrency, mode, args.num_draft]
             same = [rid for rid in plain["tokens"] if plain["tokens"][rid] == drafted["tokens"][rid]]
             rows.append({
-                "trace": name, "concurrency": concurrency,
+                "trace": name, "concurrency": concurrency, "mode": mode,
                 "plain_tokens_per_s": round(plain["tokens_per_s"], 1),
                 "drafted_tokens_per_s": round(drafted["tokens_per_s"], 1),
                 "ratio": round(drafted["tokens_per_s"] / plain["tokens_per_s"], 3),
@@ -125,22 +150,23 @@ def main() -> None:
                 "identical_outputs": f"{len(same)}/{len(plain['tokens'])}",
                 "output_tokens": [plain["num_tokens"], drafted["num_tokens"]],
             })
-            print(f"{name:8s} x{concurrency}: {rows[-1]['plain_tokens_per_s']:7.1f} -> "
+            print(f"{name:8s} x{concurrency} {mode:5s}: {rows[-1]['plain_tokens_per_s']:7.1f} -> "
                   f"{rows[-1]['drafted_tokens_per_s']:7.1f} tok/s  ratio {rows[-1]['ratio']:.2f}  "
                   f"steps {plain['steps']} -> {drafted['steps']}  kept {drafted['accepted']}/{drafted['proposed']}"
                   f"  identical {rows[-1]['identical_outputs']}")
     # Plain decoding's own consistency, for reading the identical-output column: greedy tokens of requests run
     # alone against the same requests four at once (in bf16 a matmul's rounding depends on the step's shape).
-    consistent = {name: sum(best[name, 1, 0]["tokens"][rid] == best[name, 4, 0]["tokens"][rid]
-                            for rid in best[name, 1, 0]["tokens"]) for name in traces}
+    consistent = {name: sum(best[name, 1, "waves", 0]["tokens"][rid] == best[name, 4, "waves", 0]["tokens"][rid]
+                            for rid in best[name, 1, "waves", 0]["tokens"]) for name in traces}
     print("plain decoding, alone vs four at once, identical:", consistent)
     summary = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
                "loadavg_before": loadavg, "dtype": str(runner.dtype).replace("torch.", ""),
                "threads": torch.get_num_threads(), "num_draft": args.num_draft,
-               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "rows": rows,
+               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "kept_requests": args.kept_requests,
+               "rows": rows,
                "plain_alone_vs_batched_identical": {name: f"{n}/{len(traces[name])}" for name, n in consistent.items()}}
     if args.out is not None:
-        raw = {"summary": summary, "tokens": {f"{k[0]}-{k[1]}-{k[2]}": v["tokens"] for k, v in best.items()}}
+        raw = {"summary": summary, "tokens": {"-".join(map(str, k)): v["tokens"] for k, v in best.items()}}
         print(write_results(args.out, raw, summary, indent=1))
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.model.batch import Chunk, make_input
-from worker.model.torch_attention import DECODE_PADDING, TorchAttention, group_decodes
+from worker.model.torch_attention import DECODE_PADDING, SHORT_CHUNK, TorchAttention, group_decodes
 
 BLOCK, NUM_BLOCKS, HQ, HKV, D = 4, 40, 6, 2, 16
 
@@ -24,13 +24,14 @@ def naive_attention(q_b, k_ctx, v_ctx, scale):  # [n, Hq, D], [L, Hkv, D], [L, H
     return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v).float()
 
 
-def run_case(history: list[list[Chunk]], seed: int, dtype: torch.dtype = torch.float32, hkv: int = HKV) -> None:
+def run_case(history: list[list[Chunk]], seed: int, dtype: torch.dtype = torch.float32, hkv: int = HKV,
+             fixed_kernels: bool = False) -> None:
     """Every step of `history` runs through TorchAttention; a dense copy of each request's K/V checks it."""
     gen = torch.Generator().manual_seed(seed)
     k_cache = torch.randn(NUM_BLOCKS, BLOCK, hkv, D, generator=gen).to(dtype)  # garbage where nothing was written
     v_cache = torch.randn(NUM_BLOCKS, BLOCK, hkv, D, generator=gen).to(dtype)
     dense: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # first block id -> all K, V so far
-    backend, scale = TorchAttention(), D**-0.5
+    backend, scale = TorchAttention(fixed_kernels=fixed_kernels), D**-0.5
     # bf16 inputs are exact in float64; what is left is the kernels' bf16 rounding (of the output, mostly).
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for step in history:
@@ -76,6 +77,26 @@ def test_decode_in_reduced_precision_with_query_heads_as_rows(dtype, hkv):
         [Chunk([0], 6, a), Chunk([0], 9, b), Chunk([0], 9, c)],
         [Chunk([0], 7, a), Chunk([0], 10, b), Chunk([0], 10, c)],
     ], seed=5, dtype=dtype, hkv=hkv)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_short_chunks_after_a_context_attend_as_decode_rows(dtype):
+    # Under fixed_kernels (bf16 and fp16 on the CPU) a chunk of up to SHORT_CHUNK queries after a cached context (a
+    # verify step's last token and drafts, a resumed tail) attends as decode rows, each seeing the keys up to its
+    # own position, grouped with the step's decode rows; a longer chunk and a fresh prompt keep their paths.
+    a, b, c, d = [1, 7, 3, 9, 10], [20, 2, 31], [15, 16, 17, 18, 19, 27, 28], [21, 22, 23, 24, 25, 26]
+    history = [
+        [Chunk([0] * 5, 0, a), Chunk([0] * 3, 0, b), Chunk([0] * 9, 0, c)],
+        [Chunk([0] * 5, 5, a), Chunk([0], 3, b), Chunk([0] * 3, 9, c), Chunk([0] * 4, 0, d)],
+        [Chunk([0] * SHORT_CHUNK, 10, a), Chunk([0] * 2, 4, b), Chunk([0] * (SHORT_CHUNK + 1), 12, c)],
+    ]
+    run_case(history, seed=6, dtype=dtype, fixed_kernels=True)
+    backend = TorchAttention(fixed_kernels=True)
+    plan = backend._plan(make_input(history[1], BLOCK).attn, 13, BLOCK)
+    assert [p.q_end - p.q_start for p in plan.prefills] == [4]  # only the fresh prompt
+    assert sum(len(g.seq_lens) for g in plan.decode_groups) == 9  # 5 + 1 + 3 rows
+    plan = backend._plan(make_input(history[2], BLOCK).attn, 2 * SHORT_CHUNK + 3, BLOCK)
+    assert [p.q_end - p.q_start for p in plan.prefills] == [SHORT_CHUNK + 1]
 
 
 def test_single_token_prompts_take_the_decode_path():

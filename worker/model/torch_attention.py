@@ -120,6 +120,13 @@ FOLDED_DTYPES = (torch.bfloat16, torch.float16)
 """Decode attention on the CPU in these dtypes runs with each KV head's query heads as rows (TorchAttention._decode).
 In float32 the single-row path is as fast or faster, and stays as it was."""
 
+SHORT_CHUNK = 8
+"""Under `fixed_kernels` (bf16 and fp16 on the CPU), a chunk of at most this many queries after a cached context (a
+verify step's last token and its drafts, a resumed request's last few tokens) attends as that many decode rows,
+each over the keys up to its own position: the decode path batches them with the step's other rows in bf16, where
+such a chunk attends alone, layer by layer, in float32. The same attention (equal in float64); in float32 the chunk
+path stays, whose rounding the tests hold to transformers'."""
+
 DECODE_PADDING = 1.25
 """A decode group grows while (requests x its longest context, in whole blocks) stays within this factor
 of the context tokens its requests really hold."""
@@ -213,12 +220,21 @@ class TorchAttention(AttentionBackend):
         q_start_loc = meta.query_start_loc.tolist()
         seq_lens = meta.seq_lens.tolist()
         q_lens = [q_start_loc[b + 1] - q_start_loc[b] for b in range(len(seq_lens))]
-        decode_reqs = [b for b, n in enumerate(q_lens) if n == 1]
+        # Decode rows: (request, token index, keys it sees): a decode request's one token, and each query of a
+        # short chunk after a cached context (SHORT_CHUNK).
+        entries: list[tuple[int, int, int]] = []
+        as_rows = [False] * len(q_lens)
+        for b, n in enumerate(q_lens):
+            if n == 1 or (self.fixed_kernels and 1 < n <= SHORT_CHUNK and seq_lens[b] > n):
+                as_rows[b] = True
+                entries += [(b, q_start_loc[b] + i, seq_lens[b] - n + i + 1) for i in range(n)]
         decode_groups = []
-        whole_batch = len(decode_reqs) == num_tokens
-        for members in group_decodes([seq_lens[b] for b in decode_reqs], block_size, self.decode_padding):
-            reqs = sorted(decode_reqs[i] for i in members)  # step order: a lone group then needs no reordering
-            lens = [seq_lens[b] for b in reqs]
+        whole_batch = len(entries) == num_tokens
+        for members in group_decodes([entry[2] for entry in entries], block_size, self.decode_padding):
+            group = sorted((entries[i] for i in members), key=lambda entry: entry[1])  # step order: a lone
+            reqs = [entry[0] for entry in group]  # group then needs no reordering
+            lens = [entry[2] for entry in group]
+            token_ids = [entry[1] for entry in group]
             num_blocks = -(-max(lens) // block_size)
             rows = torch.tensor(reqs, device=device)
             blocks = meta.block_tables[rows, :num_blocks].long().clamp_min(0).reshape(-1)
@@ -226,13 +242,13 @@ class TorchAttention(AttentionBackend):
             if any(n != num_blocks * block_size for n in lens):
                 keys = torch.arange(num_blocks * block_size, device=device)[None, :]
                 mask = (keys < torch.tensor(lens, device=device)[:, None])[:, None, None, :]
-            in_order = whole_batch and reqs == list(range(num_tokens))
-            tokens = None if in_order else torch.tensor([q_start_loc[b] for b in reqs], device=device)
+            in_order = whole_batch and token_ids == list(range(num_tokens))
+            tokens = None if in_order else torch.tensor(token_ids, device=device)
             decode_groups.append(_DecodeGroup(tokens, blocks, num_blocks, mask, lens, rows, meta.block_tables))
 
         prefills = []
         for b, q_len in enumerate(q_lens):
-            if q_len <= 1:
+            if q_len == 0 or as_rows[b]:
                 continue
             start, seq_len = q_start_loc[b], seq_lens[b]
             if seq_len == q_len:
