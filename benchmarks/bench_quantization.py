@@ -23,19 +23,14 @@ import statistics
 import time
 from pathlib import Path
 
+from benchmarks.lib.chat import OPEN_PROMPTS, chat_request, default_model
 from benchmarks.lib.results_store import write_results
-from worker.engine.api import EngineRequest, SamplingParams
+from worker.engine.api import EngineRequest
 from worker.engine.engine import LLMEngine
-from worker.model.pull import ensure_default_model
 from worker.model.runner import ModelRunner
 from worker.model.settings import EngineSettings
 
-OPEN = [
-    "Tell me a story about a dragon who learns to bake bread.",
-    "Explain why the sky is blue to a ten-year-old.",
-    "Write a short poem about autumn in a city.",
-    "Give me three ideas for a weekend trip and why each is fun.",
-]
+OPEN = OPEN_PROMPTS
 ACCURACY = OPEN + [
     "What is the capital of France, and what is it known for?",
     "List five prime numbers and explain what makes a number prime.",
@@ -50,11 +45,6 @@ ACCURACY = OPEN + [
     "Why do cats purr?",
     "What should I pack for a week of hiking in the mountains?",
 ]
-
-
-def chat(prompt: str, tag: str, max_new_tokens: int, **sampling) -> EngineRequest:
-    return EngineRequest(tag, messages=[{"role": "user", "content": prompt}],
-                         sampling=SamplingParams(max_new_tokens=max_new_tokens, **sampling))
 
 
 def timed(runner: ModelRunner, settings: EngineSettings, batches: list[list[EngineRequest]]) -> tuple[float, int]:
@@ -72,7 +62,7 @@ def greedy_with_logprobs(runner: ModelRunner, settings: EngineSettings, max_new_
     out: dict[str, list] = {}
     pending = []
     for i, prompt in enumerate(prompts):
-        pending += engine.add_request(chat(prompt, f"acc-{i}", max_new_tokens, logprobs=True))
+        pending += engine.add_request(chat_request(prompt, f"acc-{i}", max_new_tokens, logprobs=True))
         out[f"acc-{i}"] = []
     while True:
         for update in pending:
@@ -110,9 +100,7 @@ def main() -> None:
 
     import torch
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    path = ensure_default_model()
+    path = default_model(args.threads)
     loadavg = [round(x, 2) for x in os.getloadavg()]
     settings = {kind: EngineSettings(model=str(path), device="cpu", dtype=args.dtype, quantization=kind,
                                      max_num_seqs=max(64, args.batch), enable_prefix_caching=False)
@@ -122,8 +110,8 @@ def main() -> None:
         start = time.perf_counter()
         runners[kind] = ModelRunner(str(path), s)
         load_s[kind] = round(time.perf_counter() - start, 2)
-    latency = [[chat(p, f"lat-{i}", args.max_new_tokens, ignore_eos=True)] for i, p in enumerate(OPEN)]
-    saturation = [[chat(OPEN[i % len(OPEN)], f"sat-{i}", args.max_new_tokens, ignore_eos=True)
+    latency = [[chat_request(p, f"lat-{i}", args.max_new_tokens, ignore_eos=True)] for i, p in enumerate(OPEN)]
+    saturation = [[chat_request(OPEN[i % len(OPEN)], f"sat-{i}", args.max_new_tokens, ignore_eos=True)
                    for i in range(args.batch)]]
     samples: dict[tuple[str, str], list[float]] = {}
     for _ in range(args.repeats):

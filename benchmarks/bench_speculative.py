@@ -25,10 +25,10 @@ import platform
 import time
 from pathlib import Path
 
+from benchmarks.lib.chat import OPEN_PROMPTS, chat_request, default_model
 from benchmarks.lib.results_store import write_results
-from worker.engine.api import EngineRequest, SamplingParams
+from worker.engine.api import EngineRequest
 from worker.engine.engine import LLMEngine
-from worker.model.pull import ensure_default_model
 from worker.model.runner import ModelRunner
 from worker.model.settings import EngineSettings
 
@@ -56,17 +56,11 @@ COPY = [
     "Change the city to Madrid in this JSON and print the whole JSON:\n\n" + RECORD,
     "Write this list with one item per line, as 'fruit: number':\n\n" + LIST,
 ]
-NOTHING = [
-    "Tell me a story about a dragon who learns to bake bread.",
-    "Explain why the sky is blue to a ten-year-old.",
-    "Write a short poem about autumn in a city.",
-    "Give me three ideas for a weekend trip and why each is fun.",
-]
+NOTHING = OPEN_PROMPTS
 
 
 def requests(prompts: list[str], max_new_tokens: int, tag: str) -> list[EngineRequest]:
-    return [EngineRequest(f"{tag}-{i}", messages=[{"role": "user", "content": prompt}],
-                          sampling=SamplingParams(max_new_tokens=max_new_tokens)) for i, prompt in enumerate(prompts)]
+    return [chat_request(prompt, f"{tag}-{i}", max_new_tokens) for i, prompt in enumerate(prompts)]
 
 
 def run(runner: ModelRunner, settings: EngineSettings, batch: list[EngineRequest], concurrency: int,
@@ -112,9 +106,7 @@ def main() -> None:
 
     import torch
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    path = ensure_default_model()
+    path = default_model(args.threads)
     base = EngineSettings(model=str(path), device="cpu", dtype=args.dtype, max_num_seqs=8,
                           max_num_batched_tokens=512, enable_prefix_caching=False)
     runner = ModelRunner(str(path), base)
