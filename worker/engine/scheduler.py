@@ -361,6 +361,7 @@ class Scheduler:
             if request.priority == contended:
                 smaller[request.tenant] += entry.num_new_tokens
         room = max(max_tokens - kept, max(smaller.values(), default=1))
+        placed_now = {request.request_id for request in admitted}
         removed = 0
         cut.sort(key=lambda entry: entry.request.priority)  # stable: admission order within a priority
         for entry in cut:
@@ -380,7 +381,7 @@ class Scheduler:
             if not keep:
                 request.num_pending_samples -= entry.samples
                 del scheduled[entry.request_id]
-                if any(placed is request for placed in admitted):
+                if entry.request_id in placed_now:
                     self._unplace(request)
                 continue
             room -= keep

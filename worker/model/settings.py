@@ -25,9 +25,9 @@ class EngineSettings(BaseSettings):
     quantization: Literal["none", "int8"] = "none"
     """Weight-only quantization, made from the checkpoint's weights at start-up. int8 (CPU, dtype bfloat16 or
     float16): every layer's projections as int8 with a scale per output channel; activations, the KV cache, the
-    embedding and the LM head stay in `dtype`. It cuts
-    the time per token of a few requests, whose steps read every weight for a few rows, and is slower in large
-    batches, where the matmuls are bound by arithmetic (docs/quantization.md: figures and accuracy)."""
+    embedding and the LM head stay in `dtype`. It cuts the time per token of a few requests, whose steps read
+    every weight for a few rows, and is slower in large batches, where the matmuls are bound by arithmetic
+    (docs/quantization.md: figures and accuracy)."""
     device: Literal["auto", "cpu", "cuda", "sim:h100", "sim:h200"] = "auto"
     """Where the model runs; auto picks CUDA when available. sim:h100, sim:h200: a simulated GPU (no weights, no
     KV memory; each step waits for its roofline time on that GPU and returns deterministic logits)."""

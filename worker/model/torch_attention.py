@@ -231,8 +231,9 @@ class TorchAttention(AttentionBackend):
         decode_groups = []
         whole_batch = len(entries) == num_tokens
         for members in group_decodes([entry[2] for entry in entries], block_size, self.decode_padding):
-            group = sorted((entries[i] for i in members), key=lambda entry: entry[1])  # step order: a lone
-            reqs = [entry[0] for entry in group]  # group then needs no reordering
+            # In step order: a lone group then needs no reordering.
+            group = sorted((entries[i] for i in members), key=lambda entry: entry[1])
+            reqs = [entry[0] for entry in group]
             lens = [entry[2] for entry in group]
             token_ids = [entry[1] for entry in group]
             num_blocks = -(-max(lens) // block_size)
