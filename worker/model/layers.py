@@ -20,7 +20,7 @@ from worker.model.attention import AttentionBackend
 from worker.model.config import ModelConfig, rope_cos_sin
 from worker.model.input import AttentionMetadata
 from worker.model.lora import LayerLora
-from worker.model.quantize import linear, quantize_param
+from worker.model.quantize import linear, pack_param, quantize_param
 
 Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 Matmul = tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
@@ -101,6 +101,9 @@ class Attention(nn.Module):
         self.qkv_scale = quantize_param(self, "qkv_weight")
         self.o_scale = quantize_param(self, "o_weight")
 
+    def pack_weights(self) -> bool:
+        return pack_param(self, "qkv_weight") & pack_param(self, "o_weight")
+
     def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         """Hugging Face names (q_proj, k_proj, v_proj, o_proj, q_norm, k_norm under `prefix`) -> our views."""
         c = self.config
@@ -177,6 +180,9 @@ class GatedMLP(nn.Module):
     def quantize_int8(self) -> None:
         self.gate_up_scale = quantize_param(self, "gate_up_weight")
         self.down_scale = quantize_param(self, "down_weight")
+
+    def pack_weights(self) -> bool:
+        return pack_param(self, "gate_up_weight") & pack_param(self, "down_weight")
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         size = self.intermediate_size

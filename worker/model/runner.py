@@ -153,6 +153,10 @@ class ModelRunner(PersistentInputRunner):
             skipped = self.model.quantize_int8()
             log.info("weights quantized to int8 with per-channel scales%s",
                      f" ({', '.join(skipped)} left in {self.dtype})" if skipped else "")
+        elif settings.cpu_packed_weights and self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            start = time.perf_counter()
+            packed = self.model.pack_weights()
+            log.info("%d weight matrices packed for oneDNN in %.2f s", packed, time.perf_counter() - start)
         self.loras: AdapterRegistry | None = None
         """The LoRA adapters of ENGINE_ADAPTERS_DIR (worker/model/lora.py); None when it is not set."""
         if settings.adapters_dir:

@@ -28,6 +28,12 @@ class EngineSettings(BaseSettings):
     embedding and the LM head stay in `dtype`. It cuts the time per token of a few requests, whose steps read
     every weight for a few rows, and is slower in large batches, where the matmuls are bound by arithmetic
     (docs/quantization.md: figures and accuracy)."""
+    cpu_packed_weights: bool = True
+    """On the CPU in bfloat16, every layer's projection weights are packed once at start-up into oneDNN's
+    blocked layout, instead of being reordered by every matmul of more than one row, which costs more than the
+    product itself for a few rows. The packed copies replace the layers' weights; the LM head keeps its plain
+    copy beside the packed one, for steps that sample one row (SmolLM2: 57 MB more). false: torch's plain
+    F.linear."""
     device: Literal["auto", "cpu", "cuda", "sim:h100", "sim:h200"] = "auto"
     """Where the model runs; auto picks CUDA when available. sim:h100, sim:h200: a simulated GPU (no weights, no
     KV memory; each step waits for its roofline time on that GPU and returns deterministic logits)."""

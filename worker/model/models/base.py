@@ -18,6 +18,7 @@ from worker.model.config import ModelConfig
 from worker.model.input import AttentionMetadata
 from worker.model.lora import LoraStep
 from worker.model.layers import Matmul, Norm, param, rms_norm, rope_tables
+from worker.model.quantize import pack_for_cpu
 
 
 class CausalLM(nn.Module):
@@ -42,6 +43,8 @@ class CausalLM(nn.Module):
         self.register_buffer("rope_signed_sin", sin, persistent=False)
         self.local_rope: tuple[torch.Tensor, torch.Tensor] | None = None
         """(cos, signed sin) of the windowed layers' own RoPE, where the family has one (Gemma3)."""
+        self.packed_head: torch.Tensor | None = None
+        """The LM head in oneDNN's packed layout (pack_weights), which lm_head_logits then multiplies by."""
         self.embed_scale: float | None = None
         """Embeddings are multiplied by this (in the model dtype), where the family scales them (Gemma)."""
 
@@ -83,6 +86,18 @@ class CausalLM(nn.Module):
                     skipped.add(type(part).__name__)
         return sorted(skipped)
 
+    def pack_weights(self) -> int:
+        """Every layer's projection weights in oneDNN's packed layout (worker/model/quantize.py), where they are
+        bf16 on the CPU, and a packed copy of the LM head beside it (lm_head_logits takes the plain head for one
+        row, where it is faster, and a tied head is the embedding, read row by row); the number packed."""
+        packed = 0
+        for layer in self.layers:
+            for part in (layer.attn, layer.mlp):
+                if hasattr(part, "pack_weights"):
+                    packed += 2 * part.pack_weights()
+        self.packed_head = pack_for_cpu(self.lm_head.data)
+        return packed + (self.packed_head is not None)
+
     def padded_rows(self, rows: int) -> int:
         """The smallest row bucket that holds `rows`; `rows` itself past the largest or without buckets."""
         index = bisect.bisect_left(self.row_buckets, rows)
@@ -122,7 +137,11 @@ class CausalLM(nn.Module):
     def lm_head_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[R, H] -> [R, V], written into the first R rows of `out` when it has them (the same kernel and the
         same numbers as without); soft-capped where the family caps its logits."""
-        if out is None or out.shape[0] < hidden.shape[0]:
+        if self.packed_head is not None and hidden.shape[0] > 1:
+            logits = torch.ops.mkldnn._linear_pointwise(hidden, self.packed_head, None, "none", [], "")
+            if out is not None and out.shape[0] >= hidden.shape[0]:
+                logits = out[:hidden.shape[0]].copy_(logits)
+        elif out is None or out.shape[0] < hidden.shape[0]:
             logits = F.linear(hidden, self.lm_head)
         else:
             logits = torch.mm(hidden, self.lm_head.t(), out=out[:hidden.shape[0]])
