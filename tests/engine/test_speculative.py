@@ -10,7 +10,7 @@ import pytest
 
 from tests.engine.fake_runner import FakeRunner, make_request, make_scheduler, next_token, step
 from worker.engine.api import SamplingParams
-from worker.engine.ngram import MAX_COOLDOWN_STEPS, NgramDrafts
+from worker.engine.ngram import MAX_COOLDOWN_STEPS, NgramDrafts, size_drafts
 from worker.engine.request import RequestStatus
 
 
@@ -56,11 +56,11 @@ def test_rejected_drafts_make_a_request_wait_ever_longer_and_an_accepted_one_res
         while not drafts.propose(2, 2, 2):
             num_empty += 1
         waits.append(num_empty)
-        drafts.verified(0)
+        drafts.verified(0, 2)
     assert waits == [0, 1, 2, 4, 8, 16, 32, MAX_COOLDOWN_STEPS, MAX_COOLDOWN_STEPS]
     while not drafts.propose(2, 2, 2):
         pass
-    drafts.verified(1)
+    drafts.verified(1, 2)
     assert drafts.propose(2, 2, 2) == [1, 2]  # at once: a kept draft ends the waiting
 
 
@@ -264,3 +264,44 @@ def test_smollm2_sampled_requests_draft_with_the_tokens_of_plain_decoding(smollm
     drafted = generate(engine, request())
     assert engine.num_accepted_tokens >= 0.5 * engine.num_proposed_tokens > 0
     assert drafted == generate(engine_of(smollm2_path, 0, num_kv_blocks=64), request())
+
+
+def expected_rate(counts: list[int], continuations: list[float], rows: int, tokens: float, base: float,
+                  per_row: float) -> float:
+    for count, q in zip(counts, continuations):
+        rows += count
+        tokens += sum(q ** k for k in range(1, count + 1))
+    return tokens / (base + per_row * rows)
+
+
+def test_drafts_are_sized_to_the_most_tokens_per_second_the_step_model_gives():
+    rng = random.Random(5)
+    for _ in range(200):
+        num = rng.randint(1, 6)
+        proposed = [[7] * rng.randint(0, 8) for _ in range(num)]
+        continuations = [rng.random() for _ in range(num)]
+        rows, base, per_row = num + rng.randint(0, 20), rng.uniform(0.005, 0.05), rng.uniform(1e-4, 3e-3)
+        counts = size_drafts(proposed, continuations, rows, float(num), base, per_row)
+        assert all(0 <= c <= len(p) for c, p in zip(counts, proposed))
+        best = expected_rate(counts, continuations, rows, num, base, per_row)
+        # No single draft more, or the last one taken less, would give more tokens per second.
+        for i in range(num):
+            for delta in (1, -1):
+                other = list(counts)
+                other[i] += delta
+                if 0 <= other[i] <= len(proposed[i]):
+                    assert expected_rate(other, continuations, rows, num, base, per_row) <= best + 1e-12
+
+
+def test_a_request_copying_long_runs_takes_its_drafts_and_one_stopping_early_few():
+    copying, stopping = NgramDrafts([1, 2, 3]), NgramDrafts([1, 2, 3])
+    for _ in range(4):
+        copying.verified(7, 7)
+        stopping.verified(0, 7)
+    assert copying.continuation() > 0.9 and stopping.continuation() < 0.25
+    # Four decoding requests, a step of 20 ms plus 1 ms a row (about this CPU's in bf16).
+    counts = size_drafts([[5] * 7, [5] * 7], [copying.continuation(), stopping.continuation()], 4, 4.0,
+                         0.020, 0.001)
+    assert counts == [7, 0]
+    assert size_drafts([[5] * 7, [5] * 7], [0.1, 0.1], 4, 4.0, 0.0, 0.0) == [7, 7]  # no step model yet: all
+

@@ -21,7 +21,7 @@ from worker.engine.api import EngineRequest, EngineStats, RequestOutput, Samplin
 from worker.engine.batch_builder import build_step_requests
 from worker.engine.block_pool import salt_key
 from worker.engine.detokenizer import IncrementalDetokenizer
-from worker.engine.ngram import NgramDrafts
+from worker.engine.ngram import NgramDrafts, size_drafts
 from worker.engine.request import Request, RequestStatus
 from worker.engine.scheduler import Scheduler
 from worker.engine.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput
@@ -474,7 +474,7 @@ class LLMEngine:
             sampled[entry.request_id] = drafts[:kept] + [tokens[kept]]
             self.num_proposed_tokens += len(drafts)
             self.num_accepted_tokens += kept
-            self._live[entry.request_id].drafts.verified(kept)
+            self._live[entry.request_id].drafts.verified(kept, len(drafts))
         return sampled
 
     def _sample_rows(self, flight: _InFlight, sampling: list[ScheduledRequest], params: list[RowSampling],
@@ -558,12 +558,18 @@ class LLMEngine:
 
     def _propose(self) -> None:
         """Drafts for the next step of each running request that speculates, while the batch is small enough
-        for a step's extra rows to cost little (ENGINE_SPECULATIVE_MAX_BATCH)."""
+        for a step's extra rows to cost little (ENGINE_SPECULATIVE_MAX_BATCH), as many of them as pay for their
+        rows under the step-time model (ENGINE_SPECULATIVE_ADAPTIVE, ngram.size_drafts)."""
         running = self.scheduler.running
         if len(running) > self.settings.speculative_max_batch:
             return
         settings = self.settings
+        drafting: list[Request] = []
+        proposed: list[list[int]] = []
+        continuations: list[float] = []
+        num_rows = 0
         for request in running:
+            num_rows += max(1, request.num_tokens - request.num_computed_tokens)
             live = self._live.get(request.request_id)
             drafts = live.drafts if live is not None else None
             if drafts is None or request.num_computed_tokens != request.num_tokens - 1:
@@ -574,8 +580,20 @@ class LLMEngine:
             elif known > request.num_tokens:
                 drafts.truncate(request.num_tokens)
             room = request.sampling.max_new_tokens - len(request.output_token_ids) - 1
-            request.draft_token_ids = drafts.propose(min(self.num_draft_tokens, room), settings.speculative_ngram_min,
-                                                     settings.speculative_ngram_max)
+            tokens = drafts.propose(min(self.num_draft_tokens, room), settings.speculative_ngram_min,
+                                    settings.speculative_ngram_max)
+            request.draft_token_ids = tokens
+            if tokens:
+                drafting.append(request)
+                proposed.append(tokens)
+                continuations.append(drafts.continuation())
+        if not drafting or not settings.speculative_adaptive:
+            return
+        base, per_row = self.step_time.coefficients()
+        num_rows = min(num_rows, self.scheduler.max_num_batched_tokens)
+        for request, tokens, count in zip(drafting, proposed, size_drafts(
+                proposed, continuations, num_rows, float(len(running)), base, per_row)):
+            request.draft_token_ids = tokens[:count]
 
     def _grammar_mask(self, sampling_ids: list[str], outputs: list[RequestOutput]) -> TokenMask | None:
         """The bitmasks of this step's constrained rows. A request whose grammar cannot go on (an error state,

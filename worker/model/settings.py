@@ -76,6 +76,11 @@ class EngineSettings(BaseSettings):
     speculative_ngram_max: int = Field(4, ge=1)
     """The n-grams looked up: the longest suffix of the request's tokens, from max down to min tokens, that
     occurred before."""
+    speculative_adaptive: bool = True
+    """Size each step's drafts by their cost: a request's drafts go in while the chance that they are kept
+    (from its recent verify steps) raises the step's expected tokens per second under the engine's step-time
+    model, so a request copying a long run verifies all its drafts and one whose drafts stop early verifies
+    few. false: every request verifies all it proposes."""
     speculative_max_batch: int = Field(8, ge=1)
     """Drafts are proposed only while at most this many requests run: in a larger batch a step's extra rows
     cost about what they save."""
