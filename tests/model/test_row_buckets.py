@@ -50,23 +50,24 @@ def _sweep(runner: ModelRunner, row_counts: range) -> None:
         runner.execute(make_input(chunks, BLOCK))
 
 
-@pytest.mark.slow  # ~10 s: two bf16 runners, 64 forwards each
+@pytest.mark.slow  # ~10 s: three bf16 runners, 64 forwards each
 @pytest.mark.skipif(not cpu_has_native_bf16(), reason="oneDNN runs bf16 matmuls only on CPUs with bf16 units")
 def test_new_row_counts_grow_memory_only_without_buckets(tiny_model_path):
     """Steps of odd row counts first, then of even ones (shapes never met before). Unpadded, each new count
     builds new oneDNN kernels that stay cached (about a MB each even for this tiny model); padded, the even
-    counts fall in buckets built at start-up."""
+    counts fall in buckets built at start-up, with torch's plain F.linear and with the weights packed at
+    start-up (ENGINE_CPU_PACKED_WEIGHTS) alike."""
     growth = {}
-    for mode in ("on", "off"):
-        runner = ModelRunner(tiny_model_path, tiny_settings(row_buckets=mode, dtype="bfloat16", num_kv_blocks=128,
-                                                            max_num_seqs=64))
+    for buckets, packed in (("on", True), ("on", False), ("off", False)):
+        runner = ModelRunner(tiny_model_path, tiny_settings(row_buckets=buckets, cpu_packed_weights=packed,
+                                                            dtype="bfloat16", num_kv_blocks=128, max_num_seqs=64))
         _sweep(runner, range(1, 65, 2))
         before = _in_use_mb()
         _sweep(runner, range(2, 65, 2))
-        growth[mode] = _in_use_mb() - before
+        growth[buckets, packed] = _in_use_mb() - before
         del runner
-    assert growth["on"] < 2.0, growth
-    assert growth["off"] > 10 * max(growth["on"], 1.0), growth
+    assert growth["on", True] < 2.0 and growth["on", False] < 2.0, growth
+    assert growth["off", False] > 10 * max(growth["on", False], 1.0), growth
 
 
 def _sweep_on_a_new_thread(runner: ModelRunner, prepare: bool) -> float:
