@@ -670,3 +670,35 @@ def test_a_flood_request_admitted_and_cut_in_the_same_step_goes_back_to_the_queu
     assert calm.status is RequestStatus.FINISHED_LENGTH
     assert all(request.status is RequestStatus.FINISHED_LENGTH for request in late)
     assert scheduler.num_preemptions == 0
+
+
+def test_seats_left_free_beside_a_cut_flood_are_not_filled_and_emptied_at_every_step():
+    """While the fair-step target cuts a flood holding most seats, the flood's waiting requests are not placed
+    into the free seats only to be cut whole and put back at every step (a prefix lookup and a block allocation
+    each time): after the step the calm tenants arrive in, admission passes them over until the cut lets go.
+    Then they run, and nothing is lost or preempted."""
+    scheduler = make_scheduler(num_blocks=1000, max_num_seqs=24, fair_step_ms=80.0)
+    runner = FakeRunner(1000, 4)
+    for i in range(20):
+        scheduler.add_request(_tenant_request(f"flood-{i}", "flood", 60, i * 1e-3))
+    now = 0.0
+    for _ in range(2):
+        output, _ = step(scheduler, runner, now, STEP_COST)
+        now += STEP_COST[0] + STEP_COST[1] * output.num_batched_tokens
+    calm = [_tenant_request(f"{tenant}-0", tenant, 16, now) for tenant in ("a", "b")]
+    late = [_tenant_request(f"flood-late-{i}", "flood", 8, now + i * 1e-3) for i in range(6)]
+    for request in calm + late:
+        scheduler.add_request(request)
+    steps_beside_calm = 0
+    while any(not request.is_finished for request in calm):
+        output, _ = step(scheduler, runner, now, STEP_COST)
+        now += STEP_COST[0] + STEP_COST[1] * output.num_batched_tokens
+        # The target (8 tokens) held throughout, but for the first step: the calm prompts (4 tokens each) and as
+        # many flood tokens as one of them.
+        assert output.num_batched_tokens <= (12 if steps_beside_calm == 0 else 8), output.num_batched_tokens
+        steps_beside_calm += 1
+    assert steps_beside_calm >= 16
+    assert scheduler.num_fair_unplaced <= 2, scheduler.num_fair_unplaced  # the two free seats, once
+    run_to_completion(scheduler, runner)
+    assert all(request.status is RequestStatus.FINISHED_LENGTH for request in calm + late)
+    assert scheduler.num_preemptions == 0

@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from worker.model.settings import EngineSettings
 from worker.engine.block_pool import BlockPool
@@ -35,6 +36,21 @@ from worker.engine.policies import AdmissionPolicy, WaitingQueue
 from worker.engine.request import MAX_DRAFT_TOKENS, Request, RequestStatus
 from worker.engine.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput
 
+
+
+@dataclass(slots=True)
+class _FairGate:
+    """Which waiting requests admission passes over while the fair-step target binds (Scheduler._fair_gate)."""
+
+    max_budget_left: int
+    """Once the budget left is at most this, the step holds the target's tokens."""
+    contended: int
+    """The most urgent priority with a tenant larger than its share: less urgent ones are cut too."""
+    larger: set[tuple[int, str]]
+
+    def passes_over(self, request: Request, budget: int) -> bool:
+        return budget <= self.max_budget_left and (
+            request.priority > self.contended or (request.priority, request.tenant) in self.larger)
 
 
 class Scheduler:
@@ -64,6 +80,8 @@ class Scheduler:
         self._add_order: dict[str, int] = {}
         self._num_added = 0
         self.num_preemptions = 0
+        self.num_fair_unplaced = 0
+        """Requests placed and then cut whole from their first step by the fair-step target (_unplace)."""
         self.num_deadline_drops = 0
         self._num_schedules = 0
 
@@ -171,9 +189,11 @@ class Scheduler:
         scheduled: dict[str, ScheduledRequest] = {}
         budget = self._schedule_running(budget, scheduled, output)
         admitted: list[Request] = []
+        fair = self.fair_step_s and step_cost[1] > 0
         if not output.preempted_request_ids:
-            budget = self._admit_waiting(now, step_cost, budget, scheduled, output, admitted)
-        if self.fair_step_s and step_cost[1] > 0 and len(scheduled) > 1:
+            gate = self._fair_gate(step_cost, full_budget) if fair else None
+            budget = self._admit_waiting(now, step_cost, budget, scheduled, output, admitted, gate)
+        if fair and len(scheduled) > 1:
             budget += self._fit_fair_step(step_cost, scheduled, admitted)
         output.scheduled = list(scheduled.values())
         output.num_batched_tokens = full_budget - budget
@@ -251,11 +271,12 @@ class Scheduler:
         return drafts[:min(budget - 1, self.max_model_len - request.num_tokens, MAX_DRAFT_TOKENS)]
 
     def _admit_waiting(self, now: float, step_cost: StepCost, budget: int, scheduled: dict[str, ScheduledRequest],
-                       output: SchedulerOutput, admitted: list[Request]) -> int:
+                       output: SchedulerOutput, admitted: list[Request], gate: _FairGate | None = None) -> int:
         """Waiting requests the policy names, in its order, reusing prefix-cached blocks, until the budget,
         max_num_seqs or the blocks run out (the first that does not fit blocks those behind it, so priorities
         hold); one that cannot finish before its deadline is dropped instead. Those admitted are appended to
-        `admitted`. Returns the budget left."""
+        `admitted`. While the step already holds the fair-step target's tokens (`gate`, _fair_gate), the
+        requests the fair-step cut would take out are passed over. Returns the budget left."""
         hopeless: list[Request] = []
         # The size the next steps will have, for judging whether a waiting request can still finish.
         next_tokens = min(self.max_num_batched_tokens, len(self.running) + self.waiting.num_prompt_tokens
@@ -269,6 +290,8 @@ class Scheduler:
                     adapters = {r.adapter for r in self.running if r.adapter is not None}
                 if request.adapter not in adapters and len(adapters) >= self.max_loras:
                     continue  # waits for an adapter's requests to finish; other adapters' and the base's go on
+            if gate is not None and gate.passes_over(request, budget):
+                continue  # placed now, it would be cut from the step and put back: it waits for a later one
             if self.deadlines.cannot_finish(request, now, step_cost, next_tokens, len(self.running)):
                 hopeless.append(request)
                 continue
@@ -333,19 +356,10 @@ class Scheduler:
         its KV and goes on at a later step; one admitted in this step goes back to the queue. On a device where
         a step's time grows with its batch, the smaller tenants' time per token then stays near the target while
         a flood holds most seats. Returns the tokens taken out of the step."""
-        base, per_token = step_cost
-        max_tokens = max(1, int((self.fair_step_s - base) / per_token))
+        max_tokens = self._fair_step_tokens(step_cost)
         if sum(entry.num_new_tokens for entry in scheduled.values()) <= max_tokens:
             return 0
-        seats: dict[int, Counter[str]] = {}
-        for request in self.running:
-            seats.setdefault(request.priority, Counter())[request.tenant] += 1
-        larger: set[tuple[int, str]] = set()
-        for priority, counts in seats.items():
-            share = self.max_num_seqs / len(counts)
-            over = [tenant for tenant, num in counts.items() if num > share]
-            if over and len(over) < len(counts):
-                larger.update((priority, tenant) for tenant in over)
+        larger = self._larger_tenants()
         if not larger:
             return 0
         contended = min(priority for priority, _ in larger)
@@ -391,9 +405,39 @@ class Scheduler:
                                                            entry.request_id)
         return removed
 
+    def _fair_step_tokens(self, step_cost: StepCost) -> int:
+        """The tokens a step holds within ENGINE_FAIR_STEP_MS under the step-time model."""
+        base, per_token = step_cost
+        return max(1, int((self.fair_step_s - base) / per_token))
+
+    def _larger_tenants(self) -> set[tuple[int, str]]:
+        """(priority, tenant) of the running tenants holding more than their equal share of the seats at a
+        priority where another tenant holds no more than its own."""
+        seats: dict[int, Counter[str]] = {}
+        for request in self.running:
+            seats.setdefault(request.priority, Counter())[request.tenant] += 1
+        larger: set[tuple[int, str]] = set()
+        for priority, counts in seats.items():
+            share = self.max_num_seqs / len(counts)
+            over = [tenant for tenant, num in counts.items() if num > share]
+            if over and len(over) < len(counts):
+                larger.update((priority, tenant) for tenant in over)
+        return larger
+
+    def _fair_gate(self, step_cost: StepCost, full_budget: int) -> _FairGate | None:
+        """What admission needs to pass over the requests the fair-step cut would take out again (a prefix
+        lookup and a block allocation each, undone, at every step while the cut applies and seats are free);
+        None while no tenant is larger than its share beside a smaller one."""
+        larger = self._larger_tenants()
+        if not larger:
+            return None
+        return _FairGate(full_budget - self._fair_step_tokens(step_cost),
+                         min(priority for priority, _ in larger), larger)
+
     def _unplace(self, request: Request) -> None:
         """Undo the admission of a request placed in this step and given no tokens after all: back to the queue
         as it was (not a preemption: nothing of it was computed)."""
+        self.num_fair_unplaced += 1
         self.pool.free(request)
         self.running.remove(request)
         request.num_computed_tokens = request.num_inflight_tokens = request.num_pending_samples = 0
