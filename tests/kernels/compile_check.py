@@ -22,7 +22,7 @@ from triton.compiler import ASTSource
 
 import torch.nn.functional as F
 
-from kernels import kv_write, lora, moe, paged_decode, ragged_prefill
+from kernels import fused, kv_write, lora, moe, paged_decode, ragged_prefill
 
 TYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
               torch.int64: "i64"}
@@ -136,6 +136,14 @@ def cases() -> list[tuple[str, object, tuple, dict]]:
         lambda: moe.fused_moe(torch.zeros(7, 256, dtype=bf16), torch.zeros(8, 1024, 256, dtype=bf16),
                               torch.zeros(8, 256, 512, dtype=bf16), torch.full((7, 2), 0.5),
                               torch.tensor([[i % 8, (i + 3) % 8] for i in range(7)]), F.silu))]
+    # The fused per-layer chains: bf16 (the serving dtype, rounded by hand) and float32, each activation.
+    for dtype in (torch.bfloat16, torch.float32):
+        found += [(f"add_rms_norm {dtype}", *launch) for launch in launches(fused, ("_add_rms_norm_kernel",),
+            lambda: fused.add_rms_norm(meta(5, 576, dtype=dtype), meta(5, 576, dtype=dtype), meta(576, dtype=dtype),
+                                       1e-5))]
+        for act in fused.ACTS:
+            found += [(f"act_mul {act} {dtype}", *launch) for launch in launches(fused, ("_act_mul_kernel",),
+                lambda: fused.act_mul(meta(5, 3072, dtype=dtype), act))]
     return found
 
 

@@ -176,6 +176,9 @@ class GatedMLP(nn.Module):
         self.down_bias = param(hidden_size, device=device, dtype=dtype) if bias else None
         self.gate_up_scale: torch.Tensor | None = None
         self.down_scale: torch.Tensor | None = None
+        self.act_name = act
+        self.fused_act_mul: Callable[[torch.Tensor, str], torch.Tensor] | None = None
+        """kernels.fused.act_mul where fused kernels run (ENGINE_FUSED_KERNELS)."""
 
     def quantize_int8(self) -> None:
         self.gate_up_scale = quantize_param(self, "gate_up_weight")
@@ -200,8 +203,11 @@ class GatedMLP(nn.Module):
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_scale)  # [R, 2I]
         if lora is not None:
             gate_up = lora.add("gate_up", x, gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        h = self.act(gate) * up  # [R, I]
+        if self.fused_act_mul is not None:
+            h = self.fused_act_mul(gate_up, self.act_name)  # [R, I]
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = self.act(gate) * up  # [R, I]
         out = linear(h, self.down_weight, self.down_bias, self.down_scale)
         return out if lora is None else lora.add("down", h, out)
 

@@ -99,6 +99,16 @@ def row_bucket_sizes(max_rows: int) -> tuple[int, ...]:
     return tuple(sizes + [max_rows])
 
 
+def use_fused_kernels(setting: str, device: torch.device, backend_name: str) -> bool:
+    """ENGINE_FUSED_KERNELS: auto fuses where the attention runs in Triton on CUDA."""
+    if setting == "auto":
+        return device.type == "cuda" and backend_name == "triton"
+    if setting == "on" and device.type != "cuda" and not triton_interpreted():
+        raise ValueError("ENGINE_FUSED_KERNELS=on runs Triton kernels: it needs a CUDA device (or Triton's "
+                         f"interpreter, TRITON_INTERPRET=1); this engine runs on {device.type}")
+    return setting == "on"
+
+
 def make_backend(setting: str, device: torch.device, needs_windows: bool = False) -> AttentionBackend:
     """`needs_windows`: the model has sliding-window layers or soft-capped attention. The Triton kernels take
     both, but have been checked only under Triton's interpreter and compiled, not run on a GPU: until a GPU run
@@ -157,6 +167,8 @@ class ModelRunner(PersistentInputRunner):
             start = time.perf_counter()
             packed = self.model.pack_weights()
             log.info("%d weight matrices packed for oneDNN in %.2f s", packed, time.perf_counter() - start)
+        if use_fused_kernels(settings.fused_kernels, self.device, self.backend.name):
+            log.info("fused Triton kernels in %d layers", self.model.use_fused_kernels())
         self.loras: AdapterRegistry | None = None
         """The LoRA adapters of ENGINE_ADAPTERS_DIR (worker/model/lora.py); None when it is not set."""
         if settings.adapters_dir:

@@ -39,6 +39,12 @@ class EngineSettings(BaseSettings):
     KV memory; each step waits for its roofline time on that GPU and returns deterministic logits)."""
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     """auto: Triton on CUDA, torch on the CPU."""
+    fused_kernels: Literal["auto", "on", "off"] = "auto"
+    """Triton kernels for two per-layer chains of elementwise operations (kernels/fused.py): the residual add
+    with the RMSNorm after attention, and the MLP's gated activation (act(gate) * up), each one kernel instead
+    of several launches. auto: where the attention runs in Triton on CUDA, in the layers of the Llama graph
+    (Llama, Mistral, Qwen, Phi-3, their MoE variants: the activation where the MLP is dense). on: wherever
+    Triton runs, the CPU interpreter included (tests); off: torch's operations."""
     cuda_graphs: Literal["auto", "on", "off"] = "auto"
     """Decode-only steps of up to the largest of cuda_graph_batch_sizes requests run padded to the next of those
     sizes from static input buffers, each size's forward captured once at start-up as a CUDA graph and replayed.

@@ -86,6 +86,13 @@ class CausalLM(nn.Module):
                     skipped.add(type(part).__name__)
         return sorted(skipped)
 
+    def use_fused_kernels(self) -> int:
+        """Triton's fused chains (kernels/fused.py) in every layer that has them; the number of layers."""
+        fused = [layer for layer in self.layers if hasattr(layer, "use_fused_kernels")]
+        for layer in fused:
+            layer.use_fused_kernels()
+        return len(fused)
+
     def pack_weights(self) -> int:
         """Every layer's projection weights in oneDNN's packed layout (worker/model/quantize.py), where they are
         bf16 on the CPU, and a packed copy of the LM head beside it (lm_head_logits takes the plain head for one

@@ -8,6 +8,8 @@ bucket), H = hidden size, D = head dim.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -32,6 +34,15 @@ class LlamaLayer(nn.Module):
         self.post_attn_norm = param(c.hidden_size, device=device, dtype=dtype)
         self.mlp = (SparseMoE(c, device, dtype) if c.is_moe_layer(layer)
                     else GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, c.hidden_act, device, dtype))
+        self.fused_add_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+        """kernels.fused.add_rms_norm where fused kernels run (ENGINE_FUSED_KERNELS)."""
+
+    def use_fused_kernels(self) -> None:
+        from kernels.fused import act_mul, add_rms_norm
+
+        self.fused_add_norm = add_rms_norm
+        if isinstance(self.mlp, GatedMLP) and self.mlp.act_name in ("silu", "gelu_pytorch_tanh"):
+            self.mlp.fused_act_mul = act_mul
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         out = {prefix + "input_layernorm.weight": self.input_norm.data,
@@ -58,9 +69,13 @@ class LlamaLayer(nn.Module):
         over all R rows. Sublayers are called through .forward: nn.Module's __call__ costs microseconds per
         call, and no hooks are used."""
         eps = self.config.rms_norm_eps
-        hidden = hidden + self.attn.forward(rms_norm(hidden, self.input_norm, eps), cos, sin, kv_cache, meta, backend,
-                                            num_tokens, lora)
-        x = rms_norm(hidden, self.post_attn_norm, eps)
+        attn = self.attn.forward(rms_norm(hidden, self.input_norm, eps), cos, sin, kv_cache, meta, backend,
+                                 num_tokens, lora)
+        if self.fused_add_norm is not None:
+            x, hidden = self.fused_add_norm(attn, hidden, self.post_attn_norm, eps)
+        else:
+            hidden = hidden + attn
+            x = rms_norm(hidden, self.post_attn_norm, eps)
         # Adapters of a mixture of experts target attention only (worker/model/lora.py refuses the rest).
         return hidden + (self.mlp.forward(x) if lora is None or isinstance(self.mlp, SparseMoE)
                          else self.mlp.forward(x, lora))

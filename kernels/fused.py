@@ -1,0 +1,123 @@
+"""Fused per-layer chains for a GPU step: residual add with RMSNorm, and the gated activation.
+
+Each replaces a chain of elementwise torch operations (on a GPU, a launch and a round trip through memory each)
+with one kernel that reads its inputs once and writes its outputs once. Both round where the torch chain rounds,
+so in bf16 and fp16 they give the same values (the norm's sum of squares aside, whose order differs), and in
+float32 the same tokens:
+
+- `add_rms_norm(x, residual, weight, eps)`: h = x + residual in the activation dtype, then the Llama RMSNorm of
+  h (statistics in float32, cast back, then times the weight), as worker/model/layers.py's rms_norm; returns
+  (normed, h). One program per row.
+- `act_mul(gate_up, act)`: act(gate) * up for gate_up = [gate | up] along the last dimension, SiLU or GELU (tanh
+  approximation), the activation computed in float32 and rounded before the product as F.silu(gate) * up is.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._checks import check_dtype, check_ndim, check_same_device
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}
+
+
+@triton.jit
+def _round_to(x, dtype: tl.constexpr, BF16: tl.constexpr):
+    """float32 -> dtype, to nearest (ties to even). bf16 by hand: Triton's interpreter truncates a float32
+    to bfloat16, where torch and the GPU round; the same integer steps give the GPU's result compiled."""
+    if BF16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, h_ptr,  # [R, H] each but the weight [H]; rows contiguous
+    stride_x, stride_res, stride_out, stride_h,
+    hidden, eps,
+    BLOCK: tl.constexpr, BF16: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+    h = _round_to(x.to(tl.float32) + r.to(tl.float32), x.dtype, BF16)  # rounds to the activation dtype, as torch
+    tl.store(h_ptr + row * stride_h + cols, h, mask=mask)
+    h32 = h.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(h32 * h32, axis=0) / hidden + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    normed = _round_to(h32 * inv, x.dtype, BF16)
+    tl.store(out_ptr + row * stride_out + cols, _round_to(w.to(tl.float32) * normed.to(tl.float32), x.dtype, BF16),
+             mask=mask)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) * weight, x + residual) for x, residual [R, H] and weight [H], one dtype."""
+    check_ndim("x", x, 2, "[R, H]")
+    check_ndim("weight", weight, 1, "[H]")
+    check_dtype("x", x, FLOAT_DTYPES)
+    check_dtype("residual", residual, (x.dtype,))
+    check_dtype("weight", weight, (x.dtype,))
+    if residual.shape != x.shape or weight.shape[0] != x.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)}, residual {tuple(residual.shape)} and weight {tuple(weight.shape)} "
+                         "do not match")
+    if x.stride(1) != 1 or residual.stride(1) != 1 or weight.stride(0) != 1:
+        raise ValueError("add_rms_norm needs rows with contiguous last dimensions")
+    check_same_device(x=x, residual=residual, weight=weight)
+    num_rows, hidden = x.shape
+    out, summed = torch.empty_like(x), torch.empty_like(x)
+    if num_rows:
+        _add_rms_norm_kernel[(num_rows,)](
+            x, residual, weight, out, summed, x.stride(0), residual.stride(0), out.stride(0), summed.stride(0),
+            hidden, eps, BLOCK=triton.next_power_of_2(hidden), BF16=x.dtype == torch.bfloat16)
+    return out, summed
+
+
+@triton.jit
+def _act_mul_kernel(
+    gate_up_ptr, out_ptr,  # [R, 2I], [R, I]; rows contiguous
+    stride_in, stride_out, inter,
+    ACT: tl.constexpr, BLOCK: tl.constexpr, BF16: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0)
+    up = tl.load(gate_up_ptr + row * stride_in + inter + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    if ACT == 0:
+        a = g / (1.0 + tl.exp(-g))
+    else:
+        # torch's tanh-approximate GELU, 0.5 g (1 + tanh(u)), with tanh(u) = 2 / (1 + exp(-2u)) - 1
+        u = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        u = tl.minimum(tl.maximum(u, -15.0), 15.0)  # tanh is +-1 in float32 beyond; exp(30) stays finite
+        a = 0.5 * g * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * u)) - 1.0))
+    a = _round_to(a, gate.dtype, BF16)  # the activation's output rounds before the product, as in act(gate) * up
+    tl.store(out_ptr + row * stride_out + cols, _round_to(a.to(tl.float32) * up.to(tl.float32), gate.dtype, BF16),
+             mask=mask)
+
+
+def act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) * up for gate_up = [R, 2I] holding gate then up: [R, I]. act: silu or gelu_pytorch_tanh."""
+    check_ndim("gate_up", gate_up, 2, "[R, 2I]")
+    check_dtype("gate_up", gate_up, FLOAT_DTYPES)
+    if act not in ACTS:
+        raise ValueError(f"act_mul takes {sorted(ACTS)}, not {act!r}")
+    if gate_up.shape[1] % 2 or gate_up.stride(1) != 1:
+        raise ValueError(f"gate_up must be [R, 2I] with contiguous rows, not {tuple(gate_up.shape)}")
+    num_rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(num_rows, inter, device=gate_up.device, dtype=gate_up.dtype)
+    block = min(1024, triton.next_power_of_2(inter))
+    if num_rows:
+        _act_mul_kernel[(num_rows, triton.cdiv(inter, block))](
+            gate_up, out, gate_up.stride(0), out.stride(0), inter, ACT=ACTS[act], BLOCK=block,
+            BF16=gate_up.dtype == torch.bfloat16)
+    return out
