@@ -74,11 +74,43 @@ def test_fused_kernels_generate_the_tokens_of_the_unfused_path_and_transformers(
         engine = LLMEngine(EngineSettings(
             model=str(tiny_model_path), device="cpu", dtype="float32", attention_backend="triton",
             fused_kernels=fused, block_size=16, num_kv_blocks=32, max_num_batched_tokens=32, max_num_seqs=4))
-        layer = engine.runner.model.layers[0]
-        assert (layer.fused_add_norm is not None) == (fused == "on")
-        assert (layer.mlp.fused_act_mul is not None) == (fused == "on")
+        model = engine.runner.model
+        assert (model.fused_add_norm is not None) == (fused == "on")
+        assert (model.layers[0].mlp.fused_act_mul is not None) == (fused == "on")
         tokens[fused] = run_trace(engine, TRACE)
     assert tokens["on"] == tokens["off"] == hf_reference(tiny_model_path, TRACE, set(engine.runner.eos_token_ids))
+
+
+@pytest.mark.slow  # interpreted kernels: about 15 s
+def test_a_moe_family_with_qk_norms_generates_the_same_tokens_fused(smollm2_path: Path, tmp_path: Path) -> None:
+    """Qwen3-MoE (per-head q/k norms, experts in place of the MLP, whose output is handed on unadded all the
+    same): the fused path's tokens are the unfused path's."""
+    from tests.engine.test_engine_correctness import run_trace
+    from tests.kernels.test_triton_generation import TRACE
+    from worker.engine.engine import LLMEngine
+    from worker.model.settings import EngineSettings
+    from worker.model.tiny import build_tiny_family
+
+    path = build_tiny_family(tmp_path, smollm2_path, "qwen3-moe")
+    tokens = {}
+    for fused in ("on", "off"):
+        engine = LLMEngine(EngineSettings(
+            model=str(path), device="cpu", dtype="float32", attention_backend="triton", fused_kernels=fused,
+            block_size=16, num_kv_blocks=32, max_num_batched_tokens=32, max_num_seqs=4))
+        assert (engine.runner.model.fused_add_norm is not None) == (fused == "on")
+        tokens[fused] = run_trace(engine, TRACE)
+    assert tokens["on"] == tokens["off"]
+
+
+def test_families_outside_the_llama_graph_keep_their_own_path(smollm2_path: Path, tmp_path: Path) -> None:
+    from worker.model.runner import ModelRunner
+    from worker.model.settings import EngineSettings
+    from worker.model.tiny import build_tiny_family
+
+    path = build_tiny_family(tmp_path, smollm2_path, "gemma2")
+    runner = ModelRunner(str(path), EngineSettings(model=str(path), device="cpu", dtype="float32",
+                                                   attention_backend="triton", fused_kernels="on", num_kv_blocks=16))
+    assert runner.model.fused_add_norm is None
 
 
 def test_auto_fuses_where_attention_runs_in_triton_on_cuda_and_on_without_triton_fails_fast(monkeypatch):

@@ -168,7 +168,11 @@ class ModelRunner(PersistentInputRunner):
             packed = self.model.pack_weights()
             log.info("%d weight matrices packed for oneDNN in %.2f s", packed, time.perf_counter() - start)
         if use_fused_kernels(settings.fused_kernels, self.device, self.backend.name):
-            log.info("fused Triton kernels in %d layers", self.model.use_fused_kernels())
+            fused = self.model.use_fused_kernels()
+            if fused:
+                log.info("fused Triton kernels in %d layers", fused)
+            else:
+                log.info("no fused Triton kernels for %s (the Llama graph's layers only)", self.config.architecture)
         self.loras: AdapterRegistry | None = None
         """The LoRA adapters of ENGINE_ADAPTERS_DIR (worker/model/lora.py); None when it is not set."""
         if settings.adapters_dir:

@@ -8,6 +8,7 @@ A family subclasses `CausalLM` with its layer class, norm and checkpoint names (
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,8 @@ class CausalLM(nn.Module):
         self.register_buffer("rope_signed_sin", sin, persistent=False)
         self.local_rope: tuple[torch.Tensor, torch.Tensor] | None = None
         """(cos, signed sin) of the windowed layers' own RoPE, where the family has one (Gemma3)."""
+        self.fused_add_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+        """kernels.fused.add_rms_norm where the layers run fused (use_fused_kernels)."""
         self.packed_head: torch.Tensor | None = None
         """The LM head in oneDNN's packed layout (pack_weights), which lm_head_logits then multiplies by."""
         self.embed_scale: float | None = None
@@ -87,11 +90,14 @@ class CausalLM(nn.Module):
         return sorted(skipped)
 
     def use_fused_kernels(self) -> int:
-        """Triton's fused chains (kernels/fused.py) in every layer that has them; the number of layers."""
-        fused = [layer for layer in self.layers if hasattr(layer, "use_fused_kernels")]
-        for layer in fused:
+        """Triton's fused chains (kernels/fused.py) in every layer, where every layer has them (the Llama graph),
+        the residual adds then each fused with the norm after it; the number of layers (0: none)."""
+        if not all(hasattr(layer, "forward_deferred") for layer in self.layers) or self.norm is not rms_norm:
+            return 0
+        for layer in self.layers:
             layer.use_fused_kernels()
-        return len(fused)
+        self.fused_add_norm = self.layers[0].fused_add_norm
+        return len(self.layers)
 
     def pack_weights(self) -> int:
         """Every layer's projection weights in oneDNN's packed layout (worker/model/quantize.py), where they are
@@ -131,6 +137,17 @@ class CausalLM(nn.Module):
         rope = [(self.rope_cos[positions].unsqueeze(1), self.rope_signed_sin[positions].unsqueeze(1))]  # [T, 1, D]
         if self.local_rope is not None:
             rope.append((self.local_rope[0][positions].unsqueeze(1), self.local_rope[1][positions].unsqueeze(1)))
+        rows = self._pad(logits_indices)
+        eps = self.config.rms_norm_eps
+        if self.fused_add_norm is not None:
+            pending = None
+            for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+                cos, sin = rope[layer.rope_index]
+                hidden, pending = layer.forward_deferred(hidden, pending, cos, sin, kv_cache, meta, self.backend,
+                                                         num_tokens, None if lora is None else lora.layer(index))
+            # The last MLP's output joins the residual of the sampled rows only, in the final norm's kernel.
+            hidden, _ = self.fused_add_norm(pending[rows], hidden[rows], self.final_norm, eps)  # [S, H]
+            return self.lm_head_logits(hidden, logits_out)[:num_sampled]  # [S, V]
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             cos, sin = rope[layer.rope_index]
             if lora is None:
@@ -138,7 +155,7 @@ class CausalLM(nn.Module):
             else:
                 hidden = layer(hidden, cos, sin, kv_cache, meta, self.backend, num_tokens, lora.layer(index))
         # Norm and LM head only for the rows that sample: the head is the largest matmul per token.
-        hidden = self.norm(hidden[self._pad(logits_indices)], self.final_norm, self.config.rms_norm_eps)  # [S, H]
+        hidden = self.norm(hidden[rows], self.final_norm, eps)  # [S, H]
         return self.lm_head_logits(hidden, logits_out)[:num_sampled]  # [S, V]
 
     def lm_head_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

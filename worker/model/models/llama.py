@@ -69,16 +69,37 @@ class LlamaLayer(nn.Module):
         over all R rows. Sublayers are called through .forward: nn.Module's __call__ costs microseconds per
         call, and no hooks are used."""
         eps = self.config.rms_norm_eps
-        attn = self.attn.forward(rms_norm(hidden, self.input_norm, eps), cos, sin, kv_cache, meta, backend,
-                                 num_tokens, lora)
-        if self.fused_add_norm is not None:
-            x, hidden = self.fused_add_norm(attn, hidden, self.post_attn_norm, eps)
+        hidden = hidden + self.attn.forward(rms_norm(hidden, self.input_norm, eps), cos, sin, kv_cache, meta, backend,
+                                            num_tokens, lora)
+        return hidden + self._mlp(rms_norm(hidden, self.post_attn_norm, eps), lora)
+
+    def forward_deferred(
+        self,
+        hidden: torch.Tensor,  # [R, H], the residual stream without the previous layer's MLP output
+        pending: torch.Tensor | None,  # [R, H], that output (None before the first layer)
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        num_tokens: int,
+        lora: LayerLora | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # the residual stream, this layer's MLP output not yet added
+        """forward() with the fused kernels (ENGINE_FUSED_KERNELS): each residual add runs in one kernel with
+        the norm after it, so the MLP's output is handed on unadded, to be added with the next layer's input
+        norm (or the model's final norm); the same values as forward()."""
+        eps = self.config.rms_norm_eps
+        if pending is None:
+            x = rms_norm(hidden, self.input_norm, eps)
         else:
-            hidden = hidden + attn
-            x = rms_norm(hidden, self.post_attn_norm, eps)
+            x, hidden = self.fused_add_norm(pending, hidden, self.input_norm, eps)
+        attn = self.attn.forward(x, cos, sin, kv_cache, meta, backend, num_tokens, lora)
+        x, hidden = self.fused_add_norm(attn, hidden, self.post_attn_norm, eps)
+        return hidden, self._mlp(x, lora)
+
+    def _mlp(self, x: torch.Tensor, lora: LayerLora | None) -> torch.Tensor:
         # Adapters of a mixture of experts target attention only (worker/model/lora.py refuses the rest).
-        return hidden + (self.mlp.forward(x) if lora is None or isinstance(self.mlp, SparseMoE)
-                         else self.mlp.forward(x, lora))
+        return self.mlp.forward(x) if lora is None or isinstance(self.mlp, SparseMoE) else self.mlp.forward(x, lora)
 
 
 class LlamaModel(CausalLM):
