@@ -6,8 +6,9 @@ folder of `--num-adapters` rank-`--rank` adapters (PEFT's layout, random weights
 short requests (a prompt of a few words, `--max-new-tokens`, EOS ignored) at priority 1, each naming an adapter
 drawn at random: uniformly (`--zipf 0`) or by a Zipf law of exponent `--zipf` (adapter k with weight 1/k^s, as
 real fleets see a few popular fine-tunes and a long tail). They go out in waves of `--wave` and each wave is
-answered before the next, so both runs see the same batches. Two runs on fresh workers and topics, the same
-draws:
+answered before the next, so both runs see the same batches; with `--backlog` they all go at once, and each
+worker's scheduler picks from its queue (a request whose adapter would be one more than ENGINE_MAX_LORAS among
+the running ones waits while other adapters' go on). Two runs on fresh workers and topics, the same draws:
 
   affinity  the wire's routing key: a request naming an adapter goes to that adapter's partition of its
             priority, so to the worker that owns it (schemas/priority.py);
@@ -69,11 +70,12 @@ async def one_run(bootstrap: str, tmp: Path, name: str, adapters_dir: Path, pick
     async with Run(bootstrap, tmp, name, env, ["--engine", "llm"], 2) as run:
         before = sum(s.num_adapter_loads or 0 for s in run.statuses.values())
         adapter_of: dict[str, str] = {}
-        for first in range(0, len(picks), a.wave):
+        size = len(picks) if a.backlog else a.wave
+        for first in range(0, len(picks), size):
             wave = [GenerationRequest(id=f"{name}-{i}-{uuid.uuid4().hex[:10]}", prompt=f"Item {i}: say hello.",
                                       model=adapter, max_new_tokens=a.max_new_tokens,
                                       sampling=SamplingSpec(ignore_eos=True))
-                    for i, adapter in enumerate(picks[first:first + a.wave], start=first)]
+                    for i, adapter in enumerate(picks[first:first + size], start=first)]
             for request in wave:
                 adapter_of[request.id] = request.model
                 await run.send(request, key=None if name == "affinity" else request.id)
@@ -124,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--wave", type=int, default=16, help="requests in flight at once (and engine seats)")
+    p.add_argument("--backlog", action="store_true",
+                   help="send every request at once (a backlog; the engine still seats --wave), not in waves")
     p.add_argument("--max-new-tokens", type=int, default=2)
     p.add_argument("--zipf", type=float, default=1.0, help="0: every adapter alike")
     p.add_argument("--seed", type=int, default=0)
