@@ -59,6 +59,7 @@ def test_smollm2_in_int8_keeps_its_greedy_answers_and_log_probabilities_close(sm
     quantized_runner = ModelRunner(smollm2_path, settings.model_copy(update={"quantization": "int8"}))
     assert quantized_runner.model.layers[0].attn.qkv_weight.dtype == torch.int8
     assert quantized_runner.model.lm_head.dtype == torch.bfloat16
+    assert quantized_runner.model.packed_head is not None  # the bf16 head, packed for steps of several rows
     quantized = greedy(quantized_runner, PROMPTS, 24)
     diffs = []
     for request_id, tokens in reference.items():

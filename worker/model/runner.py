@@ -163,6 +163,8 @@ class ModelRunner(PersistentInputRunner):
             skipped = self.model.quantize_int8()
             log.info("weights quantized to int8 with per-channel scales%s",
                      f" ({', '.join(skipped)} left in {self.dtype})" if skipped else "")
+            if settings.cpu_packed_weights and self.dtype == torch.bfloat16:
+                self.model.pack_weights(layers=False)  # the head stays bf16: packed for steps of several rows
         elif settings.cpu_packed_weights and self.device.type == "cpu" and self.dtype == torch.bfloat16:
             start = time.perf_counter()
             packed = self.model.pack_weights()

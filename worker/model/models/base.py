@@ -99,12 +99,13 @@ class CausalLM(nn.Module):
         self.fused_add_norm = self.layers[0].fused_add_norm
         return len(self.layers)
 
-    def pack_weights(self) -> int:
-        """Every layer's projection weights in oneDNN's packed layout (worker/model/quantize.py), where they are
-        bf16 on the CPU, and a packed copy of the LM head beside it (lm_head_logits takes the plain head for one
-        row, where it is faster, and a tied head is the embedding, read row by row); the number packed."""
+    def pack_weights(self, layers: bool = True) -> int:
+        """Every layer's projection weights (unless `layers` is false: int8 weights have their own kernel) in
+        oneDNN's packed layout (worker/model/quantize.py), where they are bf16 on the CPU, and a packed copy of
+        the LM head beside it (lm_head_logits takes the plain head for one row, where it is faster, and a tied
+        head is the embedding, read row by row); the number packed."""
         packed = 0
-        for layer in self.layers:
+        for layer in self.layers if layers else ():
             for part in (layer.attn, layer.mlp):
                 if hasattr(part, "pack_weights"):
                     packed += 2 * part.pack_weights()
