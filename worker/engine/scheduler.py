@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from worker.model.settings import EngineSettings
@@ -40,16 +40,23 @@ from worker.engine.scheduler_output import RequestUpdate, ScheduledRequest, Sche
 
 @dataclass(slots=True)
 class _FairGate:
-    """Which waiting requests admission passes over while the fair-step target binds (Scheduler._fair_gate)."""
+    """Which waiting requests admission passes over while the fair-step target binds (Scheduler._fair_gate).
+    The larger tenants are counted only once a step already holds the target's tokens, and once per step."""
 
     max_budget_left: int
     """Once the budget left is at most this, the step holds the target's tokens."""
-    contended: int
+    count_larger: Callable[[], set[tuple[int, str]]]
+    larger: set[tuple[int, str]] | None = None
+    contended: int = 0
     """The most urgent priority with a tenant larger than its share: less urgent ones are cut too."""
-    larger: set[tuple[int, str]]
 
     def passes_over(self, request: Request, budget: int) -> bool:
-        return budget <= self.max_budget_left and (
+        if budget > self.max_budget_left:
+            return False
+        if self.larger is None:
+            self.larger = self.count_larger()
+            self.contended = min((priority for priority, _ in self.larger), default=0)
+        return bool(self.larger) and (
             request.priority > self.contended or (request.priority, request.tenant) in self.larger)
 
 
@@ -424,15 +431,10 @@ class Scheduler:
                 larger.update((priority, tenant) for tenant in over)
         return larger
 
-    def _fair_gate(self, step_cost: StepCost, full_budget: int) -> _FairGate | None:
+    def _fair_gate(self, step_cost: StepCost, full_budget: int) -> _FairGate:
         """What admission needs to pass over the requests the fair-step cut would take out again (a prefix
-        lookup and a block allocation each, undone, at every step while the cut applies and seats are free);
-        None while no tenant is larger than its share beside a smaller one."""
-        larger = self._larger_tenants()
-        if not larger:
-            return None
-        return _FairGate(full_budget - self._fair_step_tokens(step_cost),
-                         min(priority for priority, _ in larger), larger)
+        lookup and a block allocation each, undone, at every step while the cut applies and seats are free)."""
+        return _FairGate(full_budget - self._fair_step_tokens(step_cost), self._larger_tenants)
 
     def _unplace(self, request: Request) -> None:
         """Undo the admission of a request placed in this step and given no tokens after all: back to the queue
