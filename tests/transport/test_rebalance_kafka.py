@@ -15,7 +15,8 @@ import pytest
 from schemas.priority import partition_for
 from schemas.request import GenerationRequest
 from worker.engine.instant import expected_text
-from tests.transport.kafka_helpers import Collector, produce_requests, start_worker_process
+from tests.transport.exactly_once_checks import committed_offsets
+from tests.transport.kafka_helpers import Collector, WaitTimeout, produce_requests, start_worker_process
 from tests.transport.test_failover_kafka import wait_assigned
 from tests.transport.test_stream_kafka import as_engine_request
 
@@ -42,6 +43,16 @@ def attempts_of(results, request_id: str) -> set[int]:
     """Attempts that published anything (a chunk or a final) for this request."""
     return {f.attempt for f in results.finals.get(request_id, [])} | {
         a for (i, a) in results.chunks if i == request_id}
+
+
+async def unanswered(kafka, collector: Collector, written: dict[str, tuple[int, int]]) -> str:
+    """Where the requests without a final are: partition, offset, the attempts that published anything, and
+    the group's committed offset of that partition (past the record: it was skipped, not just slow)."""
+    committed = await committed_offsets(kafka)
+    missing = sorted((p, o, i) for i, (p, o) in written.items() if i not in collector.results.finals)
+    return "unanswered: " + "; ".join(
+        f"{i} at {p}:{o} attempts {sorted(attempts_of(collector.results, i))} committed {committed.get(p)}"
+        for p, o, i in missing)
 
 
 def check_served_once_per_attempt(results, requests) -> None:
@@ -154,9 +165,11 @@ async def test_a_rolling_restart_under_load_loses_nothing_and_restarts_only_the_
     async with Collector(kafka) as collector:
         procs = {f"w{i}": await start(kafka, f"w{i}", tmp_path, drain_timeout_s=0.3) for i in (1, 2, 3)}
 
+        written: dict[str, tuple[int, int]] = {}
+
         async def send_waves() -> None:
             for wave in waves:
-                await produce_requests(kafka, wave)
+                written.update(await produce_requests(kafka, wave))
                 await asyncio.sleep(0.8)
 
         def restarted_now() -> set[str]:
@@ -179,7 +192,10 @@ async def test_a_rolling_restart_under_load_loses_nothing_and_restarts_only_the_
                 await asyncio.sleep(1.0)  # a restarted request's new attempt streams within a few steps
                 windows.append((name, partitions, restarted_now() - already))
             await sender
-            await collector.wait_until(lambda r: all_completed(r, requests), 90)
+            try:
+                await collector.wait_until(lambda r: all_completed(r, requests), 90)
+            except WaitTimeout as exc:
+                raise WaitTimeout(f"{exc}\n{await unanswered(kafka, collector, written)}") from None
         finally:
             codes = await stop_all(list(procs.values()))
     assert codes == [0, 0, 0]
