@@ -8,7 +8,8 @@ drawn at random: uniformly (`--zipf 0`) or by a Zipf law of exponent `--zipf` (a
 real fleets see a few popular fine-tunes and a long tail). They go out in waves of `--wave` and each wave is
 answered before the next, so both runs see the same batches; with `--backlog` they all go at once, and each
 worker's scheduler picks from its queue (a request whose adapter would be one more than ENGINE_MAX_LORAS among
-the running ones waits while other adapters' go on). Two runs on fresh workers and topics, the same draws:
+the running ones waits while other adapters' go on, and with every slot taken one whose adapter is not loaded
+lets those of loaded ones go first for up to `--resident-first-steps` steps). Two runs on fresh workers and topics, the same draws:
 
   affinity  the wire's routing key: a request naming an adapter goes to that adapter's partition of its
             priority, so to the worker that owns it (schemas/priority.py);
@@ -65,7 +66,8 @@ def draws(names: list[str], num: int, zipf: float, seed: int) -> list[str]:
 async def one_run(bootstrap: str, tmp: Path, name: str, adapters_dir: Path, picks: list[str],
                   a: argparse.Namespace) -> dict:
     env = {"ENGINE_ADAPTERS_DIR": str(adapters_dir), "ENGINE_MAX_LORAS": str(a.max_loras),
-           "ENGINE_MAX_NUM_SEQS": str(a.wave), "WORKER_MAX_QUEUE_TIME_S": "[0, 0, 0]"}
+           "ENGINE_MAX_NUM_SEQS": str(a.wave), "WORKER_MAX_QUEUE_TIME_S": "[0, 0, 0]",
+           "ENGINE_LORA_RESIDENT_FIRST_STEPS": str(a.resident_first_steps)}
     started = time.monotonic()
     async with Run(bootstrap, tmp, name, env, ["--engine", "llm"], 2) as run:
         before = sum(s.num_adapter_loads or 0 for s in run.statuses.values())
@@ -108,7 +110,8 @@ async def amain(a: argparse.Namespace) -> dict:
     ratio = runs["affinity"]["loads_per_1000"] / max(runs["spread"]["loads_per_1000"], 1e-9)
     summary = {"runs": runs, "affinity_over_spread": round(ratio, 3), "floor": FLOOR_RATIO,
                "floor_met": ratio <= FLOOR_RATIO, "zipf": a.zipf, "num_adapters": a.num_adapters,
-               "max_loras": a.max_loras, "command": "python -m benchmarks.bench_lora_affinity " + " ".join(a.argv),
+               "max_loras": a.max_loras, "resident_first_steps": a.resident_first_steps,
+               "command": "python -m benchmarks.bench_lora_affinity " + " ".join(a.argv),
                "load_average": [round(x, 2) for x in os.getloadavg()]}
     date = datetime.date.today().isoformat()
     out = REPO / "benchmarks" / "results" / (f"{date}-lora-affinity" + (f"-{a.label}" if a.label else ""))
@@ -129,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backlog", action="store_true",
                    help="send every request at once (a backlog; the engine still seats --wave), not in waves")
     p.add_argument("--max-new-tokens", type=int, default=2)
+    p.add_argument("--resident-first-steps", type=int, default=32,
+                   help="ENGINE_LORA_RESIDENT_FIRST_STEPS: how long a request may let those of loaded adapters go "
+                        "first (0: arrival order)")
     p.add_argument("--zipf", type=float, default=1.0, help="0: every adapter alike")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--label", default="")

@@ -251,3 +251,29 @@ def test_an_eviction_spares_the_adapters_waiting_requests_name(tiny_model_path, 
     assert list(loras.loaded) == ["a", "c"]
     loras.get("d", in_use={"c"}, wanted={"a", "c"})  # every candidate is wanted: the least recently used goes
     assert list(loras.loaded) == ["c", "d"] and (loras.num_loads, loras.num_evictions) == (4, 2)
+
+
+@pytest.mark.slow  # shares the PEFT reference with the tests above
+@pytest.mark.parametrize("resident_first_steps", [0, 8])
+def test_a_backlog_goes_to_the_loaded_adapters_first(tiny_model_path, adapters_dir, prompts, expected,
+                                                     resident_first_steps):
+    engine = LLMEngine(tiny_settings(model=str(tiny_model_path), adapters_dir=str(adapters_dir), max_loras=2,
+                                     max_num_seqs=2, max_num_batched_tokens=256,
+                                     lora_resident_first_steps=resident_first_steps))
+    loras = engine.runner.loras
+    run(engine, {"warm-alpha": ("alpha", "own1"), "warm-beta": ("beta", "own1")}, prompts)
+    assert (sorted(loras.loaded), loras.num_loads) == (["alpha", "beta"], 2)
+    # gamma first in the queue, then requests of the two loaded adapters, two seats.
+    cases = {"0-gamma": ("gamma", "own1")} | {f"{i}-{model}": (model, "own2")
+                                              for i in range(1, 7) for model in ("alpha", "beta")[i % 2:][:1]}
+    done = run(engine, cases, prompts)
+    for rid, (model, key) in cases.items():
+        assert done[rid].token_ids == expected[model, key][0], rid
+    if resident_first_steps:
+        # alpha's and beta's requests went first; gamma then evicted one of them, once.
+        assert loras.num_loads == 3
+        finished = sorted(done, key=lambda rid: done[rid].last.finish_time)
+        assert finished.index("0-gamma") >= 4, finished
+    else:
+        # gamma evicted one at once, and that one came back for the requests behind it.
+        assert loras.num_loads >= 4

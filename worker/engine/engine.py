@@ -114,6 +114,9 @@ class LLMEngine:
         # Runners stood in by tests may not say; their models then keep every block.
         self.scheduler = Scheduler(self.settings, self.runner.num_blocks, self.runner.max_model_len,
                                    getattr(self.runner, "kv_window", None))
+        loras = getattr(self.runner, "loras", None)
+        if loras is not None:
+            self.scheduler.loaded_adapters = loras.loaded  # a live view: the registry changes it in place
         self.sampler = Sampler()
         if str(getattr(self.runner, "device", "")) == "cpu":  # the draw runs in numpy there
             self.sampler.reserve(self.settings.max_num_seqs, self.runner.vocab_size)

@@ -80,6 +80,8 @@ class Request:
     num_preemptions: int = 0
     seat_wait_step: int | None = None
     """The scheduler step at which it first found every seat taken (it may preempt for one a step later)."""
+    adapter_waits: int = 0
+    """Steps in which requests behind it went first because its adapter was not loaded (lora_resident_first_steps)."""
     draft_token_ids: list[int] = field(default_factory=list)
     """Speculative tokens (ngram.py) the next step verifies after the request's last token; the scheduler hands
     them to that step and clears them."""

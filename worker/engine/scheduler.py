@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 
 from worker.model.settings import EngineSettings
@@ -70,6 +70,10 @@ class Scheduler:
         self.max_num_seqs = settings.max_num_seqs
         self.max_loras = settings.max_loras
         """Distinct LoRA adapters among the running requests, at most: the runner keeps that many loaded."""
+        self.lora_resident_first_steps = settings.lora_resident_first_steps
+        self.loaded_adapters: Collection[str] | None = None
+        """The adapters the runner holds now (the engine hands its live view of them; None without adapters):
+        with every slot taken, requests whose adapter is among them go first (_defers_for_adapter)."""
         self.deadlines = DeadlinePlanner(self.max_num_batched_tokens, settings.protected_priorities)
         self.fair_step_s = settings.fair_step_ms / 1000
         """ENGINE_FAIR_STEP_MS in seconds (0: off): see _fit_fair_step."""
@@ -269,6 +273,21 @@ class Scheduler:
                 budget -= num_new_tokens
         return budget
 
+    def _defers_for_adapter(self, request: Request, running_adapters: set[str] | None) -> bool:
+        """Whether `request` lets the requests behind it go first: its adapter is neither loaded nor running,
+        every slot is taken (loading it evicts one that later requests may want back), it has not waited
+        lora_resident_first_steps steps on that account yet, and it has no deadline (whose planning assumes
+        arrival order)."""
+        loaded, adapter = self.loaded_adapters, request.adapter
+        if adapter is None or loaded is None or request.adapter_waits >= self.lora_resident_first_steps \
+                or request.deadline is not None:
+            return False
+        if len(loaded) < self.max_loras or adapter in loaded:
+            return False
+        if running_adapters is None:
+            running_adapters = {r.adapter for r in self.running if r.adapter is not None}
+        return adapter not in running_adapters
+
     def _take_drafts(self, request: Request, num_uncomputed: int, budget: int) -> list[int]:
         """The request's speculative tokens for this step (they are cleared either way): only behind its last
         token when that is all it has to compute, within the budget and max_model_len."""
@@ -289,7 +308,26 @@ class Scheduler:
         next_tokens = min(self.max_num_batched_tokens, len(self.running) + self.waiting.num_prompt_tokens
                           ) if step_cost[1] > 0 else 0
         adapters: set[str] | None = None
-        for request in self.policy.candidates(self.waiting, now):
+        deferred: list[tuple[Request, int]] = []
+        """Passed over because their adapters are not loaded, with how many requests were admitted before."""
+        held: list[Request] = []
+
+        def candidates() -> Iterator[Request]:
+            # Requests whose adapter would load go after the rest of their priority's run of candidates (never
+            # after a less urgent one), then in their order: none waits on that account unless a request
+            # behind it goes instead.
+            for request in self.policy.candidates(self.waiting, now):
+                if held and request.priority != held[0].priority:
+                    released, held[:] = list(held), []
+                    yield from released
+                if self._defers_for_adapter(request, adapters):
+                    deferred.append((request, len(admitted)))
+                    held.append(request)
+                    continue
+                yield request
+            yield from held
+
+        for request in candidates():
             if budget == 0:
                 break
             if request.adapter is not None:
@@ -321,6 +359,9 @@ class Scheduler:
             admitted.append(request)
             if adapters is not None and request.adapter is not None:
                 adapters.add(request.adapter)
+        for request, num_before in deferred:
+            if len(admitted) > num_before:  # requests behind it went first
+                request.adapter_waits += 1
         for request in admitted:
             self.waiting.remove(request)
         for request in hopeless:

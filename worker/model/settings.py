@@ -134,6 +134,12 @@ class EngineSettings(BaseSettings):
     """LoRA adapters loaded at once, and distinct adapters among the running requests (so every step's adapters
     are loaded): a request for another adapter waits until one is free. The least recently used adapter that no
     running request uses is evicted to load another."""
+    lora_resident_first_steps: int = Field(32, ge=0)
+    """With every adapter slot taken: a waiting request whose adapter is not loaded lets requests of its priority
+    behind it whose adapters are (or the base model's) go first, for at most this many steps, so that a backlog
+    is served by the adapters already loaded rather than by evicting and loading one for each request in
+    arrival order. Never across priorities, nor for a request with a deadline. 0: arrival order (each such
+    request loads its adapter as soon as a seat is free)."""
     max_lora_rank: int = Field(64, ge=1)
     """Highest LoRA rank served; an adapter above it is refused at load."""
     sim_model: str = ""
