@@ -9,7 +9,8 @@ real fleets see a few popular fine-tunes and a long tail). They go out in waves 
 answered before the next, so both runs see the same batches; with `--backlog` they all go at once, and each
 worker's scheduler picks from its queue (a request whose adapter would be one more than ENGINE_MAX_LORAS among
 the running ones waits while other adapters' go on, and with every slot taken one whose adapter is not loaded
-lets those of loaded ones go first for up to `--resident-first-steps` steps). Two runs on fresh workers and topics, the same draws:
+lets those of loaded ones go first for up to `--resident-first-steps` steps). Two runs on fresh workers and
+topics, the same draws:
 
   affinity  the wire's routing key: a request naming an adapter goes to that adapter's partition of its
             priority, so to the worker that owns it (schemas/priority.py);
