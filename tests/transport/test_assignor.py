@@ -5,7 +5,7 @@ test_assignor_properties.py."""
 import asyncio
 
 import pytest
-from aiokafka import AIOKafkaConsumer
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 from aiokafka.cluster import ClusterMetadata
 from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment, ConsumerProtocolMemberMetadata
 from aiokafka.protocol.metadata import MetadataResponse_v0
@@ -272,3 +272,94 @@ def test_members_report_when_they_got_each_partition():
     assert reported.owned == {"t": [1, 2]} and reported.since_of("t") == {1: 5, 2: 6}
     old_format = decode_user_data(b'{"v": 1, "generation": 4, "owned": {"t": [3]}}')
     assert old_format.since_of("t") == {3: 4}
+
+
+def test_a_leader_remembers_what_it_assigned_itself_by_generation():
+    group_generation, me = 5, "b"
+    assignor = PriorityRoundRobinAssignor(3, group_generation=lambda: group_generation)
+    assignor.member_id = lambda: me
+    own = [tp.partition for tp in assignor.assign(six_partitions(), {"a": claim(4, [0, 1]), "b": claim(4, [2, 3, 4])}
+                                                  )["b"].partitions()]
+    assert assignor.kept_through(5, 5, "requests") == set(own) and len(own) == 3
+    group_generation = 6
+    assignor.assign(six_partitions(), {"a": claim(4, [0, 1]), "b": claim(4, [2, 3]), "c": claim(0, [])})
+    assert assignor.kept_through(5, 6, "requests") == set(own) & set(assignor.led[6]["requests"])
+    assert assignor.kept_through(4, 6, "requests") is None  # generation 4 was led by another member, or none
+    assert assignor.kept_through(6, 7, "requests") is None
+
+
+@pytest.mark.kafka
+async def test_through_a_real_broker_a_join_during_the_leaders_assignment_leaves_that_generation_unassigned(
+        kafka_topics):
+    """A member that joins while the group waits for its leader's assignment fails every sync of that generation:
+    the members come back one generation on having held nothing of it, so the leader's own share of it is the
+    only one that generation ever had (what lets a worker keep its partitions through it: Intake.kept_of)."""
+    import threading
+    import time
+
+    kafka = kafka_topics
+    generations: dict[str, list[int]] = {"a": [], "b": []}
+    third_joined = threading.Event()
+    stop_third = threading.Event()
+
+    class SlowLeader(PriorityRoundRobinAssignor):
+        slow = False
+
+        def assign(self, cluster, members):
+            if self.slow and len(members) == 2:
+                threading.Thread(target=lambda: asyncio.run(third()), daemon=True).start()
+                assert third_joined.wait(20)
+                time.sleep(1.0)  # its JoinGroup reaches the coordinator before this assignment's SyncGroup
+            return super().assign(cluster, members)
+
+    async def third() -> None:
+        c = AIOKafkaConsumer(**kafka.client_kwargs(), group_id=kafka.group_id, enable_auto_commit=False,
+                             partition_assignment_strategy=(PriorityRoundRobinAssignor(kafka.num_priorities),),
+                             heartbeat_interval_ms=500)
+        await c.start()
+        c.subscribe([kafka.request_topic])
+        third_joined.set()
+        while not stop_third.is_set():
+            await c.getmany(timeout_ms=100)
+        await c.stop()
+
+    class Recorder(ConsumerRebalanceListener):
+        def __init__(self, name: str, consumer: AIOKafkaConsumer) -> None:
+            self.name, self.consumer = name, consumer
+
+        async def on_partitions_revoked(self, revoked) -> None:
+            pass
+
+        async def on_partitions_assigned(self, assigned) -> None:
+            generations[self.name].append(group_generation(self.consumer))
+
+    consumers = {}
+    for name, assignor in (("a", SlowLeader(kafka.num_priorities)),
+                           ("b", PriorityRoundRobinAssignor(kafka.num_priorities))):
+        consumer = AIOKafkaConsumer(**kafka.client_kwargs(), group_id=kafka.group_id, enable_auto_commit=False,
+                                    partition_assignment_strategy=(assignor,), heartbeat_interval_ms=500)
+        assignor.group_generation = lambda consumer=consumer: group_generation(consumer)
+        assignor.member_id = lambda consumer=consumer: consumer._coordinator.member_id
+        await consumer.start()
+        consumer.subscribe([kafka.request_topic], listener=Recorder(name, consumer))
+        consumers[name] = (consumer, assignor)
+        if name == "a":
+            for _ in range(100):
+                await consumer.getmany(timeout_ms=100)
+                if generations["a"]:
+                    break
+            assignor.slow = True
+    try:
+        for _ in range(300):
+            await asyncio.gather(*(c.getmany(timeout_ms=100) for c, _ in consumers.values()))
+            if generations["b"]:
+                break
+        leader = consumers["a"][1]
+        first, missed = generations["a"][0], generations["a"][0] + 1
+        assert generations["a"] == [first, missed + 1] and generations["b"] == [missed + 1], generations
+        assert leader.kept_through(missed, missed, kafka.request_topic) == set(leader.led[missed][kafka.request_topic])
+        assert len(leader.led[missed][kafka.request_topic]) == 3  # half of six: its share with b in that generation
+    finally:
+        stop_third.set()
+        for consumer, _ in consumers.values():
+            await consumer.stop()

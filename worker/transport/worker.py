@@ -143,7 +143,7 @@ class Worker:
                                    on_topic_change=self._on_topic_change,
                                    # An exactly-once lane writes a final only once its request's chunks settled.
                                    track_settled=kafka.exactly_once, headers_for=tracing.headers_for)
-        self.consumer = make_consumer(kafka, settings)
+        self.consumer, assignor = make_consumer(kafka, settings)
         # Subscribed before start: the first assignment may arrive inside start(), and its listener needs the parts.
         self.consumer.subscribe([kafka.request_topic], listener=RebalanceListener(self._on_revoked, self._on_assigned))
         self.outputs: asyncio.Queue = asyncio.Queue()
@@ -176,6 +176,7 @@ class Worker:
         self.dispatcher = Dispatcher(self.lifecycle, admission, settings.max_engine_inflight or 2 * max_num_seqs)
         self.intake = Intake(self.consumer, self.tracker, self.lifecycle, self.answers,
                              IntakeLayout.from_settings(kafka, settings, limits), tracing=tracing)
+        self.intake.led_through = lambda first, last: assignor.kept_through(first, last, kafka.request_topic)
         self.delivery = (TransactionalCommits(lanes, kafka, self.consumer, self.publisher, self.intake)
                          if lanes is not None else ConsumerCommits(self.intake))
         """How what is answered gets committed: the lanes' transactions (exactly once) or the consumer's."""

@@ -243,6 +243,10 @@ def assign_by_priority(num_partitions: int, num_priorities: int, member_ids: lis
     return assign_sticky(priority_classes(range(num_partitions), num_priorities), member_ids, owners)
 
 
+LED_KEPT = 8
+"""Generations whose own share a leader remembers (kept_through): a worker that missed more rejoins afresh."""
+
+
 class PriorityRoundRobinAssignor(AbstractPartitionAssignor):
     """aiokafka's side: the leader's assign(), and each member's memory of what it owns for its next join.
     Passed as an instance (aiokafka only calls .name, .assign, .metadata and .on_assignment), so it can carry
@@ -265,6 +269,11 @@ class PriorityRoundRobinAssignor(AbstractPartitionAssignor):
         """The assignor generation of that assignment (0: none yet)."""
         self.since: dict[str, dict[int, int]] = {}
         """Per topic and owned partition, the generation at which this member got it."""
+        self.member_id: Callable[[], str] | None = None
+        """This member's id in the group (on the leader, during assign: its own among the members)."""
+        self.led: dict[int, dict[str, list[int]]] = {}
+        """Group generation -> what this member, as that generation's leader, assigned itself (per topic), for
+        the last LED_KEPT generations it led, whether or not that generation's sync then went through."""
 
     def assign(self, cluster, members: Mapping[str, ConsumerProtocolMemberMetadata]):  # type: ignore[override]
         claims = {m: decode_user_data(meta.user_data) for m, meta in members.items()}
@@ -286,12 +295,39 @@ class PriorityRoundRobinAssignor(AbstractPartitionAssignor):
                      generation, topic, len(subscribers), len(partitions), len(owners), moved)
             for member, ps in assigned.items():
                 by_member[member][topic] = ps
+        self._remember_own(by_member)
         user_data = encode_user_data(generation)
         return {
             member: ConsumerProtocolMemberAssignment(
                 self.version, sorted((t, ps) for t, ps in by_member[member].items() if ps), user_data)
             for member in members
         }
+
+    def _remember_own(self, by_member: Mapping[str, Mapping[str, list[int]]]) -> None:
+        group_generation = self._current_group_generation()
+        if self.member_id is None or group_generation <= 0:
+            return
+        try:
+            me = self.member_id()
+        except Exception:  # noqa: BLE001 - unknown: the generation counts as led by another member
+            return
+        self.led[group_generation] = {topic: sorted(ps) for topic, ps in by_member.get(me, {}).items()}
+        for old in sorted(self.led)[:-LED_KEPT]:
+            del self.led[old]
+
+    def kept_through(self, first: int, last: int, topic: str) -> set[int] | None:
+        """The partitions of `topic` this member assigned itself in every group generation from `first` to `last`
+        as their leader: none of them had another owner then, whether or not those generations' syncs went
+        through (a leader's sync that fails leaves every member without that generation's assignment; one that
+        goes through hands out this one). None when it did not lead one of them: the assignment it missed is
+        unknown here."""
+        kept: set[int] | None = None
+        for generation in range(first, last + 1):
+            own = self.led.get(generation)
+            if own is None:
+                return None
+            kept = set(own.get(topic, ())) if kept is None else kept & set(own.get(topic, ()))
+        return kept if kept is not None else set()
 
     def _current_group_generation(self) -> int:
         if self.group_generation is None:

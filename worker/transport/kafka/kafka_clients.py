@@ -9,11 +9,12 @@ from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 
 from worker.kafka_settings import KafkaSettings
 from worker.worker_settings import WorkerSettings
-from worker.transport.kafka.aiokafka_compat import group_generation
+from worker.transport.kafka.aiokafka_compat import group_generation, group_member_id
 from worker.transport.kafka.assignor import PriorityRoundRobinAssignor
 
 
-def make_consumer(kafka: KafkaSettings, settings: WorkerSettings) -> AIOKafkaConsumer:
+def make_consumer(kafka: KafkaSettings, settings: WorkerSettings
+                  ) -> tuple[AIOKafkaConsumer, PriorityRoundRobinAssignor]:
     assignor = PriorityRoundRobinAssignor(kafka.num_priorities, kafka.num_request_partitions)
     consumer = AIOKafkaConsumer(
         **kafka.client_kwargs(),
@@ -31,7 +32,8 @@ def make_consumer(kafka: KafkaSettings, settings: WorkerSettings) -> AIOKafkaCon
     # The leader stamps each assignment with the group generation (assignor.py "Generations"), read inside a
     # join, when the coordinator holds the generation being formed.
     assignor.group_generation = lambda: group_generation(consumer)
-    return consumer
+    assignor.member_id = lambda: group_member_id(consumer)
+    return consumer, assignor
 
 
 class RebalanceListener(ConsumerRebalanceListener):

@@ -100,8 +100,9 @@ class TransactionalCommits:
         lost = lanes.fenced()
         if self.intake.missed_a_generation(generation):
             # Every lane may have been fenced by an owner in between, whether or not it has tried to write since:
-            # each starts anew, fencing that owner in turn.
-            lost = lanes.owned()
+            # each starts anew, fencing that owner in turn; except those of partitions this worker kept through
+            # the generations it missed (it led them: Intake.kept_of).
+            lost = lanes.owned() - self.intake.kept_of(assigned, generation, lost)
         await lanes.revoke((lanes.owned() - assigned) | lost)
         await lanes.assign(assigned)  # fences the previous owners first: their commits are final
         committed = await self._committed_progress(assigned - self.intake.kept_of(assigned, generation, lost))

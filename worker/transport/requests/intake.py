@@ -34,6 +34,7 @@ import asyncio
 import logging
 import time
 from itertools import groupby
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -120,6 +121,9 @@ class Intake:
         """A suspect that reads nothing (refetching, or idle) returns to normal reads after this time."""
         self.paused: set[TopicPartition] = set()
         self.group_generation = -1
+        self.led_through: Callable[[int, int], set[int] | None] | None = None
+        """The request partitions this worker assigned itself as the leader of every group generation in a
+        range (PriorityRoundRobinAssignor.kept_through); None: unknown (it did not lead one of them)."""
         self.fetching_stopped = False
         self._failed: KafkaError | None = None
         """A fetch error raised after records were drained: fetch_once handles those records, then raises it."""
@@ -195,9 +199,14 @@ class Intake:
         start and assigned again, with no other owner in between. After a missed generation, or for partitions
         `lost` (another worker's producer fenced their exactly-once lane), there may have been one: such a
         partition starts over from its committed offset, like any partition that moves here."""
+        kept = (self._suspended & assigned) - lost
         if self.missed_a_generation(group_generation):
-            return set()
-        return (self._suspended & assigned) - lost
+            # Unless this worker led each generation it missed and kept the partition there itself: a join that
+            # arrives while the group waits for its leader's assignment fails that generation's syncs, and its
+            # members come back one generation on having held no partition of it.
+            own = self.led_through(self.group_generation + 1, group_generation - 1) if self.led_through else None
+            return {tp for tp in kept if tp.partition in own} if own else set()
+        return kept
 
     def on_assigned(self, assigned: set[TopicPartition], group_generation: int,
                     progress: dict[TopicPartition, tuple[int, Runs]] | None = None,
