@@ -4,7 +4,9 @@ default model, greedy, in one process and one run.
 Two traces of chat requests:
   copy     the output repeats the prompt: a text repeated verbatim, a code edit (a rename), a JSON record edited,
            a list reformatted;
-  nothing  open-ended answers (stories, explanations): little to copy.
+  nothing  open-ended answers (stories, explanations): little to copy;
+  json     records rewritten as JSON under a JSON Schema (response_format), the values copied from the prompt:
+           drafts verified under the grammar (`--traces copy,nothing,json`).
 Each trace runs at 1 request at a time and at 4 at once, with drafts off and on, in alternation `--repeats`
 times on one shared model runner; the best output tokens/s of each counts (other work on the machine only slows
 a run down). Greedy outputs are compared request by request between the two.
@@ -20,6 +22,7 @@ one started as soon as one finishes, as a server under a steady load of four doe
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import time
@@ -27,7 +30,7 @@ from pathlib import Path
 
 from benchmarks.lib.chat import OPEN_PROMPTS, chat_request, default_model
 from benchmarks.lib.results_store import write_results
-from worker.engine.api import EngineRequest
+from worker.engine.api import EngineRequest, StructuredOutput
 from worker.engine.engine import LLMEngine
 from worker.model.runner import ModelRunner
 from worker.model.settings import EngineSettings
@@ -57,10 +60,26 @@ COPY = [
     "Write this list with one item per line, as 'fruit: number':\n\n" + LIST,
 ]
 NOTHING = OPEN_PROMPTS
+PEOPLE = [
+    "name: Alice Fernandez-Lindqvist, city: Saint Petersburg, team: streaming platform reliability, topics: consumer "
+    "group rebalancing, exactly-once delivery, partition reassignment",
+    "name: Bob Okonkwo-Martinez, city: Rio de Janeiro, team: inference serving, topics: continuous batching, paged "
+    "attention, speculative decoding",
+    "name: Chen Wei-Lindgren, city: Buenos Aires, team: data pipelines, topics: schema registry, compacted topics, "
+    "consumer lag",
+    "name: Dana Abernathy-Kowalski, city: San Francisco, team: developer tools, topics: client libraries, "
+    "configuration, observability",
+]
+JSON_PROMPTS = ["Rewrite this record as JSON, copying every value exactly:\n" + person for person in PEOPLE]
+_TEXT = {"type": "string", "maxLength": 60}
+PERSON_SCHEMA = {"type": "object", "properties": {"name": _TEXT, "city": _TEXT, "team": _TEXT,
+                                                  "topics": {"type": "array", "items": _TEXT, "maxItems": 5}},
+                 "required": ["name", "city", "team", "topics"], "additionalProperties": False}
 
 
 def requests(prompts: list[str], max_new_tokens: int, tag: str) -> list[EngineRequest]:
-    return [chat_request(prompt, f"{tag}-{i}", max_new_tokens) for i, prompt in enumerate(prompts)]
+    extra = {"structured": StructuredOutput("json_schema", json.dumps(PERSON_SCHEMA))} if tag == "json" else {}
+    return [chat_request(prompt, f"{tag}-{i}", max_new_tokens, **extra) for i, prompt in enumerate(prompts)]
 
 
 def run(runner: ModelRunner, settings: EngineSettings, batch: list[EngineRequest], concurrency: int,
@@ -101,6 +120,7 @@ def main() -> None:
     parser.add_argument("--kept-requests", type=int, default=16,
                         help="kept: requests per trace (the prompts repeated), four always running")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--traces", default="copy,nothing", help="of copy, nothing, json")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
@@ -111,10 +131,11 @@ def main() -> None:
                           max_num_batched_tokens=512, enable_prefix_caching=False)
     runner = ModelRunner(str(path), base)
     loadavg = [f"{x:.2f}" for x in os.getloadavg()]
-    traces = {"copy": requests(COPY, args.max_new_tokens, "copy"),
-              "nothing": requests(NOTHING, args.max_new_tokens, "nothing")}
+    prompts_of = {name: prompts for name, prompts in (("copy", COPY), ("nothing", NOTHING), ("json", JSON_PROMPTS))
+                  if name in args.traces.split(",")}
+    traces = {name: requests(prompts, args.max_new_tokens, name) for name, prompts in prompts_of.items()}
     kept_traces = {name: requests((prompts * args.kept_requests)[:args.kept_requests], args.max_new_tokens, name)
-                   for name, prompts in (("copy", COPY), ("nothing", NOTHING))}
+                   for name, prompts in prompts_of.items()}
     modes = ((1, "waves"), (4, "waves"), (4, "kept"))
     best: dict[tuple, dict] = {}
     for _ in range(args.repeats):

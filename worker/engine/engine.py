@@ -226,9 +226,10 @@ class LLMEngine:
 
     def _speculates(self, req: Request, live: _Live) -> bool:
         """Whether a request gets n-gram drafts: no penalties, min_tokens or logprobs (they read each token's
-        distribution as the tokens before it left it) and no grammar. Greedy or sampled, its drafts are kept
-        while they are the tokens drawn at their places (_sample_drafting)."""
-        return bool(self.num_draft_tokens) and req.sampling.structured is None and live.sampling.plain
+        distribution as the tokens before it left it). Greedy or sampled, its drafts are kept while they are the
+        tokens drawn at their places (_sample_drafting); under a grammar, only those it admits are proposed,
+        and each row is drawn under the grammar's mask where its drafts lead (_grammar_mask)."""
+        return bool(self.num_draft_tokens) and live.sampling.plain
 
     def _adapter_of(self, model: str | None) -> str | None:
         """The adapter a request's `model` names (None: the base model). An adapter is loaded here on first use
@@ -454,13 +455,19 @@ class LLMEngine:
         rows: list[ScheduledRequest] = []
         params: list[RowSampling] = []
         counters: list[int] = []
+        after: list[list[int]] = []
+        """Per row, the drafts its token is drawn after: a grammar's mask there is the state they lead to."""
         for entry, row_sampling in zip(flight.sampling, flight.params):
             num = entry.num_logits
             rows += [entry] * num
             params += [row_sampling] * num
             first = len(entry.request.output_token_ids)
             counters += range(first, first + num)
-        drawn = self._sample_rows(flight, rows, params, flight.launched.logits, outputs, counters, dict_of=False)
+            drafts = entry.draft_token_ids or []
+            after += [drafts[:j] for j in range(num)]
+        capped: dict[str, int] = {}
+        drawn = self._sample_rows(flight, rows, params, flight.launched.logits, outputs, counters, dict_of=False,
+                                  drafts=after, capped=capped)
         sampled: dict = {}
         row = 0
         for entry in flight.sampling:
@@ -471,8 +478,8 @@ class LLMEngine:
                 continue
             tokens = drawn[row:row + entry.num_logits]
             row += entry.num_logits
-            kept = 0
-            while kept < len(drafts) and drafts[kept] == tokens[kept]:
+            kept, most = 0, capped.get(entry.request_id, len(drafts))
+            while kept < most and drafts[kept] == tokens[kept]:
                 kept += 1
             sampled[entry.request_id] = drafts[:kept] + [tokens[kept]]
             self.num_proposed_tokens += len(drafts)
@@ -482,13 +489,15 @@ class LLMEngine:
 
     def _sample_rows(self, flight: _InFlight, sampling: list[ScheduledRequest], params: list[RowSampling],
                      logits, outputs: list[RequestOutput], counters: list[int] | None = None,
-                     dict_of: bool = True) -> dict[str, int] | list[int]:
+                     dict_of: bool = True, drafts: list[list[int]] | None = None,
+                     capped: dict[str, int] | None = None) -> dict[str, int] | list[int]:
         """The tokens drawn from each row of the logits (`sampling` and `params` row by row): request id -> token,
-        or the list of tokens in row order (dict_of False)."""
+        or the list of tokens in row order (dict_of False); `drafts` and `capped` as _grammar_mask's."""
         sampling_ids = [entry.request_id for entry in sampling]
         # Everything that does not need the logits comes before waiting for them: on a GPU (and with async
         # scheduling) the forward is still running meanwhile.
-        mask = self._grammar_mask(sampling_ids, outputs) if self.structured.has_constrained() else None
+        mask = self._grammar_mask(sampling_ids, outputs, drafts, capped) if self.structured.has_constrained() \
+            else None
         # The draw's counter is the index of the token being generated: stable across preemption and replay.
         if counters is None:
             counters = [len(entry.request.output_token_ids) for entry in sampling]
@@ -585,6 +594,8 @@ class LLMEngine:
             room = request.sampling.max_new_tokens - len(request.output_token_ids) - 1
             tokens = drafts.propose(min(self.num_draft_tokens, room), settings.speculative_ngram_min,
                                     settings.speculative_ngram_max)
+            if tokens and live.constrained:
+                tokens = self.structured.admitted_drafts(request.request_id, tokens)
             request.draft_token_ids = tokens
             if tokens:
                 drafting.append(request)
@@ -598,13 +609,24 @@ class LLMEngine:
                 proposed, continuations, num_rows, float(len(running)), base, per_row)):
             request.draft_token_ids = tokens[:count]
 
-    def _grammar_mask(self, sampling_ids: list[str], outputs: list[RequestOutput]) -> TokenMask | None:
-        """The bitmasks of this step's constrained rows. A request whose grammar cannot go on (an error state,
-        no token allowed) ends here with invalid_request; its row is left unmasked and the token drawn for it
-        dropped (update() skips finished requests)."""
-        rows, bitmask, failed = self.structured.grammar_bitmask(sampling_ids)
-        for request_id, why in failed:
-            outputs.append(self._format_error(self.scheduler.requests[request_id], why))
+    def _grammar_mask(self, sampling_ids: list[str], outputs: list[RequestOutput],
+                      drafts: list[list[int]] | None = None, capped: dict[str, int] | None = None
+                      ) -> TokenMask | None:
+        """The bitmasks of this step's constrained rows (`drafts`: what each row's token is drawn after, in a
+        step that verifies drafts). A request whose grammar cannot go on (an error state, no token allowed) ends
+        here with invalid_request; its row is left unmasked and the token drawn for it dropped (update() skips
+        finished requests). Where that happens only after some of its drafts, it keeps fewer drafts than that
+        (`capped`: request id -> most drafts kept), so the token it takes is drawn where its grammar goes on; its
+        next step meets the same state, and ends it then if the drafts were its tokens."""
+        rows, bitmask, failed = self.structured.grammar_bitmask(sampling_ids, drafts)
+        ended: set[str] = set()
+        for row, why in failed:
+            request_id = sampling_ids[row]
+            if drafts and drafts[row]:
+                capped[request_id] = min(capped.get(request_id, len(drafts[row])), len(drafts[row]) - 1)
+            elif request_id not in ended:
+                ended.add(request_id)
+                outputs.append(self._format_error(self.scheduler.requests[request_id], why))
         return TokenMask(rows, bitmask) if rows else None
 
     def _format_error(self, request: Request, why: str) -> RequestOutput:

@@ -101,6 +101,26 @@ class Matcher:
             raise GrammarError(self._limits.explain(matcher.get_error() or f"the grammar refused token {token_id}"))
         return matcher.is_stopped() or (token_id in self._eos_token_ids and matcher.is_accepting())
 
+    def admitted_prefix(self, token_ids: list[int]) -> list[int]:
+        """The longest prefix of `token_ids` (drafts) the grammar admits from here, short of a token that would end
+        the request (advance True): after each of those a next token is still drawn under the grammar."""
+        probe = self._matcher.deep_copy()
+        for i, token_id in enumerate(token_ids):
+            if token_id in self._eos_token_ids or not probe.consume_token(token_id) or probe.is_error() \
+                    or probe.is_stopped():
+                return token_ids[:i]
+        return token_ids
+
+    def after(self, token_ids: list[int]) -> "Matcher":
+        """A copy of this matcher having consumed `token_ids` (an admitted prefix): the state a draft's row is
+        drawn in. This one is left as it is."""
+        fork = object.__new__(Matcher)
+        fork._compiled, fork._eos_token_ids = self._compiled, self._eos_token_ids
+        fork._limits, fork._tokenizer = self._limits, self._tokenizer
+        fork._matcher = self._matcher.deep_copy()
+        fork._matcher.consume_tokens(token_ids)
+        return fork
+
     @property
     def error(self) -> str | None:
         """The matcher's error, once it is in an error state (a mask computation can put it there), else None."""

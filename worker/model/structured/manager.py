@@ -146,15 +146,26 @@ class StructuredOutputManager:
     def has_constrained(self) -> bool:
         return bool(self._matchers)
 
-    def grammar_bitmask(self, sampling_ids: list[str]) -> tuple[list[int], np.ndarray | None, list[tuple[str, str]]]:
+    def grammar_bitmask(self, sampling_ids: list[str], drafts: list[list[int]] | None = None
+                        ) -> tuple[list[int], np.ndarray | None, list[tuple[int, str]]]:
         """This step's constrained rows (increasing), their bitmasks ([len(rows), ceil(V / 32)] int32, the
-        token_mask layout), and the requests that cannot go on: (id, why)."""
+        token_mask layout), and the rows that cannot go on: (row, why). `drafts`, row by row: the drafts that
+        row's token is drawn after (a verify step's rows of one request), so its mask is the grammar's there
+        (each an admitted_prefix of its request's drafts)."""
         matchers = self._matchers
         rows = [row for row, request_id in enumerate(sampling_ids) if request_id in matchers]
         if not rows:
             return rows, None, []
-        bitmask, failed = self.compiler.fill_bitmask([matchers[sampling_ids[row]] for row in rows])
-        return rows, bitmask, [(sampling_ids[rows[i]], why) for i, why in failed]
+        states = [matchers[sampling_ids[row]] if not drafts or not drafts[row]
+                  else matchers[sampling_ids[row]].after(drafts[row]) for row in rows]
+        bitmask, failed = self.compiler.fill_bitmask(states)
+        return rows, bitmask, [(rows[i], why) for i, why in failed]
+
+    def admitted_drafts(self, request_id: str, token_ids: list[int]) -> list[int]:
+        """The drafts of a constrained request its grammar admits (Matcher.admitted_prefix); all of them for a
+        request without one."""
+        matcher = self._matchers.get(request_id)
+        return token_ids if matcher is None else matcher.admitted_prefix(token_ids)
 
     def advance(self, request_id: str, token_id: int) -> tuple[bool, str | None]:
         """Apply a running request's new token: (the grammar is complete and the request ends, error)."""
