@@ -109,8 +109,13 @@ def rebalance(assignors: dict[str, PriorityRoundRobinAssignor]) -> dict[str, lis
     return out
 
 
-def claim(generation: int, partitions: list[int]) -> ConsumerProtocolMemberMetadata:
-    return ConsumerProtocolMemberMetadata(0, ["requests"], encode_user_data(generation, {"requests": partitions}))
+def claim(generation: int, partitions: list[int],
+          group_generation: int | None = None) -> ConsumerProtocolMemberMetadata:
+    """A member's subscription: what it owns since its last assignment, stamped `generation`, of group generation
+    `group_generation` (default: the stamp, as when the leader knew the group's)."""
+    return ConsumerProtocolMemberMetadata(0, ["requests"], encode_user_data(
+        generation, {"requests": partitions}, group_generation=generation if group_generation is None
+        else group_generation))
 
 
 def test_a_third_worker_takes_two_partitions_and_the_others_keep_the_rest():
@@ -207,9 +212,13 @@ def test_unreadable_user_data_owns_nothing(data):
 
 
 def test_user_data_is_versioned_json_that_later_versions_may_extend():
-    assert encode_user_data(3, {"t": [2, 1, 2]}) == b'{"v":1,"generation":3,"owned":{"t":[1,2]},"since":{}}'
-    assert encode_user_data(3, {"t": [2, 1]}, {"t": {1: 2, 2: 3}}) == (
-        b'{"v":1,"generation":3,"owned":{"t":[1,2]},"since":{"t":[2,3]}}')
+    assert encode_user_data(3, {"t": [2, 1, 2]}) == (
+        b'{"v":1,"generation":3,"owned":{"t":[1,2]},"since":{},"group_generation":0,"kept":null}')
+    assert encode_user_data(3, {"t": [2, 1]}, {"t": {1: 2, 2: 3}}, group_generation=3) == (
+        b'{"v":1,"generation":3,"owned":{"t":[1,2]},"since":{"t":[2,3]},"group_generation":3,"kept":null}')
+    # What the previous version wrote reads as before: no group generation, nothing said of what was kept.
+    earlier = decode_user_data(b'{"v":1,"generation":3,"owned":{"t":[1,2]},"since":{}}')
+    assert (earlier.generation, earlier.group_generation, earlier.kept) == (3, 0, None)
     later = decode_user_data(b'{"v": 2, "generation": 4, "owned": {"t": [0]}, "rack": "a"}')
     assert (later.generation, later.owned) == (4, {"t": [0]})
 
@@ -274,54 +283,81 @@ def test_members_report_when_they_got_each_partition():
     assert old_format.since_of("t") == {3: 4}
 
 
-def test_a_leader_remembers_what_it_assigned_itself_by_generation():
-    group_generation, me = 5, "b"
+def test_an_assignment_says_what_a_member_held_through_the_generations_it_missed():
+    """The leader remembers the assignments it made; a member whose claim is older than the last generation gets,
+    in its assignment, the partitions it held through every generation in between, when the leader made them
+    all (a join that aborts a generation's syncs leaves its members one generation behind)."""
+    group_generation = 5
     assignor = PriorityRoundRobinAssignor(3, group_generation=lambda: group_generation)
-    assignor.member_id = lambda: me
-    own = [tp.partition for tp in assignor.assign(six_partitions(), {"a": claim(4, [0, 1]), "b": claim(4, [2, 3, 4])}
-                                                  )["b"].partitions()]
-    assert assignor.kept_through(5, 5, "requests") == set(own) and len(own) == 3
-    group_generation = 6
-    assignor.assign(six_partitions(), {"a": claim(4, [0, 1]), "b": claim(4, [2, 3]), "c": claim(0, [])})
-    assert assignor.kept_through(5, 6, "requests") == set(own) & set(assignor.led[6]["requests"])
-    assert assignor.kept_through(4, 6, "requests") is None  # generation 4 was led by another member, or none
-    assert assignor.kept_through(6, 7, "requests") is None
+
+    def kept(result, member):
+        return decode_user_data(result[member].user_data).kept
+
+    result = assignor.assign(six_partitions(), {"a": claim(4, [0, 2, 4]), "b": claim(4, [1, 3, 5])})
+    assert kept(result, "a") == {"requests": [0, 2, 4]}  # the generation right after its claim: all it keeps
+    plan5 = assignor.plans[5]
+    group_generation = 6  # generation 5's syncs failed: a, b and a newcomer come back claiming generation 4
+    result = assignor.assign(six_partitions(), {"a": claim(4, [0, 2, 4]), "b": claim(4, [1, 3, 5]), "c": claim(0, [])})
+    for member in ("a", "b"):
+        got = [tp.partition for tp in result[member].partitions()]
+        assert kept(result, member) == {"requests": [p for p in got if p in plan5[member]["requests"]]}
+        assert kept(result, member)["requests"]  # each kept some through generation 5
+    assert kept(result, "c") is None  # nothing claimed: nothing to tell
+    # A claim from before a generation this leader did not make (3, or 4 here): it cannot tell.
+    group_generation = 7
+    result = assignor.assign(six_partitions(), {"a": claim(3, [0, 2]), "b": claim(6, [1, 3])})
+    b_got = [tp.partition for tp in result["b"].partitions()]
+    assert kept(result, "a") is None and kept(result, "b") == {"requests": [p for p in b_got if p in (1, 3)]}
+    # A member that does not say its group generation (a stamp can run ahead of the group's): none either.
+    result = assignor.assign(six_partitions(), {"a": claim(6, [0, 2], group_generation=0), "b": claim(6, [1, 3])})
+    assert kept(result, "a") is None and kept(result, "b") is not None
+    # The member reads it from its assignment, and reports the group generation it got it in.
+    member = PriorityRoundRobinAssignor(3, group_generation=lambda: 7)
+    member.on_assignment(ConsumerProtocolMemberAssignment.decode(result["b"].encode()))
+    assert member.kept == decode_user_data(result["b"].user_data).kept
+    assert decode_user_data(member.metadata(["requests"]).user_data).group_generation == 7
 
 
 @pytest.mark.kafka
 async def test_through_a_real_broker_a_join_during_the_leaders_assignment_leaves_that_generation_unassigned(
         kafka_topics):
     """A member that joins while the group waits for its leader's assignment fails every sync of that generation:
-    the members come back one generation on having held nothing of it, so the leader's own share of it is the
-    only one that generation ever had (what lets a worker keep its partitions through it: Intake.kept_of)."""
+    the members come back one generation on having held nothing of it. The leader's assignment was that
+    generation's only one, so the next assignment tells each member (the follower too) which partitions it held
+    through it (what lets a worker keep them: Intake.kept_of)."""
     import threading
     import time
 
     kafka = kafka_topics
-    generations: dict[str, list[int]] = {"a": [], "b": []}
-    third_joined = threading.Event()
-    stop_third = threading.Event()
+    topic = kafka.request_topic
+    got: dict[str, list[tuple[int, list[int]]]] = {"a": [], "b": [], "c": []}
+    fourth_joined, stop_fourth = threading.Event(), threading.Event()
 
     class SlowLeader(PriorityRoundRobinAssignor):
         slow = False
 
         def assign(self, cluster, members):
-            if self.slow and len(members) == 2:
-                threading.Thread(target=lambda: asyncio.run(third()), daemon=True).start()
-                assert third_joined.wait(20)
+            if self.slow and len(members) == 3:
+                self.slow = False
+                threading.Thread(target=lambda: asyncio.run(fourth()), daemon=True).start()
+                assert fourth_joined.wait(20)
                 time.sleep(1.0)  # its JoinGroup reaches the coordinator before this assignment's SyncGroup
             return super().assign(cluster, members)
 
-    async def third() -> None:
-        c = AIOKafkaConsumer(**kafka.client_kwargs(), group_id=kafka.group_id, enable_auto_commit=False,
-                             partition_assignment_strategy=(PriorityRoundRobinAssignor(kafka.num_priorities),),
-                             heartbeat_interval_ms=500)
-        await c.start()
-        c.subscribe([kafka.request_topic])
-        third_joined.set()
-        while not stop_third.is_set():
-            await c.getmany(timeout_ms=100)
-        await c.stop()
+    def consumer_of(assignor: PriorityRoundRobinAssignor) -> AIOKafkaConsumer:
+        consumer = AIOKafkaConsumer(**kafka.client_kwargs(), group_id=kafka.group_id, enable_auto_commit=False,
+                                    partition_assignment_strategy=(assignor,), heartbeat_interval_ms=500)
+        assignor.group_generation = lambda: group_generation(consumer)
+        return consumer
+
+    async def fourth() -> None:
+        d = consumer_of(PriorityRoundRobinAssignor(kafka.num_priorities))
+        await d.start()
+        d.subscribe([topic])
+        fourth_joined.set()
+        while not stop_fourth.is_set():
+            await d.getmany(timeout_ms=100)
+        await d.stop()
 
     class Recorder(ConsumerRebalanceListener):
         def __init__(self, name: str, consumer: AIOKafkaConsumer) -> None:
@@ -331,35 +367,37 @@ async def test_through_a_real_broker_a_join_during_the_leaders_assignment_leaves
             pass
 
         async def on_partitions_assigned(self, assigned) -> None:
-            generations[self.name].append(group_generation(self.consumer))
+            got[self.name].append((group_generation(self.consumer), sorted(tp.partition for tp in assigned)))
 
-    consumers = {}
-    for name, assignor in (("a", SlowLeader(kafka.num_priorities)),
-                           ("b", PriorityRoundRobinAssignor(kafka.num_priorities))):
-        consumer = AIOKafkaConsumer(**kafka.client_kwargs(), group_id=kafka.group_id, enable_auto_commit=False,
-                                    partition_assignment_strategy=(assignor,), heartbeat_interval_ms=500)
-        assignor.group_generation = lambda consumer=consumer: group_generation(consumer)
-        assignor.member_id = lambda consumer=consumer: consumer._coordinator.member_id
+    consumers: dict[str, tuple[AIOKafkaConsumer, PriorityRoundRobinAssignor]] = {}
+
+    async def join(name: str, assignor: PriorityRoundRobinAssignor) -> None:
+        consumer = consumer_of(assignor)
         await consumer.start()
-        consumer.subscribe([kafka.request_topic], listener=Recorder(name, consumer))
+        consumer.subscribe([topic], listener=Recorder(name, consumer))
         consumers[name] = (consumer, assignor)
-        if name == "a":
-            for _ in range(100):
-                await consumer.getmany(timeout_ms=100)
-                if generations["a"]:
-                    break
-            assignor.slow = True
-    try:
         for _ in range(300):
             await asyncio.gather(*(c.getmany(timeout_ms=100) for c, _ in consumers.values()))
-            if generations["b"]:
-                break
-        leader = consumers["a"][1]
-        first, missed = generations["a"][0], generations["a"][0] + 1
-        assert generations["a"] == [first, missed + 1] and generations["b"] == [missed + 1], generations
-        assert leader.kept_through(missed, missed, kafka.request_topic) == set(leader.led[missed][kafka.request_topic])
-        assert len(leader.led[missed][kafka.request_topic]) == 3  # half of six: its share with b in that generation
+            if got[name] and len({gs[-1][0] for gs in got.values() if gs}) == 1:
+                return
+        raise AssertionError(f"{name} did not get an assignment: {got}")
+
+    leader = SlowLeader(kafka.num_priorities)
+    try:
+        await join("a", leader)
+        await join("b", PriorityRoundRobinAssignor(kafka.num_priorities))
+        leader.slow = True
+        await join("c", PriorityRoundRobinAssignor(kafka.num_priorities))  # its generation's syncs fail
+        (g1, _), (g2, a2), (g4, a4) = got["a"]
+        (b2_gen, b2), (b4_gen, b4) = got["b"]
+        assert (g2, b2_gen) == (g1 + 1, g1 + 1) and g4 == b4_gen == g2 + 2 and got["c"][0][0] == g4, got
+        plan = leader.plans[g2 + 1]  # the aborted generation's assignment, never handed out
+        b_id = consumers["b"][0]._coordinator.member_id
+        a_id = consumers["a"][0]._coordinator.member_id
+        b_kept = [p for p in b4 if p in b2 and p in plan[b_id][topic]]
+        assert consumers["b"][1].kept == {topic: b_kept} and b_kept, (b2, plan[b_id], b4)
+        assert leader.kept == {topic: [p for p in a4 if p in a2 and p in plan[a_id][topic]]}
     finally:
-        stop_third.set()
+        stop_fourth.set()
         for consumer, _ in consumers.values():
             await consumer.stop()

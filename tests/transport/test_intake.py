@@ -268,20 +268,23 @@ async def test_a_worker_that_missed_a_generation_keeps_nothing_of_what_it_held()
     assert [(q.request.id, q.attempt) for q in w.queue] == [("b", 9)]  # offset 0 again, under the new generation
 
 
-async def test_a_worker_that_led_the_generation_it_missed_keeps_what_it_assigned_itself_there():
-    """A join during generation 8's assignment failed its syncs: this worker, its leader, comes back at 9 having
-    held nothing of 8, but 8 gave no other member anything either, and its own share of 8 was its own."""
+async def test_a_worker_whose_assignment_says_it_held_its_partitions_through_a_missed_generation_keeps_them():
+    """A join during generation 8's assignment failed its syncs: the worker comes back at 9 having held nothing
+    of 8, but its new assignment says (the leader made 8's) which partitions it held through: those it keeps,
+    the rest start over."""
     w = build()
     tp_a, _ = send(w, 1, "a")
     tp_b, _ = send(w, 2, "b")
     await w.intake.fetch_once()
     everything = set(w.intake.assigned)
     revoke(w, everything)
-    led = {8: {tp_b.partition}}
-    w.intake.led_through = lambda first, last: led[first] if first == last and first in led else None
+    held: list[int] | None = [tp_b.partition]
+    w.intake.held_through = lambda: held
     assert w.intake.kept_of(everything, 9) == {tp_b}
-    assert w.intake.kept_of(everything, 9, lost={tp_b}) == set()
-    assert w.intake.kept_of(everything, 10) == set()  # generation 9 has no record: it kept nothing
+    assert w.intake.kept_of(everything, 9, lost={tp_b}) == set()  # its lane was fenced meanwhile
+    held = None
+    assert w.intake.kept_of(everything, 9) == set()  # the assignment could not tell
+    held = [tp_b.partition]
     moved = assign(w, everything, group_generation=9)
     assert moved == everything - {tp_b} and tp_a in moved and [(q.request.id, q.attempt) for q in w.queue] == [("b", 7)]
 

@@ -176,7 +176,7 @@ class Worker:
         self.dispatcher = Dispatcher(self.lifecycle, admission, settings.max_engine_inflight or 2 * max_num_seqs)
         self.intake = Intake(self.consumer, self.tracker, self.lifecycle, self.answers,
                              IntakeLayout.from_settings(kafka, settings, limits), tracing=tracing)
-        self.intake.led_through = lambda first, last: assignor.kept_through(first, last, kafka.request_topic)
+        self.intake.held_through = lambda: None if assignor.kept is None else assignor.kept.get(kafka.request_topic, [])
         self.delivery = (TransactionalCommits(lanes, kafka, self.consumer, self.publisher, self.intake)
                          if lanes is not None else ConsumerCommits(self.intake))
         """How what is answered gets committed: the lanes' transactions (exactly once) or the consumer's."""

@@ -34,14 +34,6 @@ def group_generation(consumer: AIOKafkaConsumer) -> int:
     return coordinator.generation
 
 
-def group_member_id(consumer: AIOKafkaConsumer) -> str:
-    """The member id the started consumer holds in its group ("" before its first join)."""
-    coordinator = consumer._coordinator
-    if coordinator is None:
-        raise RuntimeError("the consumer is not started: it has no group coordinator yet")
-    return coordinator.member_id or ""
-
-
 async def committed_with_metadata(consumer: AIOKafkaConsumer, partitions) -> dict:
     """{partition: (offset, metadata)} of the group's committed offsets; partitions with none are left out."""
     coordinator = consumer._coordinator

@@ -32,12 +32,22 @@ decides who keeps which partition, never the balance.
 
 User data: JSON, `{"v": 1, "generation": g, "owned": {topic: [partitions]}, "since": {topic: [generations]}}`
 from a member (`since` aligned with `owned`; absent or misaligned: every partition dates from `generation`),
-and the same with `owned` empty in an assignment. Empty or unreadable user data (a member on the previous
+and the same with `owned` empty in an assignment, which may add `"kept": {topic: [partitions]}` (below). Empty or
+unreadable user data (a member on the previous
 version, which sent none) counts as owning nothing at generation 0; an assignment without a generation (made
 by such a leader) leaves the member's generation as it was, or takes the group's when `group_generation` is
 given. Readers take any `v` >= 1 and ignore fields they do not know, so later versions may add fields. The
 protocol name stays "priority-roundrobin", so old and new workers share a group while a deployment rolls:
 either may lead, and every assignment balances each priority.
+
+Held through. A join that reaches the coordinator while the group waits for its leader's assignment fails every
+sync of that generation: the members come back one generation on, with no assignment of the one between, and
+a worker cannot tell that from a generation it missed while frozen (when another owner may have served its
+partitions). That generation had one assignment, though, the leader's, whether or not it was handed out; so a
+leader remembers the assignments it makes (`plans`, group generation -> member -> partitions), and when a
+member's claim is older than the generation before, its new assignment carries `kept`: the partitions it claimed
+and got in every generation since, by those plans (absent when the leader did not make one of them, or stamps
+are not group generations). The worker keeps exactly those (Intake.kept_of).
 """
 
 from __future__ import annotations
@@ -69,6 +79,13 @@ class StickyUserData(msgspec.Struct, frozen=True):
     since: dict[str, list[Generation]] = {}
     """Per topic, aligned with `owned`: the generation at which the member got each partition (absent: its
     `generation`). Added within version 1: older readers ignore it."""
+    group_generation: Generation = 0
+    """From a member: the group generation of its last assignment, as its consumer knew it (0: unknown). The stamp
+    (`generation`) runs ahead of the group's after the group was recreated; this does not."""
+    kept: dict[str, list[Partition]] | None = None
+    """In an assignment: per topic, the partitions of it that the member held without a break since its last
+    assignment, through every generation in between (whose assignments the leader made and remembers); None
+    when the leader cannot tell. Added within version 1: older readers ignore it."""
 
     def since_of(self, topic: str) -> dict[int, int]:
         owned, since = self.owned.get(topic, []), self.since.get(topic, [])
@@ -78,11 +95,14 @@ class StickyUserData(msgspec.Struct, frozen=True):
 
 
 def encode_user_data(generation: int, owned: Mapping[str, Iterable[int]] | None = None,
-                     since: Mapping[str, Mapping[int, int]] | None = None) -> bytes:
+                     since: Mapping[str, Mapping[int, int]] | None = None,
+                     kept: Mapping[str, Iterable[int]] | None = None, group_generation: int = 0) -> bytes:
     owned_sorted = {t: sorted(set(ps)) for t, ps in (owned or {}).items()}
     since_lists = {t: [min(generation, (since or {}).get(t, {}).get(p, generation)) for p in ps]
                    for t, ps in owned_sorted.items()} if since else {}
-    return msgspec.json.encode(StickyUserData(USER_DATA_VERSION, generation, owned_sorted, since_lists))
+    kept_sorted = None if kept is None else {t: sorted(set(ps)) for t, ps in kept.items()}
+    return msgspec.json.encode(StickyUserData(USER_DATA_VERSION, generation, owned_sorted, since_lists,
+                                              group_generation, kept_sorted))
 
 
 def decode_user_data(data: bytes) -> StickyUserData | None:
@@ -244,7 +264,8 @@ def assign_by_priority(num_partitions: int, num_priorities: int, member_ids: lis
 
 
 LED_KEPT = 8
-"""Generations whose own share a leader remembers (kept_through): a worker that missed more rejoins afresh."""
+"""Generations whose assignments a leader remembers (PriorityRoundRobinAssignor.plans): a member that missed more
+than that starts its partitions over."""
 
 
 class PriorityRoundRobinAssignor(AbstractPartitionAssignor):
@@ -269,11 +290,16 @@ class PriorityRoundRobinAssignor(AbstractPartitionAssignor):
         """The assignor generation of that assignment (0: none yet)."""
         self.since: dict[str, dict[int, int]] = {}
         """Per topic and owned partition, the generation at which this member got it."""
-        self.member_id: Callable[[], str] | None = None
-        """This member's id in the group (on the leader, during assign: its own among the members)."""
-        self.led: dict[int, dict[str, list[int]]] = {}
-        """Group generation -> what this member, as that generation's leader, assigned itself (per topic), for
-        the last LED_KEPT generations it led, whether or not that generation's sync then went through."""
+        self.plans: dict[int, dict[str, dict[str, list[int]]]] = {}
+        """Group generation -> member -> topic -> partitions: the assignments this member made as the leader of
+        the last LED_KEPT generations it led, whether or not that generation's syncs went through (a leader's
+        sync that fails leaves every member without that generation's assignment; one that goes through hands
+        out this one: either way it was the generation's only assignment)."""
+        self.assigned_group_generation = 0
+        """The group generation of this member's last assignment (0: unknown), reported at its next join."""
+        self.kept: dict[str, list[int]] | None = None
+        """What this member's last assignment says it held without a break since the one before (StickyUserData
+        .kept); None: unknown."""
 
     def assign(self, cluster, members: Mapping[str, ConsumerProtocolMemberMetadata]):  # type: ignore[override]
         claims = {m: decode_user_data(meta.user_data) for m, meta in members.items()}
@@ -295,39 +321,32 @@ class PriorityRoundRobinAssignor(AbstractPartitionAssignor):
                      generation, topic, len(subscribers), len(partitions), len(owners), moved)
             for member, ps in assigned.items():
                 by_member[member][topic] = ps
-        self._remember_own(by_member)
-        user_data = encode_user_data(generation)
+        group_generation = self._current_group_generation() if self.group_generation is not None else 0
+        if group_generation > 0:
+            self.plans[group_generation] = {m: {t: sorted(ps) for t, ps in by_member[m].items()} for m in members}
+            for old in sorted(self.plans)[:-LED_KEPT]:
+                del self.plans[old]
         return {
             member: ConsumerProtocolMemberAssignment(
-                self.version, sorted((t, ps) for t, ps in by_member[member].items() if ps), user_data)
+                self.version, sorted((t, ps) for t, ps in by_member[member].items() if ps),
+                encode_user_data(generation, kept=self._held_since(member, claims[member], group_generation,
+                                                                    by_member[member])))
             for member in members
         }
 
-    def _remember_own(self, by_member: Mapping[str, Mapping[str, list[int]]]) -> None:
-        group_generation = self._current_group_generation()
-        if self.member_id is None or group_generation <= 0:
-            return
-        try:
-            me = self.member_id()
-        except Exception:  # noqa: BLE001 - unknown: the generation counts as led by another member
-            return
-        self.led[group_generation] = {topic: sorted(ps) for topic, ps in by_member.get(me, {}).items()}
-        for old in sorted(self.led)[:-LED_KEPT]:
-            del self.led[old]
-
-    def kept_through(self, first: int, last: int, topic: str) -> set[int] | None:
-        """The partitions of `topic` this member assigned itself in every group generation from `first` to `last`
-        as their leader: none of them had another owner then, whether or not those generations' syncs went
-        through (a leader's sync that fails leaves every member without that generation's assignment; one that
-        goes through hands out this one). None when it did not lead one of them: the assignment it missed is
-        unknown here."""
-        kept: set[int] | None = None
-        for generation in range(first, last + 1):
-            own = self.led.get(generation)
-            if own is None:
-                return None
-            kept = set(own.get(topic, ())) if kept is None else kept & set(own.get(topic, ()))
-        return kept if kept is not None else set()
+    def _held_since(self, member: str, claim: StickyUserData | None, group_generation: int,
+                    assigned: Mapping[str, list[int]]) -> dict[str, list[int]] | None:
+        """The partitions of `assigned` that `member` claimed (held at its last assignment, of group generation
+        claim.group_generation) and that every generation since gave it, by this leader's plans; None when a
+        generation in between is not one this member led, or the member did not say its group generation."""
+        if claim is None or group_generation <= 0 or not 0 < claim.group_generation < group_generation:
+            return None
+        between = range(claim.group_generation + 1, group_generation)
+        if any(g not in self.plans for g in between):
+            return None
+        return {topic: [p for p in ps if p in claim.owned.get(topic, ())
+                        and all(p in self.plans[g].get(member, {}).get(topic, ()) for g in between)]
+                for topic, ps in assigned.items()}
 
     def _current_group_generation(self) -> int:
         if self.group_generation is None:
@@ -339,13 +358,16 @@ class PriorityRoundRobinAssignor(AbstractPartitionAssignor):
             return 0
 
     def metadata(self, topics: Iterable[str]) -> ConsumerProtocolMemberMetadata:  # type: ignore[override]
-        return ConsumerProtocolMemberMetadata(self.version, list(topics),
-                                              encode_user_data(self.generation, self.owned, self.since))
+        return ConsumerProtocolMemberMetadata(self.version, list(topics), encode_user_data(
+            self.generation, self.owned, self.since, group_generation=self.assigned_group_generation))
 
     def on_assignment(self, assignment: ConsumerProtocolMemberAssignment) -> None:  # type: ignore[override]
         before = self.owned
         self.owned = {topic: sorted(partitions) for topic, partitions in assignment.assignment}
         stamp = decode_user_data(assignment.user_data)
+        self.kept = stamp.kept if stamp is not None else None
+        if self.group_generation is not None:
+            self.assigned_group_generation = max(0, self._current_group_generation())
         if stamp is not None:
             self.generation = stamp.generation
         elif self.group_generation is not None:  # a leader on the previous version stamps nothing

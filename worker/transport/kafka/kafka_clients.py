@@ -9,7 +9,7 @@ from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 
 from worker.kafka_settings import KafkaSettings
 from worker.worker_settings import WorkerSettings
-from worker.transport.kafka.aiokafka_compat import group_generation, group_member_id
+from worker.transport.kafka.aiokafka_compat import group_generation
 from worker.transport.kafka.assignor import PriorityRoundRobinAssignor
 
 
@@ -32,7 +32,6 @@ def make_consumer(kafka: KafkaSettings, settings: WorkerSettings
     # The leader stamps each assignment with the group generation (assignor.py "Generations"), read inside a
     # join, when the coordinator holds the generation being formed.
     assignor.group_generation = lambda: group_generation(consumer)
-    assignor.member_id = lambda: group_member_id(consumer)
     return consumer, assignor
 
 

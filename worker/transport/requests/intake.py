@@ -121,9 +121,9 @@ class Intake:
         """A suspect that reads nothing (refetching, or idle) returns to normal reads after this time."""
         self.paused: set[TopicPartition] = set()
         self.group_generation = -1
-        self.led_through: Callable[[int, int], set[int] | None] | None = None
-        """The request partitions this worker assigned itself as the leader of every group generation in a
-        range (PriorityRoundRobinAssignor.kept_through); None: unknown (it did not lead one of them)."""
+        self.held_through: Callable[[], list[int] | None] | None = None
+        """The request partitions the last assignment says this worker held without a break since the one
+        before, through any generation it missed (PriorityRoundRobinAssignor.kept); None: unknown."""
         self.fetching_stopped = False
         self._failed: KafkaError | None = None
         """A fetch error raised after records were drained: fetch_once handles those records, then raises it."""
@@ -201,11 +201,12 @@ class Intake:
         partition starts over from its committed offset, like any partition that moves here."""
         kept = (self._suspended & assigned) - lost
         if self.missed_a_generation(group_generation):
-            # Unless this worker led each generation it missed and kept the partition there itself: a join that
+            # Unless the assignment says it held the partition through the generations it missed: a join that
             # arrives while the group waits for its leader's assignment fails that generation's syncs, and its
-            # members come back one generation on having held no partition of it.
-            own = self.led_through(self.group_generation + 1, group_generation - 1) if self.led_through else None
-            return {tp for tp in kept if tp.partition in own} if own else set()
+            # members come back one generation on having held no partition of it; a leader that made that
+            # generation's assignment knows whom it gave each partition.
+            held = self.held_through() if self.held_through else None
+            return {tp for tp in kept if tp.partition in held} if held else set()
         return kept
 
     def on_assigned(self, assigned: set[TopicPartition], group_generation: int,
