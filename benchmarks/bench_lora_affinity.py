@@ -18,7 +18,8 @@ topics, the same draws:
             adapter.
 
 Per run: adapter loads per 1,000 requests (the workers' `num_adapter_loads` on the status topic, reloads after
-an eviction included), the requests each worker served, the wall time. The floor: affinity's loads per 1,000
+an eviction included), the requests each worker served, their wait before their first step (queue_ms: p50,
+p90, max), the wall time. The floor: affinity's loads per 1,000
 at most half of spread's. The partitions per priority and their split over the two workers decide how the
 adapters divide; the summary gives how many adapters each worker served.
 
@@ -88,12 +89,15 @@ async def one_run(bootstrap: str, tmp: Path, name: str, adapters_dir: Path, pick
         loads = sum(s.num_adapter_loads or 0 for s in run.statuses.values()) - before
         served = Counter(f.worker_id for f in run.finals.values())
         completed = sum(f.status == "completed" for f in run.finals.values())
+        waits = sorted(f.timings.queue_ms for f in run.finals.values() if f.timings.queue_ms is not None)
         adapters_seen: dict[str, set[str]] = {}
         for f in run.finals.values():
             adapters_seen.setdefault(f.worker_id, set()).add(adapter_of[f.id])
     return {"run": name, "requests": len(picks), "completed": completed, "adapter_loads": loads,
             "loads_per_1000": round(1000 * loads / len(picks), 1), "served_by_worker": dict(served),
             "adapters_by_worker": {w: len(seen) for w, seen in sorted(adapters_seen.items())},
+            "queue_ms_p50_p90_max": [round(waits[int(q * (len(waits) - 1))]) for q in (0.5, 0.9, 1.0)] if waits
+            else None,
             "seconds": round(time.monotonic() - started, 1)}
 
 
