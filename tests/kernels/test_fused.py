@@ -102,6 +102,7 @@ def test_a_moe_family_with_qk_norms_generates_the_same_tokens_fused(smollm2_path
     assert tokens["on"] == tokens["off"]
 
 
+@pytest.mark.slow  # a runner on the Triton backend under the interpreter: about 16 s
 def test_families_outside_the_llama_graph_keep_their_own_path(smollm2_path: Path, tmp_path: Path) -> None:
     from worker.model.runner import ModelRunner
     from worker.model.settings import EngineSettings
