@@ -233,9 +233,10 @@ class Webhooks:
         if error is None:
             self.metrics.attempts.labels(entry["type"], "delivered").inc()
             self.num_delivered += 1
+            # On disk first: an event that has left `_events` is settled there too (drained() reads that).
+            await asyncio.get_running_loop().run_in_executor(self._disk, self._mark_sent, name)
             self._events.pop(name, None)
             self.metrics.pending.set(len(self._events))
-            await asyncio.get_running_loop().run_in_executor(self._disk, self._mark_sent, name)
             if entry["url"] in self._failing:
                 self._failing.discard(entry["url"])
                 log.info("webhook endpoint %s answers again; %d events waiting", entry["url"], len(self._events))
@@ -251,9 +252,9 @@ class Webhooks:
             log.warning("webhook event %s (%s) to %s dropped after %d attempts over %.0f s (GATEWAY_WEBHOOK_RETRY_S): "
                         "%s", event_id, entry["type"], entry["url"], entry["attempts"], now - entry["first_at"],
                         error)
+            await asyncio.get_running_loop().run_in_executor(self._disk, self._discard, name)
             self._events.pop(name, None)
             self.metrics.pending.set(len(self._events))
-            await asyncio.get_running_loop().run_in_executor(self._disk, self._discard, name)
             return
         if entry["url"] not in self._failing:  # a line when an endpoint starts failing, not one per event
             self._failing.add(entry["url"])

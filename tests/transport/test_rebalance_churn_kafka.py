@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 async def test_workers_leaving_as_others_join_lose_nothing(kafka_topics, tmp_path):
     kafka = kafka_topics
-    requests = make_requests("churn", 90, 60)  # 1.2 s each
+    requests = make_requests("churn", 75, 60)  # 1.2 s each
     waves = [requests[i:i + 5] for i in range(0, len(requests), 5)]
     written: dict[str, tuple[int, int]] = {}
     async with Collector(kafka) as collector:
@@ -35,7 +35,7 @@ async def test_workers_leaving_as_others_join_lose_nothing(kafka_topics, tmp_pat
         try:
             await wait_assigned(collector, set(procs), kafka.num_request_partitions)
             sender = asyncio.create_task(send_waves())
-            for turn in range(6):
+            for turn in range(5):
                 await asyncio.sleep(1.0 + 0.35 * (turn % 3))
                 old = next(iter(procs))  # the longest up: its signal handler is in place
                 new = f"w{3 + turn}"
