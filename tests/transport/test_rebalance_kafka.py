@@ -55,6 +55,15 @@ async def unanswered(kafka, collector: Collector, written: dict[str, tuple[int, 
         for p, o, i in missing)
 
 
+async def wait_all_completed(kafka, collector: Collector, requests, written: dict[str, tuple[int, int]],
+                             timeout_s: float = 90) -> None:
+    """Until every request has a completed final; on a timeout, where the unanswered ones sit (unanswered)."""
+    try:
+        await collector.wait_until(lambda r: all_completed(r, requests), timeout_s)
+    except WaitTimeout as exc:
+        raise WaitTimeout(f"{exc}\n{await unanswered(kafka, collector, written)}") from None
+
+
 def check_served_once_per_attempt(results, requests) -> None:
     """Every request completed; its latest attempt streamed once, in order, the exact text; no attempt has two
     finals."""
@@ -192,10 +201,7 @@ async def test_a_rolling_restart_under_load_loses_nothing_and_restarts_only_the_
                 await asyncio.sleep(1.0)  # a restarted request's new attempt streams within a few steps
                 windows.append((name, partitions, restarted_now() - already))
             await sender
-            try:
-                await collector.wait_until(lambda r: all_completed(r, requests), 90)
-            except WaitTimeout as exc:
-                raise WaitTimeout(f"{exc}\n{await unanswered(kafka, collector, written)}") from None
+            await wait_all_completed(kafka, collector, requests, written)
         finally:
             codes = await stop_all(list(procs.values()))
     assert codes == [0, 0, 0]
