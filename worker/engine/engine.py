@@ -455,7 +455,8 @@ class LLMEngine:
         rows: list[ScheduledRequest] = []
         params: list[RowSampling] = []
         counters: list[int] = []
-        after: list[list[int]] = []
+        constrained = self.structured.has_constrained()
+        after: list[list[int]] | None = [] if constrained else None
         """Per row, the drafts its token is drawn after: a grammar's mask there is the state they lead to."""
         for entry, row_sampling in zip(flight.sampling, flight.params):
             num = entry.num_logits
@@ -463,8 +464,9 @@ class LLMEngine:
             params += [row_sampling] * num
             first = len(entry.request.output_token_ids)
             counters += range(first, first + num)
-            drafts = entry.draft_token_ids or []
-            after += [drafts[:j] for j in range(num)]
+            if after is not None:
+                drafts = entry.draft_token_ids or []
+                after += [drafts[:j] for j in range(num)]
         capped: dict[str, int] = {}
         drawn = self._sample_rows(flight, rows, params, flight.launched.logits, outputs, counters, dict_of=False,
                                   drafts=after, capped=capped)

@@ -327,7 +327,9 @@ class Scheduler:
                 yield request
             yield from held
 
-        for request in candidates():
+        # Without adapters, the policy's order as it is: no wrapper on every step's admission.
+        for request in (candidates() if self.loaded_adapters is not None
+                        else self.policy.candidates(self.waiting, now)):
             if budget == 0:
                 break
             if request.adapter is not None:
