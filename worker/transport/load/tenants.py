@@ -77,8 +77,12 @@ class FairShare:
         """`tenant` becomes backlogged (its first request waits) while `backlogged` (the others) wait."""
         counters, pending = self._counters[priority], self._pending[priority]
         virtual = self._virtual[priority]
-        base = min((counters.get(t, virtual) - pending.get(t, 0.0) for t in backlogged if t != tenant),
-                   default=virtual - self._virtual_pending[priority])
+        served_to = virtual - self._virtual_pending[priority]
+        # Not below where service has reached (the tag last picked): a tenant still spending its own credit is
+        # below it, and counting from it would hand each tenant that arrives after it the credit again, one
+        # bound lower each time (four tenants arriving together: the last 6,144 tokens ahead of the first).
+        base = max(min((counters.get(t, virtual) - pending.get(t, 0.0) for t in backlogged if t != tenant),
+                       default=served_to), served_to)
         counters[tenant] = max(counters.get(tenant, -math.inf), base - self.max_credit_tokens)
         if len(counters) > self.max_tenants:
             self._forget(priority, set(backlogged) | {tenant})
