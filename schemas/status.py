@@ -63,6 +63,10 @@ class TenantStatus(msgspec.Struct, kw_only=True, frozen=True):
         "Tokens (prompt and output) served to the tenant per priority (index 0 = priority 0) since the worker "
         "started. The other workers charge them to the tenant's fair share, so the fleet, not each worker "
         "alone, splits its service among tenants (docs/tenants.md)."))] = []
+    in_flight_by_priority: Annotated[list[float], Meta(description=(
+        "Tokens charged on entry (prompt and expected output) to the tenant's requests in the worker's engine "
+        "now, per priority. With served_by_priority, the other workers charge what this one has committed to "
+        "serve, not only what it finished."))] = []
 
 
 class WorkerStatus(WireRecord, kw_only=True):

@@ -418,3 +418,56 @@ def test_what_other_workers_served_a_tenant_counts_against_it_here():
     assert book.fair.counter(1, "a") == before["a"] + 5_500 and book.fair.counter(1, "b") == before["b"] + 300
     assert share.num_charged_tokens == 5_800
     assert book.fair.counter(1, "other") == book.fair.counter(1, "never-seen")  # "other" is never charged
+
+
+def test_a_request_running_on_another_worker_counts_from_its_start():
+    """Another worker's status carries the tokens charged to the requests in its engine (in_flight_by_priority):
+    they count here as soon as they enter there, and when they end the figure moves to served without counting
+    twice; a request that ended under its charge gives the difference back."""
+    from schemas.status import TenantStatus, WorkerStatus
+    from worker.transport.load.fleet_share import FleetShare
+    from worker.transport.load.tenant_book import TenantBook
+    from worker.worker_settings import WorkerSettings
+
+    book = TenantBook.from_settings(WorkerSettings(), 2)
+    share = FleetShare(book, "here")
+
+    def status(served: float, in_flight: float) -> WorkerStatus:
+        return WorkerStatus(worker_id="w2", ts_ms=1, tenants=[
+            TenantStatus(tenant="a", served_by_priority=[0.0, served], in_flight_by_priority=[0.0, in_flight])])
+
+    book.fair.charge(1, "a", 0.0)
+    start = book.fair.counter(1, "a")
+    share.observe(status(1_000, 200))  # a baseline
+    share.observe(status(1_000, 500))  # three hundred tokens' worth entered its engine there
+    assert book.fair.counter(1, "a") == start + 300
+    share.observe(status(1_500, 0))  # all ended: 500 charged, 500 served
+    assert book.fair.counter(1, "a") == start + 300
+    share.observe(status(1_560, 0.0))  # a request charged 100 ... ended after 60 (entered and ended unseen)
+    assert book.fair.counter(1, "a") == start + 360
+    share.observe(status(1_560, 100))
+    share.observe(status(1_590, 0))  # charged 100, served 30: 70 given back
+    assert book.fair.counter(1, "a") == start + 390
+
+
+def test_the_book_reports_what_its_engine_holds_per_tenant():
+    """TenantBook.in_flight_by_priority: charged on entry, removed when the request ends (corrected to what it
+    was served) or leaves with its partition (released)."""
+    from worker.transport.load.tenant_book import TenantBook
+    from worker.worker_settings import WorkerSettings
+
+    book = TenantBook.from_settings(WorkerSettings(), 3)
+
+    def in_flight() -> dict[str, tuple[float, ...]]:
+        return {s.label: s.in_flight_by_priority for s in book.snapshot(0.0, {})}
+
+    for tenant in ("a", "b"):
+        book.note_read(1, tenant, 100.0, 0.0)  # read first: each gets its own label
+    book.dispatched(1, "a", 120.0, 0.0)
+    book.dispatched(2, "a", 30.0, 0.0)
+    book.dispatched(1, "b", 50.0, 0.0)
+    assert in_flight()["a"] == (0.0, 120.0, 30.0) and in_flight()["b"] == (0.0, 50.0)
+    book.served(1, "a", 10, 40, 120.0, 0.0)
+    book.released(1, "b", 50.0)
+    assert in_flight()["a"] == (0.0, 0.0, 30.0) and in_flight()["b"] == ()
+    assert [s.served_by_priority for s in book.snapshot(0.0, {}) if s.label == "a"] == [(0.0, 50.0)]

@@ -121,7 +121,8 @@ class StatusReporter:
             tenants=[TenantStatus(tenant=t.label, tokens_per_s=round(t.tokens_per_s, 3), prompt_tokens=t.prompt_tokens,
                                   output_tokens=t.output_tokens, num_waiting=t.num_waiting,
                                   num_over_quota=t.num_over_quota, over_quota=t.over_quota,
-                                  served_by_priority=[round(x, 1) for x in t.served_by_priority])
+                                  served_by_priority=[round(x, 1) for x in t.served_by_priority],
+                                  in_flight_by_priority=[round(x, 1) for x in t.in_flight_by_priority])
                      for t in view.tenants],
             adapters=list(stats.adapters) if stats.adapters else None,
             loaded_adapters=list(stats.loaded_adapters) if stats.adapters else None,

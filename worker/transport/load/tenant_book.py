@@ -55,6 +55,9 @@ class TenantSnapshot:
     waits: tuple[tuple[str, tuple[int, ...], float], ...] = ()
     """Per WAIT_STAGES stage with waits: (stage, counts per WAIT_BUCKETS_S bound and +Inf, sum of seconds), since
     the worker started."""
+    in_flight_by_priority: tuple[float, ...] = ()
+    """Tokens charged on entry to the tenant's requests in the engine now, per priority: with the served figures,
+    other workers see the counter this worker keeps, not one that lags by a request's duration."""
 
 
 def cache_salt_of(tenant: str, cache_salt: str | None) -> str | None:
@@ -85,6 +88,8 @@ class TenantBook:
     _last_totals: dict[str, float] = field(default_factory=dict)
     _last_at: float | None = None
     _rates: dict[str, float] = field(default_factory=dict)
+    _in_flight: dict[tuple[str, int], float] = field(default_factory=dict)
+    """(tenant, priority) -> tokens charged on entry to its requests in the engine (corrected at their end)."""
     snapshot_now: tuple[TenantSnapshot, ...] = ()
     """The latest snapshot (replaced whole, so another thread reads a consistent one)."""
 
@@ -141,6 +146,7 @@ class TenantBook:
         tag = self.fair.start_tag(priority, tenant)
         self.fair.charge(priority, tenant, tokens)
         self.fair.add_pending(priority, tenant, tokens)
+        self._in_flight[(tenant, priority)] = self._in_flight.get((tenant, priority), 0.0) + tokens
         if self.quotas.action == "defer":
             self.quotas.take(tenant, tokens, now)
         return tag
@@ -156,11 +162,21 @@ class TenantBook:
         counter and the bucket take the difference."""
         actual = prompt_tokens + output_tokens
         self.fair.charge(priority, tenant, actual - charged)
+        self.released(priority, tenant, charged)
         self.quotas.take(tenant, actual - charged, now)
         traffic = self._traffic_of(tenant)
         traffic.prompt_tokens += prompt_tokens
         traffic.output_tokens += output_tokens
         traffic.by_priority[priority] = traffic.by_priority.get(priority, 0.0) + actual
+
+    def released(self, priority: int, tenant: str, charged: float) -> None:
+        """A completion charged `charged` on entry left the engine (ended, or dropped with its partition)."""
+        key = (tenant, priority)
+        left = self._in_flight.get(key, 0.0) - charged
+        if left > 1e-6:
+            self._in_flight[key] = left
+        else:
+            self._in_flight.pop(key, None)
 
     def waited(self, tenant: str, stages_s: tuple[float, float, float]) -> None:
         """A request reached its first step after waiting these seconds in each of WAIT_STAGES."""
@@ -186,6 +202,13 @@ class TenantBook:
             waiting[label] = waiting.get(label, 0) + num
             live.add(label)
             self._traffic.setdefault(label, _Traffic())
+        in_flight: dict[str, dict[int, float]] = {}
+        for (tenant, priority), tokens in self._in_flight.items():
+            by_priority = in_flight.setdefault(self.labels.label(tenant), {})
+            by_priority[priority] = by_priority.get(priority, 0.0) + tokens
+        for label in in_flight:
+            live.add(label)
+            self._traffic.setdefault(label, _Traffic())
         # Rates over at least RATE_WINDOW_S: the control loop asks many times a second.
         dt = None if self._last_at is None else now - self._last_at
         fresh = dt is None or dt >= RATE_WINDOW_S
@@ -203,9 +226,9 @@ class TenantBook:
             over = label in self.labels.labelled and self.quotas.over_quota(tenant, now)
             snaps.append(TenantSnapshot(label, traffic.prompt_tokens, traffic.output_tokens, rate,
                                         waiting.get(label, 0), dict(traffic.num_finals), traffic.num_over_quota,
-                                        over, tuple(traffic.by_priority.get(p, 0.0)
-                                                    for p in range(max(traffic.by_priority, default=-1) + 1)),
-                                        tuple((stage, *h.frozen()) for stage, h in traffic.waits.items())))
+                                        over, _by_priority(traffic.by_priority),
+                                        tuple((stage, *h.frozen()) for stage, h in traffic.waits.items()),
+                                        _by_priority(in_flight.get(label, {}))))
         self._traffic = {label: t for label, t in self._traffic.items() if label in live}
         if fresh:
             self._last_at = now
@@ -218,3 +241,8 @@ class TenantBook:
         if traffic is None:
             traffic = self._traffic[label] = _Traffic()
         return traffic
+
+
+def _by_priority(tokens: dict[int, float]) -> tuple[float, ...]:
+    """Index = priority, up to the highest with tokens."""
+    return tuple(tokens.get(p, 0.0) for p in range(max(tokens, default=-1) + 1))

@@ -367,7 +367,10 @@ class Streamer:
             self.num_open_by_priority[stream.queued.priority] -= 1
             if not stream.started:
                 self._started(stream)
-            on_closed(stream.queued)
+            queued = stream.queued
+            self.tenants.released(queued.priority, queued.tenant,
+                                  queued.charged_tokens / queued.request.num_completions)
+            on_closed(queued)
         for stream, _ in self._held_finals:
             if predicate(stream.queued):
                 on_closed(stream.queued)
