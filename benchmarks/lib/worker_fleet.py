@@ -15,7 +15,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from schemas.decode import decode_result, decode_status, encode
 from schemas.priority import partition_for
 from schemas.request import GenerationRequest
-from schemas.result import FinalRecord
+from schemas.result import FinalRecord, StreamChunk
 from worker.broker.topics import ensure_topics
 from worker.kafka_settings import KafkaSettings
 
@@ -37,6 +37,8 @@ class Run:
         self.assigned: dict[str, tuple[int, ...]] = {}
         self.statuses: dict[str, object] = {}
         """Each worker's latest status record."""
+        self.chunks: list[tuple[str, float, int]] = []
+        """(request id, record timestamp in s, tokens) of every stream chunk: service as it was delivered."""
         self.procs: list[subprocess.Popen] = []
 
     async def __aenter__(self) -> "Run":
@@ -93,6 +95,8 @@ class Run:
                     record = decode_result(msg.value)
                     if isinstance(record, FinalRecord) and record.index is None:
                         self.finals[record.id] = record
+                    elif isinstance(record, StreamChunk) and record.token_ids:
+                        self.chunks.append((record.id, msg.timestamp / 1000.0, len(record.token_ids)))
 
     async def send(self, request: GenerationRequest, priority: int = 1, key: str | None = None) -> None:
         """To the partition of its priority its routing key picks, or `key` where given."""
