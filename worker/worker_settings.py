@@ -128,9 +128,11 @@ class WorkerSettings(BaseSettings):
     tenant_weights: dict[str, float] = {}
     """Fair share among the tenants of a priority, by tokens served: a tenant's weight (default 1), e.g.
     {"search": 2}: backlogged, it gets twice the tokens of a tenant of weight 1 (docs/tenants.md)."""
-    tenant_max_credit_tokens: float = Field(2048.0, ge=0)
+    tenant_max_credit_tokens: float | None = Field(None, ge=0)
     """The most service (tokens) an idle tenant banks: back with requests, it starts at most this far below the
-    counters of the tenants that kept the worker busy, so it cannot take the engine over for long."""
+    counters of the tenants that kept the worker busy, so it cannot take the engine over for long. Unset: 2048,
+    or 0 with WORKER_TENANT_FLEET_SHARE (a tenant idle here may be busy elsewhere, and a credit granted by every
+    worker at every return added up to a lasting bias)."""
     tenant_contention_window_s: float = Field(30.0, gt=0)
     """Two or more tenants read at a priority within this window make a full local queue keep reading and shed
     the newest request of the tenant holding most of it (over its share), instead of pausing the priority."""
@@ -148,8 +150,8 @@ class WorkerSettings(BaseSettings):
     """Split the fleet's service among tenants, not each worker's alone: every worker reads the others' status
     records and charges what they served each labelled tenant to its own fair-share counters, so a tenant whose
     requests reach every partition does not get more of the fleet than one on a few (docs/tenants.md). Costs one
-    consumer of the status topic per worker; the counters lag by WORKER_STATUS_INTERVAL_S. Off by default while
-    it is measured on two workers only."""
+    consumer of the status topic per worker; the counters lag by WORKER_STATUS_INTERVAL_S. Off by default: measured
+    on one shape so far (three workers, six tenants, the model-free engine)."""
 
     @model_validator(mode="after")
     def _check(self) -> "WorkerSettings":
@@ -160,6 +162,13 @@ class WorkerSettings(BaseSettings):
         if self.kv_resume_threshold > self.kv_pause_threshold:
             raise ValueError("kv_resume_threshold must not exceed kv_pause_threshold")
         return self
+
+    @property
+    def max_credit_tokens(self) -> float:
+        """tenant_max_credit_tokens, or its default: none with the fleet's counters, 2048 without."""
+        if self.tenant_max_credit_tokens is not None:
+            return self.tenant_max_credit_tokens
+        return 0.0 if self.tenant_fleet_share else 2048.0
 
     def max_queue_time_for(self, priority: int) -> float:
         return self.max_queue_time_s[min(priority, len(self.max_queue_time_s) - 1)]

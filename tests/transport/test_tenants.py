@@ -471,3 +471,16 @@ def test_the_book_reports_what_its_engine_holds_per_tenant():
     book.released(1, "b", 50.0)
     assert in_flight()["a"] == (0.0, 0.0, 30.0) and in_flight()["b"] == ()
     assert [s.served_by_priority for s in book.snapshot(0.0, {}) if s.label == "a"] == [(0.0, 50.0)]
+
+
+def test_with_the_fleets_counters_an_idle_tenant_banks_no_credit_unless_asked():
+    """A tenant idle on this worker may be busy on another: with WORKER_TENANT_FLEET_SHARE the credit defaults to
+    0 (pure VTC), without it to 2,048; a value set explicitly holds either way."""
+    from worker.transport.load.tenant_book import TenantBook
+    from worker.worker_settings import WorkerSettings
+
+    def credit(**fields) -> float:
+        return TenantBook.from_settings(WorkerSettings(**fields), 3).fair.max_credit_tokens
+    assert credit() == 2048.0 and credit(tenant_fleet_share=True) == 0.0
+    assert credit(tenant_fleet_share=True, tenant_max_credit_tokens=500) == 500.0
+    assert credit(tenant_max_credit_tokens=0) == 0.0

@@ -99,7 +99,7 @@ class TenantBook:
         quotas = {name: Quota(q.rate_tokens_per_s, q.burst_tokens) for name, q in settings.tenant_quotas.items()}
         default = quotas.pop("*", None)
         return cls(
-            FairShare(num_priorities, dict(settings.tenant_weights), settings.tenant_max_credit_tokens,
+            FairShare(num_priorities, dict(settings.tenant_weights), settings.max_credit_tokens,
                       settings.tenant_contention_window_s),
             Quotas(quotas, default, settings.tenant_quota_action),
             TenantLabels(settings.tenant_max_labels),
