@@ -27,7 +27,8 @@ fleet     Two `llm-worker serve --engine fake` (8 seats, `--step-ms` a step, 10-
 
 fleet6    Three `llm-worker serve --engine fake` (8 seats each, six partitions a priority), six tenants at
           priority 1: request sizes 5 and 100 tokens (1:20), spread over all six, two or one of the priority's
-          partitions, each offering twice its share of the fleet. Runs `fleet` (fleet share on), `per-worker`
+          partitions, each offering twice its share of the fleet (`--placement`: the skewed tenants' two
+          partitions held by two workers, the default, or by one). Runs `fleet` (fleet share on), `per-worker`
           (off) and `fcfs` (no tenant named). Per minute after a 10 s warm-up, by tenant: its service (prompt
           and output tokens, as the fair share counts them, when they were streamed) and the output tokens of
           its requests completed in the minute; the largest gap between two tenants of each. Floors: the
@@ -285,6 +286,23 @@ FLEET6_FLOOR_GAP = 2 * max(FLEET6_TOKENS.values())
 FLEET6_FLOOR_THROUGHPUT = 0.95
 
 
+def fleet6_partitions(partitions: list[int], assigned: dict[str, tuple[int, ...]], placement: str
+                      ) -> dict[int, set[int]]:
+    """The partitions of tenants on all six, two and one of them. The assignor decides which worker holds which
+    partition, so the skewed tenants' two partitions are chosen after it: `split`, on two workers (the fleet can
+    then give every tenant the same service); `together`, on one worker, which alone then serves four of the six
+    tenants while the other two see only the spread tenants' part of the traffic. No work-conserving fleet
+    splits evenly then: the four get at most a quarter of one worker each, and the spread tenants get all the
+    other two serve. `fixed`: the priority's first two, wherever they are."""
+    owner = {p: w for w, ps in assigned.items() for p in ps}
+    one = partitions[0]
+    if placement == "fixed":
+        two = partitions[1]
+    else:
+        two = next(p for p in partitions[1:] if (owner[p] == owner[one]) == (placement == "together"))
+    return {6: set(partitions), 2: {one, two}, 1: {one}}
+
+
 async def fleet6_run(bootstrap: str, tmp: Path, name: str, a: argparse.Namespace) -> dict:
     """Three model-free workers (`--step-ms` + 1 ms a seat, 8 seats), six partitions a priority; six tenants at
     priority 1, each offering twice its share of the fleet. `fleet`: tenants named, fleet share on;
@@ -298,9 +316,10 @@ async def fleet6_run(bootstrap: str, tmp: Path, name: str, a: argparse.Namespace
     async with Run(bootstrap, tmp, name, env, args, 3, partitions_per_priority=6) as run:
         k = run.kafka
         first = k.partitions_per_priority  # priority 1's partitions: first .. first + 5
+        wanted_by_spread = fleet6_partitions(list(range(first, first + 6)), run.assigned, a.placement)
         keys: dict[str, list[str]] = {}
         for tenant, spread in FLEET6_SPREAD.items():
-            wanted = set(range(first, first + spread))
+            wanted = wanted_by_spread[spread]
             found: dict[int, str] = {}
             for i in range(10_000):
                 key = f"{tenant}-key-{i}"
@@ -397,7 +416,7 @@ async def fleet6(bootstrap: str, tmp: Path, a: argparse.Namespace) -> dict:
         c = checks["fleet"]
         return (c[gap] is not None and c[gap] <= FLEET6_FLOOR_GAP
                 and (c["throughput_vs_fcfs"] or 0) >= FLEET6_FLOOR_THROUGHPUT)
-    return {"runs": runs, "checks": checks, "floor_gap_tokens": FLEET6_FLOOR_GAP,
+    return {"runs": runs, "checks": checks, "placement": a.placement, "floor_gap_tokens": FLEET6_FLOOR_GAP,
             "floors_met": {"service": met("largest_service_gap"), "completed_output": met("largest_gap")}}
 
 
@@ -632,6 +651,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="", help="sessions, flood: ENGINE_MODEL (default: the default model)")
     p.add_argument("--reps", type=int, default=2, help="fleet: runs of each mode, alternating")
     p.add_argument("--modes", default="fleet,per-worker,fcfs", help="fleet6: the runs, in order")
+    p.add_argument("--placement", choices=["split", "together", "fixed"], default="split",
+                   help="fleet6: the skewed tenants' two partitions on two workers, on one, or the first two")
     p.add_argument("--threads", type=int, default=0, help="flood: the worker's torch threads (0: one per core)")
     p.add_argument("--fair-step-ms", type=lambda v: [float(x) for x in v.split(",")], default=[],
                    help="flood: one more run, fair-step-<ms>, with ENGINE_FAIR_STEP_MS at each of these (commas)")
