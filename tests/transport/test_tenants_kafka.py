@@ -240,6 +240,69 @@ async def test_each_worker_counts_what_the_other_served_a_tenant(kafka_topics):
                                        "each worker charged what the other served")
 
 
+@pytest.mark.slow
+async def test_a_tenant_on_one_workers_partition_gets_half_of_a_fleet_of_two(kafka_topics):
+    """The fleet's fair share, as a tenant feels it: two workers (the model-free engine with the model's step
+    dynamics, 4 seats each), tenant `wide` sending to a partition of each, `narrow` as much to one of them, both
+    far over what the fleet serves, from librdkafka. Each worker alone would split its own service, and `narrow`
+    would get a quarter of the fleet; with WORKER_TENANT_FLEET_SHARE the worker holding both serves `narrow`
+    while the other serves `wide`, and each gets about half (0.46-0.49 in the benchmark's runs)."""
+    from schemas.decode import encode
+    from schemas.priority import partitions_for_priority
+    from tests.transport.real_producers import produce_librdkafka
+    from tests.transport.test_failover_kafka import wait_assigned
+
+    kafka = kafka_topics
+    settings = worker_settings(status_interval_s=0.2, tenant_fleet_share=True)
+    seconds, sent = 12.0, []
+
+    def engine() -> DynamicEngine:
+        return DynamicEngine(max_num_seqs=4, step_time_s=0.02, per_seq_s=0.001, eos_probability=0.0)
+
+    async with Collector(kafka) as collector:
+        async with running_worker(kafka, settings.model_copy(update={"worker_id": "fleet-a"}), engine(),
+                                  max_num_seqs=4), \
+                running_worker(kafka, settings.model_copy(update={"worker_id": "fleet-b"}), engine(),
+                               max_num_seqs=4):
+            await wait_assigned(collector, {"fleet-a", "fleet-b"}, kafka.num_request_partitions)
+            owner = {}
+            for status in collector.results.statuses:
+                owner.update(dict.fromkeys(status.assigned_partitions, status.worker_id))
+            # Each worker holds three of the six partitions, so some priority has one partition on each.
+            priority, (here, there) = next(
+                (p, (a, b)) for p in range(kafka.num_priorities)
+                for a, b in [partitions_for_priority(p, kafka.num_request_partitions, kafka.num_priorities)[:2]]
+                if owner[a] != owner[b])
+
+            def paced():  # per 0.1 s: two of wide to each partition, four of narrow to one (~2x the fleet)
+                start, tick = time.monotonic(), 0
+                while time.monotonic() - start < seconds:
+                    batch = [(partition, GenerationRequest(id=f"wide-{tick}-{partition}-{j}", prompt="w",
+                                                           max_new_tokens=10, tenant="wide"))
+                             for partition in (here, there) for j in range(2)]
+                    batch += [(here, GenerationRequest(id=f"narrow-{tick}-{j}", prompt="n", max_new_tokens=10,
+                                                       tenant="narrow")) for j in range(4)]
+                    for partition, request in batch:
+                        sent.append(request)
+                        yield partition, request.id.encode(), encode(request), None
+                    tick += 1
+                    time.sleep(max(0.0, start + tick * 0.1 - time.monotonic()))
+            await asyncio.to_thread(produce_librdkafka, kafka, "zstd", paced(), None, 5)
+            await collector.wait_until(lambda r: all(q.id in r.finals for q in sent), 120, "every final")
+    # Service in the second half of the sending, while both tenants were backlogged (once it stops, each worker
+    # drains what it holds): requests that ended then, by when they were sent and how long they took.
+    served = collections.Counter()
+    for q in sent:
+        final = collector.results.latest_final(q.id)
+        assert final.status in ("completed", "rejected"), final
+        ended_s = int(q.id.split("-")[1]) * 0.1 + (final.timings.e2e_ms or 0.0) / 1000.0
+        if final.status == "completed" and seconds / 2 <= ended_s < seconds:
+            served[q.tenant] += final.usage.prompt_tokens + final.usage.completion_tokens
+    share = served["narrow"] / (served["narrow"] + served["wide"])
+    print(f"\npriority {priority}, partitions {here} (both) and {there} (wide): narrow's share {share:.3f}, {served}")
+    assert 0.4 <= share <= 0.6, served
+
+
 def smollm2_engine(model_path, **settings):
     from worker.model.settings import EngineSettings
     from worker.engine.engine import LLMEngine
