@@ -253,7 +253,9 @@ async def test_a_tenant_on_one_workers_partition_gets_half_of_a_fleet_of_two(kaf
     from tests.transport.test_failover_kafka import wait_assigned
 
     kafka = kafka_topics
-    settings = worker_settings(status_interval_s=0.2, tenant_fleet_share=True)
+    # A short local queue: what cannot wait is shed at once, so the backlog left when the sending stops drains
+    # in a second or two, not fifteen.
+    settings = worker_settings(status_interval_s=0.2, tenant_fleet_share=True, max_waiting=32, resume_waiting=16)
     seconds, sent = 12.0, []
 
     def engine() -> DynamicEngine:
