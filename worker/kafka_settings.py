@@ -103,7 +103,10 @@ class KafkaSettings(BaseSettings):
 
     def client_kwargs(self) -> dict:
         """Connection keyword arguments shared by every aiokafka producer, consumer and admin client we make:
-        the one place where security settings become client settings (worker/security.py)."""
+        the one place where security settings become client settings (worker/security.py), and where aiokafka's
+        metadata retries learn to back off (aiokafka_compat.back_off_failed_metadata_updates)."""
         from worker.security import security_kwargs
+        from worker.transport.kafka.aiokafka_compat import back_off_failed_metadata_updates
 
+        back_off_failed_metadata_updates()
         return {"bootstrap_servers": self.bootstrap_servers, **security_kwargs(self)}

@@ -10,8 +10,9 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
-from worker.transport.kafka.aiokafka_compat import (cache_scram_salted_passwords, committed_with_metadata,
-                                                    fail_unsent_batches, group_generation, producer_is_dead)
+from worker.transport.kafka.aiokafka_compat import (back_off_failed_metadata_updates, cache_scram_salted_passwords,
+                                                    committed_with_metadata, fail_unsent_batches, group_generation,
+                                                    producer_is_dead)
 
 
 async def test_an_unstarted_consumer_has_no_group_coordinator_yet():
@@ -50,6 +51,23 @@ async def test_a_producer_whose_sender_died_is_dead():
     assert producer_is_dead(producer) and producer._txn_manager.is_fatal_error()
     producer._sender._sender_task = None
     await producer.stop()
+
+
+async def test_metadata_updates_that_reach_no_broker_back_off_doubling():
+    """A client whose broker is gone: each failed update waits 0.1 s, then 0.2, 0.4 (aiokafka alone retries
+    every 100 ms as often as it is asked, a socket and an error line each time)."""
+    from aiokafka.client import AIOKafkaClient
+
+    back_off_failed_metadata_updates()
+    back_off_failed_metadata_updates()  # a second call leaves one wrapper
+    client = AIOKafkaClient(bootstrap_servers="127.0.0.1:1")
+    waits = []
+    for _ in range(3):
+        start = asyncio.get_running_loop().time()
+        assert await client._metadata_update(client.cluster, set()) is False
+        waits.append(asyncio.get_running_loop().time() - start)
+    await client.close()
+    assert waits[0] >= 0.1 and waits[1] >= 0.2 and 0.4 <= waits[2] < 0.8, waits
 
 
 def test_scram_logins_derive_the_salted_password_once_and_still_agree_with_the_rfc():

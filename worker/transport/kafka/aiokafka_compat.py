@@ -15,10 +15,13 @@ new aiokafka release moves what these functions rely on (checked against aiokafk
 - Sending a request the admin client has no method for (CreateAcls, DeleteAcls: worker/broker/acls.py).
 - A partition's committed offset *with its metadata* (progress.py): `AIOKafkaConsumer.committed` returns the
   offset alone; its group coordinator fetches both.
+- Backing off between failed metadata updates (`back_off_failed_metadata_updates`): aiokafka retries at a fixed
+  100 ms, in every client.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 
@@ -79,6 +82,40 @@ def cache_scram_salted_passwords() -> None:
 
     create_salted_password.cached = True
     ScramAuthenticator.create_salted_password = create_salted_password
+
+
+METADATA_BACKOFF_S = (0.1, 1.0)
+"""First and longest wait after a failed metadata update, doubling in between (the Java client's reconnect
+backoff: 50 ms to 1 s)."""
+
+
+def back_off_failed_metadata_updates() -> None:
+    """Make each aiokafka client wait after a metadata update that reached no broker, 0.1 s then twice as long
+    each time up to 1 s, and not at all once one succeeds. aiokafka retries at its fixed retry backoff (100 ms)
+    whenever a producer, the consumer or the coordinator asks for metadata, which they do on every failure,
+    and each try opens a socket to every known broker and logs an error: with a client per request partition
+    (exactly-once's transactional producers) a worker spent most of a core on it while the broker was down, and
+    more partitions mean more. Callers awaiting the update wait with it, so the whole client slows its retries;
+    a broker that comes back is seen within a second. Safe to call more than once."""
+    from aiokafka.client import AIOKafkaClient
+
+    original = AIOKafkaClient._metadata_update
+    if getattr(original, "backs_off", False):
+        return
+
+    async def _metadata_update(self, cluster_metadata, topics):
+        updated = await original(self, cluster_metadata, topics)
+        if updated:
+            self._failed_metadata_backoff_s = 0.0
+        else:
+            first, longest = METADATA_BACKOFF_S
+            delay = min(longest, max(first, 2 * getattr(self, "_failed_metadata_backoff_s", 0.0)))
+            self._failed_metadata_backoff_s = delay
+            await asyncio.sleep(delay)
+        return updated
+
+    _metadata_update.backs_off = True
+    AIOKafkaClient._metadata_update = _metadata_update
 
 
 async def describe_topic_max_message_bytes(admin, topic: str) -> int | None:
