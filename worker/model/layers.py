@@ -20,11 +20,19 @@ from worker.model.attention import AttentionBackend
 from worker.model.config import ModelConfig, rope_cos_sin
 from worker.model.input import AttentionMetadata
 from worker.model.lora import LayerLora
-from worker.model.quantize import linear, pack_param, quantize_param
+from worker.model.quantize import empty_quantized_param, linear, pack_param, quantize_param
 
 Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 Matmul = tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
-"""(input width, weight, bias, int8 scales or None) of one of a step's matmuls."""
+"""(input width, weight, bias, int8 or FP8 scales or None) of one of a step's matmuls."""
+
+
+def quantized_views(prefix: str, rows: dict[str, tuple[int, int]],
+                    scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """A quantized fused weight's scales by the checkpoint names of its parts (`rows`: name -> first row, rows)."""
+    if scale is None:
+        return {}
+    return {f"{prefix}{name}.weight_scale": scale.narrow(0, start, num) for name, (start, num) in rows.items()}
 
 
 def param(*shape: int, device, dtype) -> nn.Parameter:
@@ -76,9 +84,32 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return x * cos + swapped * signed_sin
 
 
-class Attention(nn.Module):
+class Projections(nn.Module):
+    """A block's projection weights, each beside the attribute that holds its scales once it is int8 or FP8."""
+
+    weight_scales: tuple[tuple[str, str], ...] = ()
+    """(weight, scales) attribute names."""
+
+    def quantize(self, kind: str) -> None:
+        """The float weights to int8 or FP8 (worker/model/quantize.py)."""
+        for weight, scale in self.weight_scales:
+            setattr(self, scale, quantize_param(self, weight, kind))
+
+    def prepare_quantized(self, kind: str) -> None:
+        """Empty int8 or FP8 weights and scales, for a checkpoint quantized already to fill (the loader)."""
+        for weight, scale in self.weight_scales:
+            setattr(self, scale, empty_quantized_param(self, weight, kind, getattr(self, weight).dtype))
+
+    def pack_weights(self) -> bool:
+        """Every weight in oneDNN's packed layout where it applies (pack_for_cpu); whether all were."""
+        return all([pack_param(self, weight) for weight, _ in self.weight_scales])
+
+
+class Attention(Projections):
     """Fused q|k|v projection, per-head q/k norm where the family has one, RoPE, paged attention over the
     layer's window, output projection."""
+
+    weight_scales = (("qkv_weight", "qkv_scale"), ("o_weight", "o_scale"))
 
     def __init__(self, config: ModelConfig, layer: int, device, dtype, norm: Norm = rms_norm) -> None:
         super().__init__()
@@ -95,14 +126,7 @@ class Attention(nn.Module):
         self.k_norm = param(c.head_dim, device=device, dtype=dtype) if c.qk_norm else None
         self.qkv_scale: torch.Tensor | None = None
         self.o_scale: torch.Tensor | None = None
-        """Per output channel, when the weights are int8 (quantize_int8)."""
-
-    def quantize_int8(self) -> None:
-        self.qkv_scale = quantize_param(self, "qkv_weight")
-        self.o_scale = quantize_param(self, "o_weight")
-
-    def pack_weights(self) -> bool:
-        return pack_param(self, "qkv_weight") & pack_param(self, "o_weight")
+        """Per output channel, when the weights are int8 or FP8 (quantize)."""
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         """Hugging Face names (q_proj, k_proj, v_proj, o_proj, q_norm, k_norm under `prefix`) -> our views."""
@@ -113,7 +137,9 @@ class Attention(nn.Module):
             out[f"{prefix}{name}.weight"] = self.qkv_weight.data.narrow(0, start, num)
             if self.qkv_bias is not None:
                 out[f"{prefix}{name}.bias"] = self.qkv_bias.data.narrow(0, start, num)
+        out.update(quantized_views(prefix, rows, self.qkv_scale))
         out[prefix + "o_proj.weight"] = self.o_weight.data
+        out.update(quantized_views(prefix, {"o_proj": (0, c.hidden_size)}, self.o_scale))
         if self.o_bias is not None:
             out[prefix + "o_proj.bias"] = self.o_bias.data
         if self.q_norm is not None:
@@ -163,8 +189,10 @@ class Attention(nn.Module):
                 (self.config.q_size, self.o_weight, self.o_bias, self.o_scale)]
 
 
-class GatedMLP(nn.Module):
+class GatedMLP(Projections):
     """down(act(gate(x)) * up(x)), gate|up fused in one matrix: SwiGLU (silu) or GeGLU (tanh gelu)."""
+
+    weight_scales = (("gate_up_weight", "gate_up_scale"), ("down_weight", "down_scale"))
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, act: str, device, dtype) -> None:
         super().__init__()
@@ -180,13 +208,6 @@ class GatedMLP(nn.Module):
         self.fused_act_mul: Callable[[torch.Tensor, str], torch.Tensor] | None = None
         """kernels.fused.act_mul where fused kernels run (ENGINE_FUSED_KERNELS)."""
 
-    def quantize_int8(self) -> None:
-        self.gate_up_scale = quantize_param(self, "gate_up_weight")
-        self.down_scale = quantize_param(self, "down_weight")
-
-    def pack_weights(self) -> bool:
-        return pack_param(self, "gate_up_weight") & pack_param(self, "down_weight")
-
     def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         size = self.intermediate_size
         out = {}
@@ -194,7 +215,9 @@ class GatedMLP(nn.Module):
             if param_ is not None:
                 out[f"{prefix}gate_proj.{kind}"] = param_.data.narrow(0, 0, size)
                 out[f"{prefix}up_proj.{kind}"] = param_.data.narrow(0, size, size)
+        out.update(quantized_views(prefix, {"gate_proj": (0, size), "up_proj": (size, size)}, self.gate_up_scale))
         out[prefix + "down_proj.weight"] = self.down_weight.data
+        out.update(quantized_views(prefix, {"down_proj": (0, self.hidden_size)}, self.down_scale))
         if self.down_bias is not None:
             out[prefix + "down_proj.bias"] = self.down_bias.data
         return out

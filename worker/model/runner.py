@@ -27,6 +27,7 @@ from worker.model.input import Launched, ModelInput, PersistentInput, Persistent
 from worker.model.loader import load_model
 from worker.model.lora import AdapterRegistry, LoraStep
 from worker.model.pull import resolve_model
+from worker.model.checkpoint_quant import CheckpointQuantization, read_checkpoint_quantization
 from worker.model.quantize import linear
 from worker.model.step_batch import StepRequests
 
@@ -64,6 +65,38 @@ def pick_dtype(setting: str, device: torch.device) -> torch.dtype:
             return torch.bfloat16
         return torch.bfloat16 if device.type == "cpu" and cpu_has_native_bf16() else torch.float32
     return _DTYPES[setting]
+
+
+def pick_quantization(setting: str, checkpoint: CheckpointQuantization | None, device: torch.device,
+                      dtype: torch.dtype) -> str:
+    """The projections' kernel: ENGINE_QUANTIZATION's, made at start-up from float weights or taken from a
+    checkpoint quantized alike; with `none`, a quantized checkpoint's own kind where this device and dtype have
+    its kernel, else "none" (its weights widened as they load). A setting the device cannot run, or one that
+    differs from the checkpoint's kind, is refused with a line naming it."""
+    if setting != "none" and checkpoint is not None and checkpoint.kind != setting:
+        raise ValueError(f"ENGINE_QUANTIZATION={setting}, but the checkpoint holds {checkpoint.kind} weights: "
+                         f"unset it (or set {checkpoint.kind}) to load them")
+    if setting == "int8":
+        if device.type != "cpu":
+            raise ValueError("ENGINE_QUANTIZATION=int8 is the CPU path (torch's int8 weight-pack matmul); "
+                             f"this engine runs on {device.type}")
+        if dtype == torch.float32:
+            raise ValueError("ENGINE_QUANTIZATION=int8 needs ENGINE_DTYPE bfloat16 or float16: torch's int8 "
+                             "matmul with float32 activations is several times slower than float32 weights")
+    if setting == "fp8" and device.type == "cuda":
+        if torch.cuda.get_device_capability(device) < (8, 9):
+            major, minor = torch.cuda.get_device_capability(device)
+            raise ValueError(f"ENGINE_QUANTIZATION=fp8 needs FP8 tensor cores (compute capability 8.9 or later: "
+                             f"Ada, Hopper, Blackwell); this GPU is {major}.{minor}")
+        if dtype != torch.bfloat16:
+            raise ValueError("ENGINE_QUANTIZATION=fp8 on CUDA needs ENGINE_DTYPE bfloat16 (the product with "
+                             "per-row scales writes bf16)")
+    if setting != "none" or checkpoint is None:
+        return setting
+    if checkpoint.kind == "int8":
+        return "int8" if device.type == "cpu" and dtype != torch.float32 else "none"
+    fp8_cores = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return "fp8" if fp8_cores and dtype == torch.bfloat16 else "none"
 
 
 def cpu_has_native_bf16() -> bool:
@@ -150,20 +183,26 @@ class ModelRunner(PersistentInputRunner):
         if self.graph_mode == "capture" and not capture_graphs:
             self.graph_mode = "eager"
 
+        checkpoint = read_checkpoint_quantization(self.model_path)
+        self.quantization = pick_quantization(settings.quantization, checkpoint, self.device, self.dtype)
+        """"none", "int8" or "fp8": the kernel the layers' projections run (worker/model/quantize.py)."""
+        from_checkpoint = checkpoint is not None and checkpoint.kind == self.quantization
         self.model = load_model(
-            self.config, self.model_path, self.backend, self.max_model_len, self.device, self.dtype
+            self.config, self.model_path, self.backend, self.max_model_len, self.device, self.dtype,
+            checkpoint_kind=self.quantization if from_checkpoint else None,
         )
-        if settings.quantization == "int8":
-            if self.device.type != "cpu":
-                raise ValueError("ENGINE_QUANTIZATION=int8 is the CPU path (torch's int8 weight-pack matmul); "
-                                 f"this engine runs on {self.device.type}")
-            if self.dtype == torch.float32:
-                raise ValueError("ENGINE_QUANTIZATION=int8 needs ENGINE_DTYPE bfloat16 or float16: torch's int8 "
-                                 "matmul with float32 activations is several times slower than float32 weights")
-            skipped = self.model.quantize_int8()
-            log.info("weights quantized to int8 with per-channel scales%s",
+        if checkpoint is not None:
+            log.info("checkpoint holds %s: %s", checkpoint.description,
+                     "loaded as they are" if from_checkpoint else f"widened to {self.dtype} (no {checkpoint.kind} "
+                     f"kernel for {self.dtype} on {self.device.type}; docs/quantization.md)")
+        if self.quantization != "none":
+            skipped = self.model.quantize(self.quantization) if not from_checkpoint else []
+            log.info("layers' projections in %s with per-channel scales%s", self.quantization,
                      f" ({', '.join(skipped)} left in {self.dtype})" if skipped else "")
-            if settings.cpu_packed_weights and self.dtype == torch.bfloat16:
+            if self.quantization == "fp8" and self.device.type == "cpu":
+                log.warning("FP8 on the CPU runs torch's reference FP8 product, several times slower than %s: "
+                            "for checking accuracy, not for serving", self.dtype)
+            if settings.cpu_packed_weights and self.device.type == "cpu" and self.dtype == torch.bfloat16:
                 self.model.pack_weights(layers=False)  # the head stays bf16: packed for steps of several rows
         elif settings.cpu_packed_weights and self.device.type == "cpu" and self.dtype == torch.bfloat16:
             start = time.perf_counter()

@@ -22,12 +22,16 @@ class EngineSettings(BaseSettings):
     """Weights and KV-cache dtype. auto: bfloat16 on CUDA and on CPUs with bf16 matrix units (AMX or
     AVX512-BF16: 2-3x the float32 throughput there), float32 on other CPUs. Token-for-token comparisons with
     transformers (the tests) run in float32."""
-    quantization: Literal["none", "int8"] = "none"
-    """Weight-only quantization, made from the checkpoint's weights at start-up. int8 (CPU, dtype bfloat16 or
-    float16): every layer's projections as int8 with a scale per output channel; activations, the KV cache, the
-    embedding and the LM head stay in `dtype`. It cuts the time per token of a few requests, whose steps read
-    every weight for a few rows, and is slower in large batches, where the matmuls are bound by arithmetic
-    (docs/quantization.md: figures and accuracy)."""
+    quantization: Literal["none", "int8", "fp8"] = "none"
+    """The layers' projection weights in 8 bits, one scale per output channel; activations, the KV cache, the
+    embedding and the LM head stay in `dtype`. int8 (CPU, dtype bfloat16 or float16): weight-only, cuts the
+    time per token of a few requests, whose steps read every weight for a few rows, and is slower in large
+    batches, where the matmuls are bound by arithmetic. fp8 (GPUs with FP8 tensor cores: Ada, Hopper, dtype
+    bfloat16): e4m3 weights and each step's activations quantized per token, as vLLM's FP8 dynamic; on the
+    CPU it runs a slow reference product, for checking accuracy. Made from the checkpoint's weights at
+    start-up, or taken as they are from a checkpoint quantized so already (compressed-tensors, as llm-compressor
+    writes); none: such a checkpoint still runs its own kind where the device has its kernel, and is widened
+    to `dtype` elsewhere (docs/quantization.md: figures and accuracy)."""
     cpu_packed_weights: bool = True
     """On the CPU in bfloat16, every layer's projection weights are packed once at start-up into oneDNN's
     blocked layout, instead of being reordered by every matmul of more than one row, which costs more than the

@@ -71,22 +71,26 @@ class CausalLM(nn.Module):
         return out
 
     def matmuls(self) -> list[Matmul]:
-        """(input width, weight, bias, int8 scales) of every distinct matmul shape a step runs per row: every layer of a
-        family has the first layer's shapes, but for the expert matmuls, whose rows are the tokens routed there."""
+        """(input width, weight, bias, int8 or FP8 scales) of every distinct matmul shape a step runs per row: every
+        layer of a family has the first layer's shapes, but for the expert matmuls, whose rows are the tokens
+        routed there."""
         return self.layers[0].matmuls()
 
-    def quantize_int8(self) -> list[str]:
-        """Every layer's projection weights to int8 with per-channel scales (worker/model/quantize.py). The
-        embedding and the LM head stay in the model dtype: int8 made the head no faster at one request here and
-        its greedy tokens a little less often the model's; a MoE layer's experts and router stay too. Returns
-        the kinds of layer part left unquantized."""
+    def quantize(self, kind: str, from_checkpoint: bool = False) -> list[str]:
+        """Every layer's projection weights to int8 or FP8 with per-channel scales (worker/model/quantize.py):
+        made from the float weights, or (`from_checkpoint`) emptied for a checkpoint quantized already to fill.
+        The embedding and the LM head stay in the model dtype: int8 made the head no faster at one request here
+        and its greedy tokens a little less often the model's; a MoE layer's experts and router stay too (a
+        quantized checkpoint's are widened into them). Returns the kinds of layer part left unquantized."""
         skipped = set()
         for layer in self.layers:
             for part in (layer.attn, layer.mlp):
-                if hasattr(part, "quantize_int8"):
-                    part.quantize_int8()
-                else:
+                if not hasattr(part, "quantize"):
                     skipped.add(type(part).__name__)
+                elif from_checkpoint:
+                    part.prepare_quantized(kind)
+                else:
+                    part.quantize(kind)
         return sorted(skipped)
 
     def use_fused_kernels(self) -> int:
