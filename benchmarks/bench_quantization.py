@@ -1,5 +1,7 @@
 """int8 weights (ENGINE_QUANTIZATION=int8) against the model dtype on the default model, in one process and one
-run: time per output token at one request, output tokens/s at saturation, and accuracy.
+run: time per output token at one request, output tokens/s at saturation, and accuracy; FP8 weights and
+activations (ENGINE_QUANTIZATION=fp8) for accuracy only, unless `--no-fp8` (on the CPU their product is torch's
+reference, with no FP8 hardware: its speed says nothing of a GPU's).
 
   latency     one request at a time, four open-ended chat prompts of `--max-new-tokens` tokens each (EOS
               ignored): seconds per output token over the trace, prefills included;
@@ -96,6 +98,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--no-fp8", action="store_true", help="skip FP8's accuracy (about a minute on 2 cores)")
     args = parser.parse_args()
 
     import torch
@@ -126,6 +129,10 @@ def main() -> None:
     accuracy = compare(reference, greedy_with_logprobs(runners["int8"], settings["int8"], 48))
     float32 = settings["none"].model_copy(update={"dtype": "float32"})
     dtype_vs_float32 = compare(greedy_with_logprobs(ModelRunner(str(path), float32), float32, 48), reference)
+    fp8_accuracy = None
+    if not args.no_fp8:
+        fp8 = settings["none"].model_copy(update={"quantization": "fp8"})
+        fp8_accuracy = compare(reference, greedy_with_logprobs(ModelRunner(str(path), fp8), fp8, 48))
     summary = {
         "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "loadavg_before": loadavg,
         "loadavg_after": [round(x, 2) for x in os.getloadavg()], "dtype": str(runners["none"].dtype).removeprefix(
@@ -134,6 +141,7 @@ def main() -> None:
         "ms_per_token_ratio": round(medians["int8_ms_per_token"] / medians["none_ms_per_token"], 3),
         "saturation_ratio": round(medians["int8_tokens_per_s"] / medians["none_tokens_per_s"], 3),
         "accuracy_48_tokens": accuracy, "dtype_vs_float32_48_tokens": dtype_vs_float32,
+        "fp8_accuracy_48_tokens": fp8_accuracy,
         "samples": {f"{kind}_{what}": [round(x, 2) for x in v] for (kind, what), v in samples.items()},
     }
     print(summary)
