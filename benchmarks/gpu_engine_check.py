@@ -11,6 +11,9 @@ Per model shape (SmolLM2-135M and Llama-3.2-1B, random weights built on the mach
            simulated H200's prediction for the same step (worker/model/sim.py step_cost)
   systems  one offline trace (benchmarks/lib/trace.py) through continuous batching (graphs and eager), the static
            policy, the simulated H200 and transformers' continuous batching (benchmarks/lib/hf_systems.py)
+  fp8      where the GPU has FP8 tensor cores (compute capability 8.9+; in --smoke, the CPU's reference product):
+           a runner with ENGINE_QUANTIZATION=fp8 on the same weights, its graphs captured, and the steps part
+           again, to set its step times beside bf16's
 
 Results: results.json in --out, rewritten after every part, so a part that fails or runs out of time leaves the
 others' results; the exit status is 0 only if every part ran and every token check held. --smoke runs it all on
@@ -123,13 +126,19 @@ def sync(device: str) -> None:
 # ---- runners and decode paths ----------------------------------------------------------------------------------
 
 
-def load_runner(folder: Path, plan: Plan, dtype: str, max_num_seqs: int | None = None) -> ModelRunner:
+def load_runner(folder: Path, plan: Plan, dtype: str, max_num_seqs: int | None = None,
+                quantization: str = "none") -> ModelRunner:
     settings = EngineSettings(
         model=str(folder), device=plan.device, dtype=dtype, block_size=BLOCK_SIZE, num_kv_blocks=plan.num_kv_blocks,
         max_model_len=plan.max_model_len, max_num_seqs=max_num_seqs or plan.max_num_seqs,
-        max_num_batched_tokens=plan.max_num_batched_tokens, cuda_graphs="on",
+        max_num_batched_tokens=plan.max_num_batched_tokens, cuda_graphs="on", quantization=quantization,
     )
     return ModelRunner(folder, settings)
+
+
+def has_fp8_product(plan: Plan) -> bool:
+    """FP8 tensor cores on the plan's GPU, or the smoke plan's CPU (torch's reference product, for the code path)."""
+    return plan.device == "cpu" or torch.cuda.get_device_capability() >= (8, 9)
 
 
 def paths_of(runner: ModelRunner) -> tuple[str, ...]:
@@ -435,6 +444,24 @@ def failed_systems(runs: dict[str, dict]) -> dict[str, str]:
 # ---- main ------------------------------------------------------------------------------------------------------
 
 
+def run_fp8(report: Report, name: str, folder: Path, plan: Plan) -> None:
+    """The load and steps parts again with FP8 weights and activations (ENGINE_QUANTIZATION=fp8)."""
+    holder: dict = {}
+
+    def load(result: dict) -> None:
+        runner = holder["runner"] = load_runner(folder, plan, plan.dtype, quantization="fp8")
+        graphs = runner.graphs
+        result.update(quantization=runner.quantization, graph_mode=runner.graph_mode,
+                      capture_s=graphs.capture_s if graphs else None, num_kv_blocks=runner.num_blocks)
+
+    report.run(f"{name}/fp8-load", plan.limits["load"], load)
+    if "runner" in holder:
+        report.run(f"{name}/fp8-steps", plan.limits["steps"], lambda result: part_steps(holder["runner"], plan, result))
+    holder.clear()
+    if plan.device == "cuda":
+        torch.cuda.empty_cache()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="folder for the results")
@@ -499,6 +526,8 @@ def run(args: argparse.Namespace, plan: Plan) -> int:
         runner = None
         if plan.device == "cuda":
             torch.cuda.empty_cache()
+        if has_fp8_product(plan):
+            run_fp8(report, name, folder, plan)
     report.write()
     print(f"results: {report.path}; all parts ran and every check held: {report.ok}", flush=True)
     return 0 if report.ok else 1

@@ -24,13 +24,15 @@ def test_smoke_mode_runs_every_part_and_every_check(tmp_path: Path) -> None:
     data = json.loads((tmp_path / "results.json").read_text())
     parts = data["parts"]
     assert set(parts) == {"build", "tiny-2-layers/load", "tiny-2-layers/graphs", "tiny-2-layers/steps",
-                          "tiny-2-layers/systems"}
+                          "tiny-2-layers/systems", "tiny-2-layers/fp8-load", "tiny-2-layers/fp8-steps"}
     assert all(p["status"] == "ok" for p in parts.values()), {k: p["status"] for k, p in parts.items()}
     assert data["ok"] and data["checks"] and all(c["passed"] for c in data["checks"].values())
     assert parts["tiny-2-layers/load"]["graph_mode"] == "eager"  # nothing to capture on the CPU
     assert len(parts["tiny-2-layers/graphs"]["buckets_hit"]) >= 2
     kinds = {row["kind"] for row in parts["tiny-2-layers/steps"]["summary"]}
     assert {"prefill", "decode-bucketed", "decode-off"} <= kinds
+    assert parts["tiny-2-layers/fp8-load"]["quantization"] == "fp8"
+    assert {"prefill", "decode-bucketed"} <= {row["kind"] for row in parts["tiny-2-layers/fp8-steps"]["summary"]}
     runs = parts["tiny-2-layers/systems"]["runs"]
     assert set(runs) == {"continuous", "static", "continuous-eager", "sim-h200", "hf-cb"}
     assert all(m["num_completed"] == m["num_requests"] for m in runs.values())
