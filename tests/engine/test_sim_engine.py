@@ -118,6 +118,7 @@ def stepwise(engine: LLMEngine, reqs: list[EngineRequest], abort_at: dict[int, s
             for k, v in got.items()}
 
 
+@pytest.mark.slow  # 2 s: in the full suite, not the fast subset
 def test_async_scheduling_gives_the_synchronous_loops_tokens_text_and_endings(tiny_model_path):
     """Greedy, seeded, stop strings, a stop token, logprobs, an abort while the request's step is in flight,
     and preemptions from a tight KV cache: the same outcomes with one step in flight as without."""

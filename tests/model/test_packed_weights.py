@@ -63,6 +63,7 @@ def test_smollm2_packed_in_bfloat16_answers_as_unpacked(smollm2_path):
     assert_same_answers(greedy(packed_runner), greedy(plain_runner))
 
 
+@pytest.mark.slow  # 1.3 s: in the full suite, not the fast subset
 def test_a_separate_head_is_packed_too(smollm2_path, tmp_path):
     path = build_tiny_family(tmp_path, smollm2_path, "phi3-partial-rotary-window")
     settings = tiny_settings(dtype="bfloat16")
