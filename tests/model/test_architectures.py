@@ -173,6 +173,24 @@ def test_tensor_of_the_wrong_shape_fails_loading_naming_it(tiny_model_path, tmp_
         ModelRunner(path, tiny_settings())
 
 
+@pytest.mark.slow  # 4 s: transformers saves the shards
+def test_a_sharded_checkpoint_loads_every_shard_as_one(tiny_model_path, tmp_path):
+    """transformers' sharded save (an index and several files, q/k/v of a layer possibly in different files):
+    the same weights as the single file."""
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / "sharded"
+    shutil.copytree(tiny_model_path, path)
+    (path / "model.safetensors").unlink()
+    AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).save_pretrained(
+        path, max_shard_size="1MB")
+    assert (path / "model.safetensors.index.json").is_file() and len(list(path.glob("*.safetensors"))) >= 3
+    single = ModelRunner(tiny_model_path, tiny_settings()).model.state_dict()
+    sharded = ModelRunner(path, tiny_settings()).model.state_dict()
+    assert single.keys() == sharded.keys()
+    assert all(torch.equal(single[name], sharded[name]) for name in single)
+
+
 def test_unknown_model_name_is_a_clear_error(tmp_path):
     from worker.paths import PathSettings
     from worker.model.pull import resolve_model
