@@ -7,6 +7,7 @@ them, and what has no kernel here is refused with a line naming it."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 
@@ -85,13 +86,27 @@ def test_smollm2_in_int8_keeps_its_greedy_answers_and_log_probabilities_close(sm
 
 
 @pytest.mark.slow
-def test_a_moe_family_keeps_its_experts_in_the_model_dtype_and_generates(smollm2_path, tmp_path):
+def test_a_moe_familys_experts_go_int8_and_compute_with_their_dequantized_weights(smollm2_path, tmp_path):
+    """int8: the experts too (most of a MoE model's weights), the router not; each expert's product is the
+    product with its dequantized weights, and the model generates. FP8 leaves the experts in bf16."""
     path = build_tiny_family(tmp_path, smollm2_path, "qwen3-moe")
     runner = ModelRunner(path, tiny_settings(quantization="int8", dtype="bfloat16"))
     layer = runner.model.layers[0]
-    assert layer.attn.qkv_weight.dtype == torch.int8 and layer.mlp.gate_up_weight.dtype == torch.bfloat16
+    moe = layer.mlp
+    assert layer.attn.qkv_weight.dtype == torch.int8 and moe.gate_up_weight.dtype == torch.int8
+    assert moe.down_weight.dtype == torch.int8 and moe.router_weight.dtype == torch.bfloat16
+    float_moe = copy.deepcopy(moe)
+    for name, scale in (("gate_up_weight", moe.gate_up_scale), ("down_weight", moe.down_scale)):
+        dequantized = getattr(moe, name).float() * scale.float()[..., None]
+        setattr(float_moe, name, torch.nn.Parameter(dequantized.to(torch.bfloat16), requires_grad=False))
+    float_moe.gate_up_scale = float_moe.down_scale = None
+    x = torch.randn(7, moe.config.hidden_size, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    got, expected = moe(x).float(), float_moe(x).float()
+    assert (got - expected).abs().max() <= 2e-2 * expected.abs().max()
     out = greedy(runner, PROMPTS[:2], 8)
     assert all(len(tokens) == 8 for tokens in out.values())
+    fp8 = ModelRunner(path, tiny_settings(quantization="fp8", dtype="bfloat16")).model.layers[0]
+    assert fp8.attn.qkv_weight.dtype == FP8 and fp8.mlp.gate_up_weight.dtype == torch.bfloat16
 
 
 def test_int8_with_float32_activations_is_refused_naming_the_setting(smollm2_path, tmp_path):
@@ -257,3 +272,23 @@ def test_group_wise_scales_written_by_the_library_are_refused_naming_the_strateg
                             group_size=32)
     with pytest.raises(ValueError, match="scales its weights by 'group' \\(group size 32\\)"):
         ModelRunner(path, tiny_settings(dtype="bfloat16"))
+
+
+@pytest.mark.slow
+def test_a_moe_checkpoint_with_int8_attention_and_float_experts_runs_all_int8(smollm2_path, tmp_path):
+    """compressed-tensors quantizes the Linear layers; transformers holds a Qwen3-MoE's experts in one fused
+    module, which it leaves in float. Loaded for the int8 kernel, the experts are quantized per row as they load
+    (from the checkpoint's float32, as at start-up), the int8 attention is taken as it is, and the router, int8 in
+    the checkpoint, is widened back to the model dtype."""
+    source = build_tiny_family(tmp_path / "source", smollm2_path, "qwen3-moe")
+    path = write_compressed(source, tmp_path / "w8a8", "INT8")
+    runner = ModelRunner(path, tiny_settings(dtype="bfloat16"))
+    assert runner.quantization == "int8"
+    moe = runner.model.layers[0].mlp
+    assert runner.model.layers[0].attn.qkv_weight.dtype == torch.int8 and moe.router_weight.dtype == torch.bfloat16
+    with safe_open(str(path / "model.safetensors"), framework="pt") as checkpoint:
+        expert = checkpoint.get_tensor("model.layers.0.mlp.experts.1.down_proj.weight")
+    assert expert.dtype == torch.float32
+    q, scale = quantize_int8(expert)
+    assert torch.equal(moe.down_weight[1], q) and torch.equal(moe.down_scale[1], scale.to(torch.bfloat16))
+    assert all(len(tokens) == 4 for tokens in greedy(runner, PROMPTS[:2], 4).values())

@@ -89,6 +89,7 @@ class Projections(nn.Module):
 
     weight_scales: tuple[tuple[str, str], ...] = ()
     """(weight, scales) attribute names."""
+    quantized_kinds = ("int8", "fp8")
 
     def quantize(self, kind: str) -> None:
         """The float weights to int8 or FP8 (worker/model/quantize.py)."""

@@ -80,12 +80,13 @@ class CausalLM(nn.Module):
         """Every layer's projection weights to int8 or FP8 with per-channel scales (worker/model/quantize.py):
         made from the float weights, or (`from_checkpoint`) emptied for a checkpoint quantized already to fill.
         The embedding and the LM head stay in the model dtype: int8 made the head no faster at one request here
-        and its greedy tokens a little less often the model's; a MoE layer's experts and router stay too (a
-        quantized checkpoint's are widened into them). Returns the kinds of layer part left unquantized."""
+        and its greedy tokens a little less often the model's; so does a MoE layer's router, and its experts
+        under FP8 (a quantized checkpoint's are widened into them). Returns the kinds of layer part left
+        unquantized."""
         skipped = set()
         for layer in self.layers:
             for part in (layer.attn, layer.mlp):
-                if not hasattr(part, "quantize"):
+                if kind not in getattr(part, "quantized_kinds", ()):
                     skipped.add(type(part).__name__)
                 elif from_checkpoint:
                     part.prepare_quantized(kind)

@@ -10,6 +10,10 @@ each token in expert order, the order transformers adds them in, so float32 resu
 On CUDA the same grouping runs as two fused Triton kernels (kernels/moe.py: every expert's block of rows in one
 launch, no loop over experts on the host, nothing read back to it); tests/kernels/test_moe.py holds the two paths
 to each other and to a reference.
+
+With ENGINE_QUANTIZATION=int8 (the CPU) the experts' matrices go int8 too, a scale per row of each expert's
+matrix: in a MoE model they are most of the weights a step reads. FP8 leaves them in the model dtype: the fused
+kernels take bf16 experts.
 """
 
 from __future__ import annotations
@@ -20,9 +24,13 @@ from torch import nn
 
 from worker.model.config import ModelConfig
 from worker.model.layers import ACTIVATIONS, Matmul, param
+from worker.model.quantize import linear, quantize_int8
 
 
 class SparseMoE(nn.Module):
+    quantized_kinds = ("int8",)
+    """The kinds of ENGINE_QUANTIZATION the experts take (the router stays in the model dtype)."""
+
     def __init__(self, config: ModelConfig, device, dtype) -> None:
         super().__init__()
         c = self.config = config
@@ -34,6 +42,24 @@ class SparseMoE(nn.Module):
         # Mixtral scales each expert's output by the float32 routing weight; Qwen3-MoE casts the weights to the
         # model dtype first. The same numbers in float32; bf16 rounds where the reference rounds.
         self.weights_in_model_dtype = c.architecture == "Qwen3MoeForCausalLM"
+        self.gate_up_scale: torch.Tensor | None = None  # [E, 2I], when the experts are int8
+        self.down_scale: torch.Tensor | None = None  # [E, H]
+
+    def quantize(self, kind: str) -> None:
+        """The experts' matrices to int8, a scale per row of each (quantize_int8 on the rows of all experts)."""
+        for name, scale in (("gate_up_weight", "gate_up_scale"), ("down_weight", "down_scale")):
+            weight = getattr(self, name).data  # [E, rows, K]
+            q, scales = quantize_int8(weight.reshape(-1, weight.shape[-1]))
+            setattr(self, name, nn.Parameter(q.view(weight.shape), requires_grad=False))
+            setattr(self, scale, scales.view(weight.shape[:2]))
+
+    def prepare_quantized(self, kind: str) -> None:
+        """Empty int8 experts and scales, for a checkpoint with int8 experts to fill (or float ones, quantized as
+        they load)."""
+        for name, scale in (("gate_up_weight", "gate_up_scale"), ("down_weight", "down_scale")):
+            weight = getattr(self, name).data
+            setattr(self, name, nn.Parameter(torch.empty_like(weight, dtype=torch.int8), requires_grad=False))
+            setattr(self, scale, torch.empty(weight.shape[:2], device=weight.device, dtype=weight.dtype))
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         """Mixtral: block_sparse_moe.gate and experts.{e}.w1 (gate), w3 (up), w2 (down); Qwen3-MoE: mlp.gate and
@@ -48,6 +74,10 @@ class SparseMoE(nn.Module):
             out[f"{expert}{names[0]}.weight"] = self.gate_up_weight.data[e].narrow(0, 0, size)
             out[f"{expert}{names[1]}.weight"] = self.gate_up_weight.data[e].narrow(0, size, size)
             out[f"{expert}{names[2]}.weight"] = self.down_weight.data[e]
+            if self.gate_up_scale is not None:
+                out[f"{expert}{names[0]}.weight_scale"] = self.gate_up_scale[e].narrow(0, 0, size)
+                out[f"{expert}{names[1]}.weight_scale"] = self.gate_up_scale[e].narrow(0, size, size)
+                out[f"{expert}{names[2]}.weight_scale"] = self.down_scale[e]
         return out
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [N, H] -> [N, k] weights, ids
@@ -76,8 +106,10 @@ class SparseMoE(nn.Module):
             assignments = order[start : start + count]  # [n]
             start += count
             rows = assignments // k  # [n] token rows
-            gate, up = F.linear(x[rows], self.gate_up_weight[e]).chunk(2, dim=-1)  # [n, I] each
-            y = F.linear(self.act(gate) * up, self.down_weight[e]) * flat_weights[assignments, None]  # [n, H]
+            gate_up_scale, down_scale = (None, None) if self.gate_up_scale is None else (self.gate_up_scale[e],
+                                                                                          self.down_scale[e])
+            gate, up = linear(x[rows], self.gate_up_weight[e], None, gate_up_scale).chunk(2, dim=-1)  # [n, I] each
+            y = linear(self.act(gate) * up, self.down_weight[e], None, down_scale) * flat_weights[assignments, None]
             out.index_add_(0, rows, y.to(x.dtype))
         return out
 
