@@ -10,6 +10,10 @@ float32 the same tokens:
   (normed, h). One program per row.
 - `act_mul(gate_up, act)`: act(gate) * up for gate_up = [gate | up] along the last dimension, SiLU or GELU (tanh
   approximation), the activation computed in float32 and rounded before the product as F.silu(gate) * up is.
+- `rope_kv_write(qk, v, cos, signed_sin, k_cache, v_cache, slot_mapping, num_q_heads)`: the rotary embedding of
+  every query and key head (rotate_half, as worker/model/layers.py's apply_rope, each product and the sum rounded
+  as torch rounds them) and the step's K/V written into the paged cache at their slots (as kernels/kv_write.py),
+  in one launch that reads q|k|v once; returns the rotated queries. One program per (token, head).
 """
 
 from __future__ import annotations
@@ -121,3 +125,77 @@ def act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
             gate_up, out, gate_up.stride(0), out.stride(0), inter, ACT=ACTS[act], BLOCK=block,
             BF16=gate_up.dtype == torch.bfloat16)
     return out
+
+
+@triton.jit
+def _rope_kv_write_kernel(
+    qk_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr,  # qk [T, Hq + Hkv, D], v [T, Hkv, D], cos/sin [T, D], q_out [T, Hq, D]
+    k_cache_ptr, v_cache_ptr, slot_ptr,  # caches [num_slots, Hkv, D] viewed flat, contiguous; slots [T] int64
+    stride_qk_t, stride_qk_h, stride_v_t, stride_v_h, stride_cos, stride_sin, stride_out_t, stride_out_h,
+    num_q_heads, num_kv_heads, head_dim,
+    BLOCK_D: tl.constexpr, BF16: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)  # [0, Hq): a query head; [Hq, Hq + Hkv): a key head; beyond: a value head
+    dims = tl.arange(0, BLOCK_D)
+    mask = dims < head_dim
+    slot = tl.load(slot_ptr + token)  # -1: a token whose K/V is not written
+    if head < num_q_heads + num_kv_heads:
+        row = qk_ptr + token * stride_qk_t + head * stride_qk_h
+        x = tl.load(row + dims, mask=mask, other=0.0)
+        half = head_dim // 2
+        swapped = tl.load(row + (dims + half) % head_dim, mask=mask, other=0.0)  # cat(x2, x1)
+        cos = tl.load(cos_ptr + token * stride_cos + dims, mask=mask, other=0.0)
+        sin = tl.load(sin_ptr + token * stride_sin + dims, mask=mask, other=0.0)  # first half negated
+        a = _round_to(x.to(tl.float32) * cos.to(tl.float32), x.dtype, BF16)
+        b = _round_to(swapped.to(tl.float32) * sin.to(tl.float32), x.dtype, BF16)
+        out = _round_to(a.to(tl.float32) + b.to(tl.float32), x.dtype, BF16)
+        if head < num_q_heads:
+            tl.store(q_out_ptr + token * stride_out_t + head * stride_out_h + dims, out, mask=mask)
+        else:
+            keep = (dims * 0 + slot) >= 0  # broadcast first: see kernels/kv_write.py
+            dst = slot * num_kv_heads * head_dim + (head - num_q_heads) * head_dim + dims
+            tl.store(k_cache_ptr + dst, out, mask=mask & keep)
+    else:
+        kv_head = head - num_q_heads - num_kv_heads
+        value = tl.load(v_ptr + token * stride_v_t + kv_head * stride_v_h + dims, mask=mask, other=0.0)
+        keep = (dims * 0 + slot) >= 0
+        dst = slot * num_kv_heads * head_dim + kv_head * head_dim + dims
+        tl.store(v_cache_ptr + dst, value, mask=mask & keep)
+
+
+def rope_kv_write(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                  num_q_heads: int) -> torch.Tensor:
+    """qk [T, Hq + Hkv, D] (queries then keys, rows may be strided: a view of q|k|v), v [T, Hkv, D], cos and
+    signed_sin [T, D] or [T, 1, D] (the whole head rotates; first half of sin negated, see apply_rope): writes the
+    rotated keys and v into the caches [num_blocks, block_size, Hkv, D] at slot_mapping [T] (int64, -1 = skip)
+    and returns the rotated queries [T, Hq, D]."""
+    check_ndim("qk", qk, 3, "[T, Hq + Hkv, D]")
+    check_ndim("v", v, 3, "[T, Hkv, D]")
+    check_dtype("qk", qk, FLOAT_DTYPES)
+    for name, tensor in (("v", v), ("cos", cos), ("signed_sin", signed_sin), ("k_cache", k_cache),
+                         ("v_cache", v_cache)):
+        check_dtype(name, tensor, (qk.dtype,))
+    num_tokens, num_heads, head_dim = qk.shape
+    num_kv_heads = num_heads - num_q_heads
+    cos, signed_sin = cos.reshape(num_tokens, -1), signed_sin.reshape(num_tokens, -1)
+    if (v.shape != (num_tokens, num_kv_heads, head_dim) or cos.shape[1] != head_dim or signed_sin.shape[1] != head_dim
+            or tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim) or v_cache.shape != k_cache.shape
+            or head_dim % 2 or slot_mapping.shape != (num_tokens,)):
+        raise ValueError(f"rope_kv_write: qk {tuple(qk.shape)} with {num_q_heads} query heads, v {tuple(v.shape)}, "
+                         f"cos {tuple(cos.shape)}, caches {tuple(k_cache.shape)}, slots {tuple(slot_mapping.shape)} "
+                         "do not match")
+    if (qk.stride(2) != 1 or v.stride(2) != 1 or cos.stride(1) != 1 or signed_sin.stride(1) != 1
+            or not k_cache.is_contiguous() or not v_cache.is_contiguous() or slot_mapping.dtype != torch.int64):
+        raise ValueError("rope_kv_write needs contiguous heads, rows of cos and sin, contiguous caches and int64 slots")
+    check_same_device(qk=qk, v=v, cos=cos, signed_sin=signed_sin, k_cache=k_cache, v_cache=v_cache,
+                      slot_mapping=slot_mapping)
+    q = torch.empty(num_tokens, num_q_heads, head_dim, device=qk.device, dtype=qk.dtype)
+    if num_tokens:
+        _rope_kv_write_kernel[(num_tokens, num_heads + num_kv_heads)](
+            qk, v, cos, signed_sin, q, k_cache, v_cache, slot_mapping,
+            qk.stride(0), qk.stride(1), v.stride(0), v.stride(1), cos.stride(0), signed_sin.stride(0),
+            q.stride(0), q.stride(1), num_q_heads, num_kv_heads, head_dim,
+            BLOCK_D=triton.next_power_of_2(head_dim), BF16=qk.dtype == torch.bfloat16)
+    return q

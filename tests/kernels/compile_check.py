@@ -144,6 +144,11 @@ def cases() -> list[tuple[str, object, tuple, dict]]:
         for act in fused.ACTS:
             found += [(f"act_mul {act} {dtype}", *launch) for launch in launches(fused, ("_act_mul_kernel",),
                 lambda: fused.act_mul(meta(5, 3072, dtype=dtype), act))]
+        found += [(f"rope_kv_write {dtype}", *launch) for launch in launches(fused, ("_rope_kv_write_kernel",),
+            lambda: fused.rope_kv_write(meta(5, 12, 64, dtype=dtype), meta(5, 3, 64, dtype=dtype),
+                                        meta(5, 64, dtype=dtype), meta(5, 64, dtype=dtype),
+                                        meta(64, 16, 3, 64, dtype=dtype), meta(64, 16, 3, 64, dtype=dtype),
+                                        meta(5, dtype=torch.int64), 9))]
     return found
 
 

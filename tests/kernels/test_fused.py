@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.fused import act_mul, add_rms_norm
-from worker.model.layers import gelu_tanh, rms_norm
+from kernels.fused import act_mul, add_rms_norm, rope_kv_write
+from worker.model.layers import apply_rope, gelu_tanh, rms_norm
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -52,6 +52,45 @@ def test_act_mul_is_the_activation_of_the_gate_times_up(device, dtype, act, torc
     assert_close_in(dtype, act_mul(gate_up, act), torch_act(gate) * up)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (9, 3, 64), (8, 8, 128)])
+def test_rope_kv_write_rotates_like_apply_rope_and_writes_the_cache_like_write_kv(device, dtype, heads, kv_heads,
+                                                                                 head_dim):
+    """q|k|v as the layer has it (one [T, (Hq + 2 Hkv) D] matrix, q|k and v views of it): the rotated queries
+    are apply_rope's to the last bit (each product and the sum rounded as torch rounds them), the rotated keys
+    and the values land in the caches at their slots, and a token with slot -1 writes nothing."""
+    torch.manual_seed(heads * head_dim)
+    tokens, num_blocks, block_size = 6, 8, 4
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * head_dim) * 2).to(dtype).to(device)
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    positions = torch.tensor([0, 1, 2, 7, 30, 31], device=device)
+    cos_table, sin_table = _rope(head_dim, 64, dtype, device)
+    cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)  # [T, 1, D], as the layer's
+    slots = torch.tensor([5, 6, -1, 0, 17, 31], device=device)
+    k_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    q = rope_kv_write(qk, v, cos, sin, k_cache, v_cache, slots, heads)
+    rotated = apply_rope(qk, cos, sin)
+    assert torch.equal(q, rotated[:, :heads])
+    flat_k, flat_v = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
+    written = [i for i, slot in enumerate(slots.tolist()) if slot >= 0]
+    assert torch.equal(flat_k[slots[written]], rotated[written, heads:])
+    assert torch.equal(flat_v[slots[written]], v[written])
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slots[written].cpu()] = False
+    assert not flat_k[untouched.to(device)].any() and not flat_v[untouched.to(device)].any()
+
+
+def _rope(head_dim: int, positions: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    angles = torch.arange(positions).float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((angles, angles), dim=-1)
+    sin = emb.sin()
+    signed = torch.cat((-sin[:, : head_dim // 2], sin[:, head_dim // 2 :]), dim=-1)
+    return emb.cos().to(dtype).to(device), signed.to(dtype).to(device)
+
+
 def test_wrong_shapes_and_activations_are_refused(device):
     x = torch.randn(4, 8, device=device)
     with pytest.raises(ValueError, match="do not match"):
@@ -77,6 +116,7 @@ def test_fused_kernels_generate_the_tokens_of_the_unfused_path_and_transformers(
         model = engine.runner.model
         assert (model.fused_add_norm is not None) == (fused == "on")
         assert (model.layers[0].mlp.fused_act_mul is not None) == (fused == "on")
+        assert (model.layers[0].attn.fused_rope_kv is not None) == (fused == "on")
         tokens[fused] = run_trace(engine, TRACE)
     assert tokens["on"] == tokens["off"] == hf_reference(tiny_model_path, TRACE, set(engine.runner.eos_token_ids))
 
@@ -98,8 +138,29 @@ def test_a_moe_family_with_qk_norms_generates_the_same_tokens_fused(smollm2_path
             model=str(path), device="cpu", dtype="float32", attention_backend="triton", fused_kernels=fused,
             block_size=16, num_kv_blocks=32, max_num_batched_tokens=32, max_num_seqs=4))
         assert (engine.runner.model.fused_add_norm is not None) == (fused == "on")
+        assert (engine.runner.model.layers[0].attn.fused_rope_kv is not None) == (fused == "on")
         tokens[fused] = run_trace(engine, TRACE)
     assert tokens["on"] == tokens["off"]
+
+
+@pytest.mark.parametrize(("family", "backend", "rope_fused"), [
+    ("llama", "triton", True), ("llama", "torch", False),  # the torch backend writes its KV itself
+    # A partly rotated head keeps apply_rope (building the family's folder: 4 s, in the full suite).
+    pytest.param("phi3-partial-rotary-window", "triton", False, marks=pytest.mark.slow),
+])
+def test_rope_joins_the_kv_write_only_with_the_triton_backend_and_a_wholly_rotated_head(
+        tiny_model_path: Path, smollm2_path: Path, tmp_path: Path, family, backend, rope_fused) -> None:
+    from types import SimpleNamespace
+
+    from worker.model.config import load_config
+    from worker.model.models import MODEL_CLASSES
+    from worker.model.tiny import build_tiny_family
+
+    path = tiny_model_path if family == "llama" else build_tiny_family(tmp_path, smollm2_path, family)
+    config = load_config(path)
+    model = MODEL_CLASSES[config.architecture](config, SimpleNamespace(name=backend), 64)
+    assert model.use_fused_kernels() == config.num_layers
+    assert all((layer.attn.fused_rope_kv is not None) == rope_fused for layer in model.layers)
 
 
 @pytest.mark.slow  # a runner on the Triton backend under the interpreter: about 16 s

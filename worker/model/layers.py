@@ -128,6 +128,9 @@ class Attention(Projections):
         self.qkv_scale: torch.Tensor | None = None
         self.o_scale: torch.Tensor | None = None
         """Per output channel, when the weights are int8 or FP8 (quantize)."""
+        self.fused_rope_kv: Callable[..., torch.Tensor] | None = None
+        """kernels.fused.rope_kv_write where the layers run fused with the Triton attention backend and the whole
+        head rotates: RoPE and the KV cache write in one kernel, the backend then only attends."""
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         """Hugging Face names (q_proj, k_proj, v_proj, o_proj, q_norm, k_norm under `prefix`) -> our views."""
@@ -169,15 +172,20 @@ class Attention(Projections):
         if self.q_norm is not None:
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
             qk = torch.cat((self.norm(q, self.q_norm, c.rms_norm_eps), self.norm(k, self.k_norm, c.rms_norm_eps)), 1)
-        # q and k heads rotate together: one set of elementwise ops instead of two.
-        qk = apply_rope(qk, cos, sin)  # [T, Hq + Hkv, D]
-        q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)  # [T, Hq, D], [T, Hkv, D]
         v = qkv[:, c.q_size + c.kv_size :].reshape(num_tokens, c.num_kv_heads, c.head_dim)  # [T, Hkv, D]
-        if self.window is None and self.softcap is None:
-            attn = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, Hq, D]
+        if self.fused_rope_kv is not None:
+            q = self.fused_rope_kv(qk, v, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping, c.num_heads)
+            attn = backend.forward(q, None, None, kv_cache[0], kv_cache[1], meta, self.scale, window=self.window,
+                                   softcap=self.softcap, kv_written=True)
         else:
-            attn = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
-                                   window=self.window, softcap=self.softcap)
+            # q and k heads rotate together: one set of elementwise ops instead of two.
+            qk = apply_rope(qk, cos, sin)  # [T, Hq + Hkv, D]
+            q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)  # [T, Hq, D], [T, Hkv, D]
+            if self.window is None and self.softcap is None:
+                attn = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, Hq, D]
+            else:
+                attn = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
+                                       window=self.window, softcap=self.softcap)
         attn = attn.reshape(num_tokens, c.q_size)
         if num_rows > num_tokens:
             attn = F.pad(attn, (0, 0, 0, num_rows - num_tokens))

@@ -48,8 +48,11 @@ class TritonAttention(AttentionBackend):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        kv_written: bool = False,
     ) -> torch.Tensor:  # [T, Hq, D]
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        """`kv_written`: the step's K/V are in the caches already (kernels.fused.rope_kv_write); k and v unused."""
+        if not kv_written:
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         # The decode kernel maps q row b to request b, which holds only if every request has one token:
         # max_query_len == 1 with T == B (a request with 0 new tokens would shift the rows).
         if meta.is_decode_only and q.shape[0] == meta.seq_lens.shape[0]:

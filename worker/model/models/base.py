@@ -96,11 +96,17 @@ class CausalLM(nn.Module):
 
     def use_fused_kernels(self) -> int:
         """Triton's fused chains (kernels/fused.py) in every layer, where every layer has them (the Llama graph),
-        the residual adds then each fused with the norm after it; the number of layers (0: none)."""
+        the residual adds then each fused with the norm after it, and, with the Triton attention backend and a
+        rotary embedding over the whole head, RoPE with the KV cache write; the number of layers (0: none)."""
         if not all(hasattr(layer, "forward_deferred") for layer in self.layers) or self.norm is not rms_norm:
             return 0
+        whole_head_rotates = (self.config.rotary_dim or self.config.head_dim) == self.config.head_dim
         for layer in self.layers:
             layer.use_fused_kernels()
+            if self.backend.name == "triton" and whole_head_rotates:
+                from kernels.fused import rope_kv_write  # Triton: imported only where the layers run fused
+
+                layer.attn.fused_rope_kv = rope_kv_write
         self.fused_add_norm = self.layers[0].fused_add_norm
         return len(self.layers)
 
