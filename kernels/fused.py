@@ -13,7 +13,7 @@ float32 the same tokens:
 - `rope_kv_write(qk, v, cos, signed_sin, k_cache, v_cache, slot_mapping, num_q_heads)`: the rotary embedding of
   every query and key head (rotate_half, as worker/model/layers.py's apply_rope, each product and the sum rounded
   as torch rounds them) and the step's K/V written into the paged cache at their slots (as kernels/kv_write.py),
-  in one launch that reads q|k|v once; returns the rotated queries. One program per (token, head).
+  in one launch that reads q|k|v once; returns the rotated queries. One program per token, all its heads.
 """
 
 from __future__ import annotations
@@ -133,35 +133,36 @@ def _rope_kv_write_kernel(
     k_cache_ptr, v_cache_ptr, slot_ptr,  # caches [num_slots, Hkv, D] viewed flat, contiguous; slots [T] int64
     stride_qk_t, stride_qk_h, stride_v_t, stride_v_h, stride_cos, stride_sin, stride_out_t, stride_out_h,
     num_q_heads, num_kv_heads, head_dim,
-    BLOCK_D: tl.constexpr, BF16: tl.constexpr,
+    BLOCK_QK: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)  # [0, Hq): a query head; [Hq, Hq + Hkv): a key head; beyond: a value head
     dims = tl.arange(0, BLOCK_D)
-    mask = dims < head_dim
+    in_head = dims < head_dim
     slot = tl.load(slot_ptr + token)  # -1: a token whose K/V is not written
-    if head < num_q_heads + num_kv_heads:
-        row = qk_ptr + token * stride_qk_t + head * stride_qk_h
-        x = tl.load(row + dims, mask=mask, other=0.0)
-        half = head_dim // 2
-        swapped = tl.load(row + (dims + half) % head_dim, mask=mask, other=0.0)  # cat(x2, x1)
-        cos = tl.load(cos_ptr + token * stride_cos + dims, mask=mask, other=0.0)
-        sin = tl.load(sin_ptr + token * stride_sin + dims, mask=mask, other=0.0)  # first half negated
-        a = _round_to(x.to(tl.float32) * cos.to(tl.float32), x.dtype, BF16)
-        b = _round_to(swapped.to(tl.float32) * sin.to(tl.float32), x.dtype, BF16)
-        out = _round_to(a.to(tl.float32) + b.to(tl.float32), x.dtype, BF16)
-        if head < num_q_heads:
-            tl.store(q_out_ptr + token * stride_out_t + head * stride_out_h + dims, out, mask=mask)
-        else:
-            keep = (dims * 0 + slot) >= 0  # broadcast first: see kernels/kv_write.py
-            dst = slot * num_kv_heads * head_dim + (head - num_q_heads) * head_dim + dims
-            tl.store(k_cache_ptr + dst, out, mask=mask & keep)
-    else:
-        kv_head = head - num_q_heads - num_kv_heads
-        value = tl.load(v_ptr + token * stride_v_t + kv_head * stride_v_h + dims, mask=mask, other=0.0)
-        keep = (dims * 0 + slot) >= 0
-        dst = slot * num_kv_heads * head_dim + kv_head * head_dim + dims
-        tl.store(v_cache_ptr + dst, value, mask=mask & keep)
+    # Every query and key head of the token: rows [0, Hq) are queries, [Hq, Hq + Hkv) keys.
+    heads = tl.arange(0, BLOCK_QK)
+    mask = (heads[:, None] < num_q_heads + num_kv_heads) & in_head[None, :]  # [BLOCK_QK, BLOCK_D]
+    rows = qk_ptr + token * stride_qk_t + heads[:, None] * stride_qk_h
+    x = tl.load(rows + dims[None, :], mask=mask, other=0.0)
+    half = head_dim // 2
+    swapped = tl.load(rows + ((dims + half) % head_dim)[None, :], mask=mask, other=0.0)  # cat(x2, x1)
+    cos = tl.load(cos_ptr + token * stride_cos + dims, mask=in_head, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + token * stride_sin + dims, mask=in_head, other=0.0).to(tl.float32)  # first half negated
+    a = _round_to(x.to(tl.float32) * cos[None, :], x.dtype, BF16)
+    b = _round_to(swapped.to(tl.float32) * sin[None, :], x.dtype, BF16)
+    out = _round_to(a.to(tl.float32) + b.to(tl.float32), x.dtype, BF16)
+    is_query = heads[:, None] < num_q_heads
+    tl.store(q_out_ptr + token * stride_out_t + heads[:, None] * stride_out_h + dims[None, :], out,
+             mask=mask & is_query)
+    # The skip flag broadcast through arithmetic first: see kernels/kv_write.py.
+    keep = (heads * 0 + slot) >= 0  # [BLOCK_QK]
+    k_dst = slot * num_kv_heads * head_dim + (heads[:, None] - num_q_heads) * head_dim + dims[None, :]
+    tl.store(k_cache_ptr + k_dst, out, mask=mask & ~is_query & keep[:, None])
+    kv_heads = tl.arange(0, BLOCK_KV)
+    v_mask = (kv_heads[:, None] < num_kv_heads) & in_head[None, :] & ((kv_heads * 0 + slot) >= 0)[:, None]
+    value = tl.load(v_ptr + token * stride_v_t + kv_heads[:, None] * stride_v_h + dims[None, :], mask=v_mask)
+    tl.store(v_cache_ptr + slot * num_kv_heads * head_dim + kv_heads[:, None] * head_dim + dims[None, :], value,
+             mask=v_mask)
 
 
 def rope_kv_write(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
@@ -193,9 +194,10 @@ def rope_kv_write(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, signed_s
                       slot_mapping=slot_mapping)
     q = torch.empty(num_tokens, num_q_heads, head_dim, device=qk.device, dtype=qk.dtype)
     if num_tokens:
-        _rope_kv_write_kernel[(num_tokens, num_heads + num_kv_heads)](
+        _rope_kv_write_kernel[(num_tokens,)](
             qk, v, cos, signed_sin, q, k_cache, v_cache, slot_mapping,
             qk.stride(0), qk.stride(1), v.stride(0), v.stride(1), cos.stride(0), signed_sin.stride(0),
             q.stride(0), q.stride(1), num_q_heads, num_kv_heads, head_dim,
+            BLOCK_QK=triton.next_power_of_2(num_heads), BLOCK_KV=triton.next_power_of_2(num_kv_heads),
             BLOCK_D=triton.next_power_of_2(head_dim), BF16=qk.dtype == torch.bfloat16)
     return q
