@@ -87,7 +87,7 @@ def pick_quantization(setting: str, checkpoint: CheckpointQuantization | None, d
         if torch.cuda.get_device_capability(device) < (8, 9):
             major, minor = torch.cuda.get_device_capability(device)
             raise ValueError(f"ENGINE_QUANTIZATION=fp8 needs FP8 tensor cores (compute capability 8.9 or later: "
-                             f"Ada, Hopper, Blackwell); this GPU is {major}.{minor}")
+                             f"Ada, Hopper); this GPU is {major}.{minor}")
         if dtype != torch.bfloat16:
             raise ValueError("ENGINE_QUANTIZATION=fp8 on CUDA needs ENGINE_DTYPE bfloat16 (the product with "
                              "per-row scales writes bf16)")
