@@ -44,4 +44,6 @@ class AttentionBackend(ABC):
         """Write k/v at meta.slot_mapping, then causal attention of each request's new tokens over its
         cached context plus themselves (token i of request b sits at position seq_lens[b] - q_len_b + i).
         `window`: a query at position p sees only keys in (p - window, p]. `softcap`: scores (after `scale`)
-        become softcap * tanh(score / softcap) before masking. Both only where `supports_windows`."""
+        become softcap * tanh(score / softcap) before masking. Both only where `supports_windows`. The Triton
+        backend also takes `kv_written=True` (k and v None): the step's K/V are in the caches already, written
+        with the rotary embedding by kernels.fused.rope_kv_write."""
