@@ -325,3 +325,24 @@ async def test_a_progress_record_of_unchanged_progress_is_the_one_before_byte_fo
     moved = dict(streamer.progress_records(a.partition, True))
     assert moved[b"b"] == dict(first)[b"b"] and moved[b"a"] != dict(first)[b"a"]
     assert decode_progress(moved[b"a"]).ts_ms > decode_progress(dict(first)[b"a"]).ts_ms
+
+
+async def test_the_charges_in_the_engine_are_the_open_streams_until_a_final_or_a_close():
+    """Streamer.charged_in_engine, the in-flight figure other workers read: a request counts its charge while its
+    streams are open, each of n completions its share, and stops at its final or when its partition moves."""
+    publisher, tracker = FakePublisher(), OffsetTracker()
+    streamer = make_streamer(publisher, tracker)
+    a, b, moved = queued("a", 0), queued("b", 1), queued("moved", 2)
+    a.tenant, b.tenant, moved.tenant = "x", "y", "x"
+    b.request = GenerationRequest(id="b", prompt="p", n=2)
+    for q, charged in ((a, 40.0), (b, 30.0), (moved, 10.0)):
+        q.charged_tokens = charged
+        tracker.track(q.partition, q.offset)
+        streamer.open(q)
+    assert streamer.charged_in_engine() == {("x", 1): 50.0, ("y", 1): 30.0}
+    await streamer.handle([output(a, 1, True, "stop")])
+    streamer.close_where(lambda q: q.request.id == "moved", lambda q: None)
+    assert streamer.charged_in_engine() == {("y", 1): 30.0}
+    await streamer.handle([RequestOutput(b.completion_engine_id(0), [1], "<1>", finished=True, finish_reason="stop",
+                                         num_prompt_tokens=1, num_output_tokens=1, arrival_time=time.monotonic())])
+    assert streamer.charged_in_engine() == {("y", 1): 15.0}  # one of its two completions still runs

@@ -451,25 +451,25 @@ def test_a_request_running_on_another_worker_counts_from_its_start():
 
 
 def test_the_book_reports_what_its_engine_holds_per_tenant():
-    """TenantBook.in_flight_by_priority: charged on entry, removed when the request ends (corrected to what it
-    was served) or leaves with its partition (released)."""
+    """TenantSnapshot.in_flight_by_priority: the streamer's charges of the requests in the engine, summed per
+    label and priority; the served figures only once requests end."""
     from worker.transport.load.tenant_book import TenantBook
     from worker.worker_settings import WorkerSettings
 
     book = TenantBook.from_settings(WorkerSettings(), 3)
 
-    def in_flight() -> dict[str, tuple[float, ...]]:
-        return {s.label: s.in_flight_by_priority for s in book.snapshot(0.0, {})}
+    def in_flight(charged: dict[tuple[str, int], float]) -> dict[str, tuple[float, ...]]:
+        return {s.label: s.in_flight_by_priority for s in book.snapshot(0.0, {}, charged)}
 
     for tenant in ("a", "b"):
         book.note_read(1, tenant, 100.0, 0.0)  # read first: each gets its own label
-    book.dispatched(1, "a", 120.0, 0.0)
-    book.dispatched(2, "a", 30.0, 0.0)
-    book.dispatched(1, "b", 50.0, 0.0)
-    assert in_flight()["a"] == (0.0, 120.0, 30.0) and in_flight()["b"] == (0.0, 50.0)
-    book.served(1, "a", 10, 40, 120.0, 0.0)
-    book.released(1, "b", 50.0)
-    assert in_flight()["a"] == (0.0, 0.0, 30.0) and in_flight()["b"] == ()
+    for priority, tenant, tokens in ((1, "a", 120.0), (2, "a", 30.0), (1, "b", 50.0)):
+        book.dispatched(priority, tenant, tokens, 0.0)
+    got = in_flight({("a", 1): 120.0, ("a", 2): 30.0, ("b", 1): 50.0})
+    assert got["a"] == (0.0, 120.0, 30.0) and got["b"] == (0.0, 50.0)
+    book.served(1, "a", 10, 40, 120.0, 0.0)  # a's first request ended; b's left with its partition
+    got = in_flight({("a", 2): 30.0})
+    assert got["a"] == (0.0, 0.0, 30.0) and got["b"] == ()
     assert [s.served_by_priority for s in book.snapshot(0.0, {}) if s.label == "a"] == [(0.0, 50.0)]
 
 

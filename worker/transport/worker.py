@@ -533,7 +533,8 @@ class Worker:
         desired = self.scale_signal.update(time.monotonic(), decision.unread_tokens, self.service.tokens_read,
                                            decision.shed.backlog_tokens, self.service.capacity_tokens_per_s(),
                                            assigned)
-        tenants = self.tenants.snapshot(time.monotonic(), self.queue.num_waiting_by_tenant())
+        tenants = self.tenants.snapshot(time.monotonic(), self.queue.num_waiting_by_tenant(),
+                                        self.streamer.charged_in_engine())
         view = LoadView(decision, stats, self.queue.num_waiting_by_priority(), self.intake.paused_by_priority(),
                         sorted(assigned), self.streamer.num_completed, self.streamer.num_output_tokens, desired,
                         tenants, tuple(tp.partition for tp in self.intake.commit_waiting()))

@@ -56,8 +56,9 @@ class TenantSnapshot:
     """Per WAIT_STAGES stage with waits: (stage, counts per WAIT_BUCKETS_S bound and +Inf, sum of seconds), since
     the worker started."""
     in_flight_by_priority: tuple[float, ...] = ()
-    """Tokens charged on entry to the tenant's requests in the engine now, per priority: with the served figures,
-    other workers see the counter this worker keeps, not one that lags by a request's duration."""
+    """Tokens charged on entry to the tenant's requests in the engine now, per priority (from the streamer's open
+    streams): with the served figures, other workers see the counter this worker keeps, not one that lags by a
+    request's duration."""
 
 
 def cache_salt_of(tenant: str, cache_salt: str | None) -> str | None:
@@ -88,8 +89,6 @@ class TenantBook:
     _last_totals: dict[str, float] = field(default_factory=dict)
     _last_at: float | None = None
     _rates: dict[str, float] = field(default_factory=dict)
-    _in_flight: dict[tuple[str, int], float] = field(default_factory=dict)
-    """(tenant, priority) -> tokens charged on entry to its requests in the engine (corrected at their end)."""
     snapshot_now: tuple[TenantSnapshot, ...] = ()
     """The latest snapshot (replaced whole, so another thread reads a consistent one)."""
 
@@ -146,7 +145,6 @@ class TenantBook:
         tag = self.fair.start_tag(priority, tenant)
         self.fair.charge(priority, tenant, tokens)
         self.fair.add_pending(priority, tenant, tokens)
-        self._in_flight[(tenant, priority)] = self._in_flight.get((tenant, priority), 0.0) + tokens
         if self.quotas.action == "defer":
             self.quotas.take(tenant, tokens, now)
         return tag
@@ -162,21 +160,11 @@ class TenantBook:
         counter and the bucket take the difference."""
         actual = prompt_tokens + output_tokens
         self.fair.charge(priority, tenant, actual - charged)
-        self.released(priority, tenant, charged)
         self.quotas.take(tenant, actual - charged, now)
         traffic = self._traffic_of(tenant)
         traffic.prompt_tokens += prompt_tokens
         traffic.output_tokens += output_tokens
         traffic.by_priority[priority] = traffic.by_priority.get(priority, 0.0) + actual
-
-    def released(self, priority: int, tenant: str, charged: float) -> None:
-        """A completion charged `charged` on entry left the engine (ended, or dropped with its partition)."""
-        key = (tenant, priority)
-        left = self._in_flight.get(key, 0.0) - charged
-        if left > 1e-6:
-            self._in_flight[key] = left
-        else:
-            self._in_flight.pop(key, None)
 
     def waited(self, tenant: str, stages_s: tuple[float, float, float]) -> None:
         """A request reached its first step after waiting these seconds in each of WAIT_STAGES."""
@@ -192,9 +180,11 @@ class TenantBook:
         finals[status] = finals.get(status, 0) + 1
 
     # -- reporting -------------------------------------------------------------------------------------------
-    def snapshot(self, now: float, waiting_by_tenant: dict[str, int]) -> tuple[TenantSnapshot, ...]:
+    def snapshot(self, now: float, waiting_by_tenant: dict[str, int],
+                 charged_in_engine: dict[tuple[str, int], float] | None = None) -> tuple[TenantSnapshot, ...]:
         """Per label, most traffic first; also kept as `snapshot_now`. Labels given up since the last call are
-        left out (their series end)."""
+        left out (their series end). `charged_in_engine`: (tenant, priority) -> tokens charged on entry to the
+        requests in the engine now (Streamer.charged_in_engine), reported as each label's in-flight figures."""
         live = {self.labels.label(t) for t in self.labels.labelled} | {NO_TENANT_LABEL, OTHER_LABEL}
         waiting: dict[str, int] = {}
         for tenant, num in waiting_by_tenant.items():
@@ -203,7 +193,7 @@ class TenantBook:
             live.add(label)
             self._traffic.setdefault(label, _Traffic())
         in_flight: dict[str, dict[int, float]] = {}
-        for (tenant, priority), tokens in self._in_flight.items():
+        for (tenant, priority), tokens in (charged_in_engine or {}).items():
             by_priority = in_flight.setdefault(self.labels.label(tenant), {})
             by_priority[priority] = by_priority.get(priority, 0.0) + tokens
         for label in in_flight:

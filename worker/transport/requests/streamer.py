@@ -320,6 +320,16 @@ class Streamer:
             self.streams[queued.completion_engine_id(stream.index)] = stream
         self.num_open_by_priority[queued.priority] += num
 
+    def charged_in_engine(self) -> dict[tuple[str, int], float]:
+        """(tenant, priority) -> the tokens charged on entry to its requests in the engine now, each completion
+        its share (the fair share's in-flight figure, which other workers read from the status topic)."""
+        charged: dict[tuple[str, int], float] = {}
+        for stream in self.streams.values():
+            queued = stream.queued
+            key = (queued.tenant, queued.priority)
+            charged[key] = charged.get(key, 0.0) + queued.charged_tokens / queued.request.num_completions
+        return charged
+
     def progress_records(self, partition, full: bool = True) -> list[tuple[bytes, bytes]]:
         """(key, value) of a progress record (schemas/progress.py) for each request of `partition` that has
         delivered output a later attempt could continue from; not `full`: only those that have had none yet.
@@ -367,10 +377,7 @@ class Streamer:
             self.num_open_by_priority[stream.queued.priority] -= 1
             if not stream.started:
                 self._started(stream)
-            queued = stream.queued
-            self.tenants.released(queued.priority, queued.tenant,
-                                  queued.charged_tokens / queued.request.num_completions)
-            on_closed(queued)
+            on_closed(stream.queued)
         for stream, _ in self._held_finals:
             if predicate(stream.queued):
                 on_closed(stream.queued)
