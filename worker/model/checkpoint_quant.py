@@ -85,8 +85,8 @@ def unpack_int8(packed: torch.Tensor, shape: torch.Tensor | tuple[int, ...]) -> 
     """pack-quantized's 8-bit weights: four per int32 along each row, element i in bits 8i..8i+7, stored with
     128 added -> int8 [N, K]."""
     rows, cols = (int(n) for n in shape)
-    as_bytes = packed.contiguous().view(torch.int32).numpy().astype("<i4").view("u1")  # little-endian words
-    unsigned = torch.from_numpy(as_bytes.copy()).view(rows, -1)[:, :cols]
+    # A word's bytes in memory, least significant first: every host torch runs on here is little-endian.
+    unsigned = packed.contiguous().view(torch.uint8).view(rows, -1)[:, :cols]
     return (unsigned.to(torch.int16) - 128).to(torch.int8)
 
 

@@ -39,24 +39,25 @@ QUANTIZED_DTYPES = {"int8": torch.int8, "fp8": FP8}
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (int8 [N, K], scales [N] in the weight's dtype); w ≈ q * scale[:, None]."""
+    """[..., N, K] float -> (int8 [..., N, K], scales [..., N] in the weight's dtype); w ≈ q * scale[..., None]:
+    a scale per row (a stack of matrices, as a MoE layer's experts, row by row too)."""
     w = weight.float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    scale = w.abs().amax(dim=-1).clamp(min=1e-12) / 127.0
+    q = torch.round(w / scale[..., None]).clamp_(-127, 127).to(torch.int8)
     return q, scale.to(weight.dtype)
 
 
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (e4m3 [N, K], scales [N] float32); w ≈ q * scale[:, None], the largest |w| of a row at 448."""
+    """[..., N, K] float -> (e4m3, scales [..., N] float32); w ≈ q * scale[..., None], a row's largest |w| at 448."""
     w = weight.float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
-    return (w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
+    scale = w.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
+    return (w / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 def fp8_fits(weight: torch.Tensor) -> bool:
-    """Whether `_scaled_mm` takes this [N, K] weight: the FP8 tensor cores' tiles need N and K in multiples of
-    16. A weight that does not fit stays in the model dtype."""
-    return weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
+    """Whether `_scaled_mm` takes this [..., N, K] weight: the FP8 tensor cores' tiles need N and K in multiples
+    of 16. A weight that does not fit stays in the model dtype."""
+    return weight.shape[-2] % 16 == 0 and weight.shape[-1] % 16 == 0
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -123,4 +124,4 @@ def empty_quantized_param(module: nn.Module, name: str, kind: str, dtype: torch.
     if kind == "fp8" and not fp8_fits(weight):
         return None
     setattr(module, name, nn.Parameter(torch.empty_like(weight, dtype=QUANTIZED_DTYPES[kind]), requires_grad=False))
-    return torch.empty(weight.shape[0], device=weight.device, dtype=torch.float32 if kind == "fp8" else dtype)
+    return torch.empty(weight.shape[:-1], device=weight.device, dtype=torch.float32 if kind == "fp8" else dtype)

@@ -24,7 +24,7 @@ from torch import nn
 
 from worker.model.config import ModelConfig
 from worker.model.layers import ACTIVATIONS, Matmul, param
-from worker.model.quantize import linear, quantize_int8
+from worker.model.quantize import empty_quantized_param, linear, quantize_param
 
 
 class SparseMoE(nn.Module):
@@ -46,20 +46,15 @@ class SparseMoE(nn.Module):
         self.down_scale: torch.Tensor | None = None  # [E, H]
 
     def quantize(self, kind: str) -> None:
-        """The experts' matrices to int8, a scale per row of each (quantize_int8 on the rows of all experts)."""
-        for name, scale in (("gate_up_weight", "gate_up_scale"), ("down_weight", "down_scale")):
-            weight = getattr(self, name).data  # [E, rows, K]
-            q, scales = quantize_int8(weight.reshape(-1, weight.shape[-1]))
-            setattr(self, name, nn.Parameter(q.view(weight.shape), requires_grad=False))
-            setattr(self, scale, scales.view(weight.shape[:2]))
+        """The experts' matrices to int8, a scale per row of each (worker/model/quantize.py)."""
+        self.gate_up_scale = quantize_param(self, "gate_up_weight", kind)  # [E, 2I]
+        self.down_scale = quantize_param(self, "down_weight", kind)  # [E, H]
 
     def prepare_quantized(self, kind: str) -> None:
         """Empty int8 experts and scales, for a checkpoint with int8 experts to fill (or float ones, quantized as
         they load)."""
-        for name, scale in (("gate_up_weight", "gate_up_scale"), ("down_weight", "down_scale")):
-            weight = getattr(self, name).data
-            setattr(self, name, nn.Parameter(torch.empty_like(weight, dtype=torch.int8), requires_grad=False))
-            setattr(self, scale, torch.empty(weight.shape[:2], device=weight.device, dtype=weight.dtype))
+        self.gate_up_scale = empty_quantized_param(self, "gate_up_weight", kind, self.gate_up_weight.dtype)
+        self.down_scale = empty_quantized_param(self, "down_weight", kind, self.down_weight.dtype)
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         """Mixtral: block_sparse_moe.gate and experts.{e}.w1 (gate), w3 (up), w2 (down); Qwen3-MoE: mlp.gate and
