@@ -22,6 +22,7 @@ from tests.engine.test_engine_correctness import TRACE
 from tests.model.quantized_checkpoints import decompressed_weights, write_compressed
 from worker.engine.engine import LLMEngine
 from worker.model.checkpoint_quant import CheckpointQuantization, read_checkpoint_quantization
+from worker.model.models.base import INT8_HEAD_MAX_ROWS
 from worker.model.quantize import FP8, FP8_MAX, linear, quantize_fp8, quantize_int8, quantize_param
 from worker.model.runner import ModelRunner, pick_quantization
 from worker.model.settings import EngineSettings
@@ -73,6 +74,7 @@ def test_smollm2_in_int8_keeps_its_greedy_answers_and_log_probabilities_close(sm
     assert quantized_runner.model.layers[0].attn.qkv_weight.dtype == torch.int8
     assert quantized_runner.model.lm_head.dtype == torch.bfloat16
     assert quantized_runner.model.packed_head is not None  # the bf16 head, packed for steps of several rows
+    assert quantized_runner.model.int8_head is not None  # and an int8 one for steps sampling a few
     quantized = greedy(quantized_runner, PROMPTS, 24)
     diffs = []
     for request_id, tokens in reference.items():
@@ -107,6 +109,34 @@ def test_a_moe_familys_experts_go_int8_and_compute_with_their_dequantized_weight
     assert all(len(tokens) == 8 for tokens in out.values())
     fp8 = ModelRunner(path, tiny_settings(quantization="fp8", dtype="bfloat16")).model.layers[0]
     assert fp8.attn.qkv_weight.dtype == FP8 and fp8.mlp.gate_up_weight.dtype == torch.bfloat16
+
+
+def test_int8_steps_sampling_a_few_rows_take_the_int8_head_and_larger_ones_the_model_dtypes(tiny_model_path):
+    """With int8 weights the LM head gets an int8 copy (ENGINE_QUANTIZE_LM_HEAD, on by default): a step sampling
+    up to INT8_HEAD_MAX_ROWS rows gets logits within half a scale step of each weight from the bf16 head's, written
+    into the kept logits buffer; a larger step, and every step with the setting off, gets the bf16 head's."""
+    runner = ModelRunner(tiny_model_path, tiny_settings(quantization="int8", dtype="bfloat16"))
+    model = runner.model
+    generator = torch.Generator().manual_seed(5)
+    hidden = torch.randn(INT8_HEAD_MAX_ROWS + 4, model.config.hidden_size, generator=generator).to(torch.bfloat16)
+    head = model.lm_head.float()
+    exact = hidden.float() @ head.t()  # [R, V]
+    # Rounding each weight moves a logit by at most half its row's step times the row's |hidden| sum.
+    q_bound = (head.abs().amax(dim=1) / 254)[None, :] * hidden.float().abs().sum(dim=1, keepdim=True)
+    out = torch.empty(16, model.config.vocab_size, dtype=torch.bfloat16)
+    few = model.lm_head_logits(hidden[:INT8_HEAD_MAX_ROWS], out)
+    assert few.data_ptr() == out.data_ptr()
+    q_error = (few.float() - exact[:INT8_HEAD_MAX_ROWS]).abs()
+    assert (q_error <= 1.05 * q_bound[:INT8_HEAD_MAX_ROWS] + 0.02 * exact[:INT8_HEAD_MAX_ROWS].abs() + 1e-2).all()
+    q, scale = model.int8_head
+    assert torch.equal(few, torch._weight_int8pack_mm(hidden[:INT8_HEAD_MAX_ROWS], q, scale))
+    many = model.lm_head_logits(hidden)
+    assert torch.allclose(many.float(), exact, rtol=2e-2, atol=2e-2)
+    assert not torch.equal(many[:INT8_HEAD_MAX_ROWS], few)  # not the int8 product
+    off = ModelRunner(tiny_model_path, tiny_settings(quantization="int8", dtype="bfloat16", quantize_lm_head=False))
+    assert off.model.int8_head is None
+    assert torch.allclose(off.model.lm_head_logits(hidden[:1]).float(), exact[:1], rtol=2e-2, atol=2e-2)
+    assert not torch.equal(off.model.lm_head_logits(hidden[:1]), few[:1])
 
 
 def test_int8_with_float32_activations_is_refused_naming_the_setting(smollm2_path, tmp_path):

@@ -25,6 +25,7 @@ from worker.model.config import ModelConfig, load_config, load_eos_token_ids, lo
 from worker.model.cuda_graphs import BucketedInput, DecodeGraphs, batch_sizes, graph_mode, triton_interpreted
 from worker.model.input import Launched, ModelInput, PersistentInput, PersistentInputRunner, StepArrays
 from worker.model.loader import load_model
+from worker.model.models.base import INT8_HEAD_MAX_ROWS
 from worker.model.lora import AdapterRegistry, LoraStep
 from worker.model.pull import resolve_model
 from worker.model.checkpoint_quant import CheckpointQuantization, read_checkpoint_quantization
@@ -199,6 +200,9 @@ class ModelRunner(PersistentInputRunner):
             skipped = self.model.quantize(self.quantization) if not from_checkpoint else []
             log.info("layers' projections in %s with per-channel scales%s", self.quantization,
                      f" ({', '.join(skipped)} left in {self.dtype})" if skipped else "")
+            if self.quantization == "int8" and settings.quantize_lm_head:
+                self.model.quantize_head()
+                log.info("LM head in int8 too, for steps sampling up to %d rows", INT8_HEAD_MAX_ROWS)
             if self.quantization == "fp8" and self.device.type == "cpu":
                 log.warning("FP8 on the CPU runs torch's reference FP8 product, several times slower than %s: "
                             "for checking accuracy, not for serving", self.dtype)

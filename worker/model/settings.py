@@ -23,15 +23,20 @@ class EngineSettings(BaseSettings):
     AVX512-BF16: 2-3x the float32 throughput there), float32 on other CPUs. Token-for-token comparisons with
     transformers (the tests) run in float32."""
     quantization: Literal["none", "int8", "fp8"] = "none"
-    """The layers' projection weights in 8 bits, one scale per output channel; activations, the KV cache, the
-    embedding and the LM head stay in `dtype`. int8 (CPU, dtype bfloat16 or float16): weight-only, cuts the
-    time per token of a few requests, whose steps read every weight for a few rows, and is slower in large
+    """The layers' projection weights in 8 bits, one scale per output channel; activations, the KV cache, the embedding
+    and the LM head stay in `dtype` (but see quantize_lm_head). int8 (CPU, dtype bfloat16 or float16): weight-only,
+    cuts the time per token of a few requests, whose steps read every weight for a few rows, and is slower in large
     batches, where the matmuls are bound by arithmetic. fp8 (GPUs with FP8 tensor cores: Ada, Hopper, dtype
-    bfloat16): e4m3 weights and each step's activations quantized per token, as vLLM's FP8 dynamic; on the
-    CPU it runs a slow reference product, for checking accuracy. Made from the checkpoint's weights at
-    start-up, or taken as they are from a checkpoint quantized so already (compressed-tensors, as llm-compressor
-    writes); none: such a checkpoint still runs its own kind where the device has its kernel, and is widened
-    to `dtype` elsewhere (docs/quantization.md: figures and accuracy)."""
+    bfloat16): e4m3 weights and each step's activations quantized per token, as vLLM's FP8 dynamic; on the CPU it
+    runs a slow reference product, for checking accuracy. Made from the checkpoint's weights at start-up, or taken
+    as they are from a checkpoint quantized so already (compressed-tensors, as llm-compressor writes); none: such a
+    checkpoint still runs its own kind where the device has its kernel, and is widened to `dtype` elsewhere
+    (docs/quantization.md: figures and accuracy)."""
+    quantize_lm_head: bool = True
+    """With quantization int8: an int8 copy of the LM head too (per-row scales), which steps sampling up to four
+    rows multiply by; the head in `dtype` stays for larger steps and the embedding. At one request the head is
+    a tenth of a step's time in bf16, and int8 reads half its bytes (docs/quantization.md: speed and accuracy
+    with it and without). false: the head in `dtype` only."""
     cpu_packed_weights: bool = True
     """On the CPU in bfloat16, every layer's projection weights are packed once at start-up into oneDNN's
     blocked layout, instead of being reordered by every matmul of more than one row, which costs more than the
