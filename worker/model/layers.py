@@ -162,8 +162,19 @@ class Attention(Projections):
         num_tokens: int,
         lora: LayerLora | None = None,
     ) -> torch.Tensor:  # [R, H]; rows past num_tokens are padding, left out of attention
+        if self.fused_rope_kv is not None:
+            qk, v = self._qk_v(x, num_tokens, lora)
+            q = self.fused_rope_kv(qk, v, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping, self.config.num_heads)
+            attn = backend.forward(q, None, None, kv_cache[0], kv_cache[1], meta, self.scale, window=self.window,
+                                   softcap=self.softcap, kv_written=True)
+        else:
+            attn = self.attend(*self.project(x, cos, sin, num_tokens, lora), kv_cache, meta, backend)
+        return self.output(attn, x.shape[0], lora)
+
+    def _qk_v(self, x: torch.Tensor, num_tokens: int,
+              lora: LayerLora | None) -> tuple[torch.Tensor, torch.Tensor]:  # [T, Hq + Hkv, D], [T, Hkv, D]
+        """The step's queries and keys (q/k-normed where the family norms them), not yet rotated, and values."""
         c = self.config
-        num_rows = x.shape[0]
         qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_scale)
         if lora is not None:
             qkv = lora.add("qkv", x, qkv)
@@ -172,21 +183,28 @@ class Attention(Projections):
         if self.q_norm is not None:
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
             qk = torch.cat((self.norm(q, self.q_norm, c.rms_norm_eps), self.norm(k, self.k_norm, c.rms_norm_eps)), 1)
-        v = qkv[:, c.q_size + c.kv_size :].reshape(num_tokens, c.num_kv_heads, c.head_dim)  # [T, Hkv, D]
-        if self.fused_rope_kv is not None:
-            q = self.fused_rope_kv(qk, v, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping, c.num_heads)
-            attn = backend.forward(q, None, None, kv_cache[0], kv_cache[1], meta, self.scale, window=self.window,
-                                   softcap=self.softcap, kv_written=True)
-        else:
-            # q and k heads rotate together: one set of elementwise ops instead of two.
-            qk = apply_rope(qk, cos, sin)  # [T, Hq + Hkv, D]
-            q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)  # [T, Hq, D], [T, Hkv, D]
-            if self.window is None and self.softcap is None:
-                attn = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, Hq, D]
-            else:
-                attn = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
-                                       window=self.window, softcap=self.softcap)
-        attn = attn.reshape(num_tokens, c.q_size)
+        return qk, qkv[:, c.q_size + c.kv_size :].reshape(num_tokens, c.num_kv_heads, c.head_dim)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_tokens: int,
+                lora: LayerLora | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's rotated queries and keys and its values: [T, Hq, D], [T, Hkv, D], [T, Hkv, D]."""
+        qk, v = self._qk_v(x, num_tokens, lora)
+        # q and k heads rotate together: one set of elementwise ops instead of two.
+        qk = apply_rope(qk, cos, sin)  # [T, Hq + Hkv, D]
+        q, k = qk.split([self.config.num_heads, self.config.num_kv_heads], dim=1)  # [T, Hq, D], [T, Hkv, D]
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+               meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:  # [T, Hq, D]
+        if self.window is None and self.softcap is None:
+            return backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, window=self.window,
+                               softcap=self.softcap)
+
+    def output(self, attn: torch.Tensor, num_rows: int, lora: LayerLora | None = None) -> torch.Tensor:
+        """[T, Hq, D] -> [R, H]: the output projection, padding rows added back as zeros before it."""
+        num_tokens = attn.shape[0]
+        attn = attn.reshape(num_tokens, self.config.q_size)
         if num_rows > num_tokens:
             attn = F.pad(attn, (0, 0, 0, num_rows - num_tokens))
         out = linear(attn, self.o_weight, self.o_bias, self.o_scale)

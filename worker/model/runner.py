@@ -212,6 +212,8 @@ class ModelRunner(PersistentInputRunner):
             start = time.perf_counter()
             packed = self.model.pack_weights()
             log.info("%d weight matrices packed for oneDNN in %.2f s", packed, time.perf_counter() - start)
+        if settings.cpu_compile and self.device.type == "cpu":
+            log.info("one-row steps compiled in %.1f s", self.model.compile_one_row_steps())
         if use_fused_kernels(settings.fused_kernels, self.device, self.backend.name):
             fused = self.model.use_fused_kernels()
             if fused:

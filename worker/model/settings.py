@@ -37,6 +37,12 @@ class EngineSettings(BaseSettings):
     rows multiply by; the head in `dtype` stays for larger steps and the embedding. At one request the head is
     a tenth of a step's time in bf16, and int8 reads half its bytes (docs/quantization.md: speed and accuracy
     with it and without). false: the head in `dtype` only."""
+    cpu_compile: bool = False
+    """On the CPU, a lone decode row's step runs through torch.compile (inductor): the work between two layers'
+    attentions fused into one compiled call (worker/model/compiled_cpu.py), compiled at start-up (seconds
+    logged). Llama-graph families with gated MLPs, and weights inductor takes as inputs: int8 (quantization), or
+    bf16 with cpu_packed_weights false; otherwise refused at start naming the reason. For the time per token of a
+    lone request (docs/quantization.md); false: every step eager."""
     cpu_packed_weights: bool = True
     """On the CPU in bfloat16, every layer's projection weights are packed once at start-up into oneDNN's
     blocked layout, instead of being reordered by every matmul of more than one row, which costs more than the

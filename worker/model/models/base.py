@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.model.attention import AttentionBackend
+from worker.model.compiled_cpu import OneRowSteps, compilable
 from worker.model.config import ModelConfig
 from worker.model.input import AttentionMetadata
 from worker.model.lora import LoraStep
@@ -52,6 +53,8 @@ class CausalLM(nn.Module):
         """kernels.fused.add_rms_norm where the layers run fused (use_fused_kernels)."""
         self.packed_head: torch.Tensor | None = None
         """The LM head in oneDNN's packed layout (pack_weights), which lm_head_logits then multiplies by."""
+        self.one_row_steps: OneRowSteps | None = None
+        """Compiled one-row steps (compile_one_row_steps), which forward runs a lone decode row through."""
         self.int8_head: tuple[torch.Tensor, torch.Tensor] | None = None
         """(int8 weight, per-row scales) of the LM head (quantize_head), for steps sampling a few rows."""
         self.embed_scale: float | None = None
@@ -106,6 +109,17 @@ class CausalLM(nn.Module):
         than the packed bf16 one. The embedding rows stay in the model dtype."""
         self.int8_head = quantize_int8(self.lm_head.data)
 
+    def compile_one_row_steps(self) -> float:
+        """Run every one-row step through torch.compile's pieces (worker/model/compiled_cpu.py), compiled now;
+        seconds taken. ValueError naming why where the family cannot."""
+        why = compilable(self)
+        if why is not None:
+            raise ValueError(why)
+        steps = OneRowSteps()
+        seconds = steps.compile(self)
+        self.one_row_steps = steps
+        return seconds
+
     def use_fused_kernels(self) -> int:
         """Triton's fused chains (kernels/fused.py) in every layer, where every layer has them (the Llama graph),
         the residual adds then each fused with the norm after it, and, with the Triton attention backend and a
@@ -155,6 +169,8 @@ class CausalLM(nn.Module):
         lora: LoraStep | None = None,
     ) -> torch.Tensor:  # [S, V] in the model dtype; a view of logits_out when given
         num_tokens, num_sampled = input_ids.shape[0], logits_indices.shape[0]
+        if self.one_row_steps is not None and num_tokens == 1 and lora is None and self.padded_rows(1) == 1:
+            return self.one_row_steps.forward(self, input_ids, positions, kv_caches, meta, logits_out)[:num_sampled]
         hidden = self.embed[self._pad(input_ids)]  # [T, H]
         if self.embed_scale is not None:
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)

@@ -73,6 +73,17 @@ class LlamaLayer(nn.Module):
                                             num_tokens, lora)
         return hidden + self._mlp(rms_norm(hidden, self.post_attn_norm, eps), lora)
 
+    def pre_attention(self, hidden: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """forward() up to attention, every row a token, no adapter: the rotated q, k and v."""
+        return self.attn.project(rms_norm(hidden, self.input_norm, self.config.rms_norm_eps), cos, sin,
+                                 hidden.shape[0])
+
+    def post_attention(self, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:  # [R, H]
+        """forward() from attention's output ([T, Hq, D]) on, no adapter: the residual stream after the MLP."""
+        hidden = hidden + self.attn.output(attn, hidden.shape[0])
+        return hidden + self.mlp.forward(rms_norm(hidden, self.post_attn_norm, self.config.rms_norm_eps))
+
     def forward_deferred(
         self,
         hidden: torch.Tensor,  # [R, H], the residual stream without the previous layer's MLP output
