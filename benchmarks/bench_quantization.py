@@ -1,8 +1,8 @@
 """int8 weights (ENGINE_QUANTIZATION=int8, with the LM head in int8 for few-row steps and without:
-ENGINE_QUANTIZE_LM_HEAD) against the model dtype on the default model, in one process and one run: time per
-output token at one request, output tokens/s at saturation, and accuracy; FP8 weights and activations
-(ENGINE_QUANTIZATION=fp8) for accuracy only, unless `--no-fp8` (on the CPU their product is torch's reference,
-with no FP8 hardware: its speed says nothing of a GPU's).
+ENGINE_QUANTIZE_LM_HEAD; and with one-row steps compiled: ENGINE_CPU_COMPILE) against the model dtype on the
+default model, in one process and one run: time per output token at one request, output tokens/s at saturation,
+and accuracy; FP8 weights and activations (ENGINE_QUANTIZATION=fp8) for accuracy only, unless `--no-fp8` (on the
+CPU their product is torch's reference, with no FP8 hardware: its speed says nothing of a GPU's).
 
   latency     one request at a time, four open-ended chat prompts of `--max-new-tokens` tokens each (EOS
               ignored): seconds per output token over the trace, prefills included;
@@ -13,7 +13,7 @@ with no FP8 hardware: its speed says nothing of a GPU's).
               log-probabilities over those agreeing tokens (mean and max); and the same for the model dtype
               against float32, for scale.
 
-The three runners are built once and alternate `--repeats` times; the median of each measurement counts.
+The four runners are built once and alternate `--repeats` times; the median of each measurement counts.
 
     python -m benchmarks.bench_quantization --out benchmarks/results/<date>-int8
 """
@@ -114,7 +114,8 @@ def main() -> None:
     path = default_model(args.threads)
     loadavg = [round(x, 2) for x in os.getloadavg()]
     arms = {"none": {}, "int8": {"quantization": "int8"},
-            "int8_float_head": {"quantization": "int8", "quantize_lm_head": False}}
+            "int8_float_head": {"quantization": "int8", "quantize_lm_head": False},
+            "int8_compiled": {"quantization": "int8", "cpu_compile": True}}
     settings = {kind: EngineSettings(model=str(path), device="cpu", dtype=args.dtype, max_num_seqs=max(64, args.batch),
                                      enable_prefix_caching=False, **arm)
                 for kind, arm in arms.items()}
@@ -159,7 +160,10 @@ def main() -> None:
                                                / medians["none_ms_per_token"], 3),
         "saturation_ratio_float_head": round(medians["int8_float_head_tokens_per_s"]
                                              / medians["none_tokens_per_s"], 3),
+        "ms_per_token_ratio_compiled": round(medians["int8_compiled_ms_per_token"] / medians["none_ms_per_token"], 3),
         "accuracy_48_tokens": accuracy, "float_head_accuracy_48_tokens": float_head_accuracy,
+        "compiled_accuracy_48_tokens": compare(reference, greedy(runners["int8_compiled"],
+                                                                 settings["int8_compiled"])),
         "dtype_vs_float32_48_tokens": dtype_vs_float32,
         "fp8_accuracy_48_tokens": fp8_accuracy,
         "samples": {f"{kind}_{what}": [round(x, 2) for x in v] for (kind, what), v in samples.items()},
