@@ -67,9 +67,7 @@ class OneRowSteps:
     def forward(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 logits_out: torch.Tensor | None) -> torch.Tensor:  # [1, V]
-        hidden = model.embed[input_ids]  # [1, H]
-        if model.embed_scale is not None:
-            hidden = hidden * torch.tensor(model.embed_scale, dtype=hidden.dtype)
+        hidden = model.embed_tokens(input_ids)  # [1, H]
         cos, sin = model.rope_cos[positions].unsqueeze(1), model.rope_signed_sin[positions].unsqueeze(1)
         layers = model.layers
         q, k, v = self.first(layers[0], hidden, cos, sin)

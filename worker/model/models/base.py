@@ -171,9 +171,7 @@ class CausalLM(nn.Module):
         num_tokens, num_sampled = input_ids.shape[0], logits_indices.shape[0]
         if self.one_row_steps is not None and num_tokens == 1 and lora is None and self.padded_rows(1) == 1:
             return self.one_row_steps.forward(self, input_ids, positions, kv_caches, meta, logits_out)[:num_sampled]
-        hidden = self.embed[self._pad(input_ids)]  # [T, H]
-        if self.embed_scale is not None:
-            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        hidden = self.embed_tokens(self._pad(input_ids))  # [T, H]
         rope = [(self.rope_cos[positions].unsqueeze(1), self.rope_signed_sin[positions].unsqueeze(1))]  # [T, 1, D]
         if self.local_rope is not None:
             rope.append((self.local_rope[0][positions].unsqueeze(1), self.local_rope[1][positions].unsqueeze(1)))
@@ -197,6 +195,12 @@ class CausalLM(nn.Module):
         # Norm and LM head only for the rows that sample: the head is the largest matmul per token.
         hidden = self.norm(hidden[rows], self.final_norm, eps)  # [S, H]
         return self.lm_head_logits(hidden, logits_out)[:num_sampled]  # [S, V]
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        hidden = self.embed[input_ids]
+        if self.embed_scale is not None:
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        return hidden
 
     def lm_head_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[R, H] -> [R, V], written into the first R rows of `out` when it has them (the same kernel and the

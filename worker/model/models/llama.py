@@ -68,10 +68,9 @@ class LlamaLayer(nn.Module):
         """Rows past `num_tokens` are padding (see CausalLM.row_buckets), left out of attention; the matmuls run
         over all R rows. Sublayers are called through .forward: nn.Module's __call__ costs microseconds per
         call, and no hooks are used."""
-        eps = self.config.rms_norm_eps
-        hidden = hidden + self.attn.forward(rms_norm(hidden, self.input_norm, eps), cos, sin, kv_cache, meta, backend,
-                                            num_tokens, lora)
-        return hidden + self._mlp(rms_norm(hidden, self.post_attn_norm, eps), lora)
+        hidden = hidden + self.attn.forward(rms_norm(hidden, self.input_norm, self.config.rms_norm_eps), cos, sin,
+                                            kv_cache, meta, backend, num_tokens, lora)
+        return self._mlp_block(hidden, lora)
 
     def pre_attention(self, hidden: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -81,8 +80,10 @@ class LlamaLayer(nn.Module):
 
     def post_attention(self, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:  # [R, H]
         """forward() from attention's output ([T, Hq, D]) on, no adapter: the residual stream after the MLP."""
-        hidden = hidden + self.attn.output(attn, hidden.shape[0])
-        return hidden + self.mlp.forward(rms_norm(hidden, self.post_attn_norm, self.config.rms_norm_eps))
+        return self._mlp_block(hidden + self.attn.output(attn, hidden.shape[0]), None)
+
+    def _mlp_block(self, hidden: torch.Tensor, lora: LayerLora | None) -> torch.Tensor:  # [R, H]
+        return hidden + self._mlp(rms_norm(hidden, self.post_attn_norm, self.config.rms_norm_eps), lora)
 
     def forward_deferred(
         self,
